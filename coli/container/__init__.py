@@ -1,0 +1,1 @@
+"""The ColiStream container: dense-core file, tiled expert store, index, manifest."""

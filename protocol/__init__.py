@@ -1,0 +1,1 @@
+"""Wire protocol: message definitions, codec, shared-memory arena, sockets, run-dir layout."""
