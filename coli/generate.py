@@ -1,0 +1,79 @@
+"""The generation loop shared by `coli run`, the executor stage and the gateway: prefill the new
+prompt tokens after whatever the cache already holds, then decode one token per step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from coli.model.forward import GlmMoeDsaModel
+from coli.model.kv_cache import KVCache
+from coli.model.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def decode_tps(self) -> float:
+        # the first token comes out of the prefill, so decode steps are new_tokens - 1
+        return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+                "decode_tokens_per_s": round(self.decode_tps, 3), "finish_reason": self.finish_reason}
+
+
+@dataclass
+class Generation:
+    """One generate call. Iterate to get tokens; `stats.finish_reason` is 'stop' (an eos token was
+    produced; it is included in the output) or 'length'."""
+
+    model: GlmMoeDsaModel
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    cache: KVCache | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
+        if len(self.prompt_ids) == 0 and (self.cache is None or self.cache.length == 0):
+            raise ValueError("the prompt is empty: give at least one token")
+        if self.cache is None:
+            self.cache = self.model.new_cache(max(16, len(self.prompt_ids) + self.max_tokens))
+        sampler = Sampler(self.sampling)
+        eos = set() if self.ignore_eos else set(int(e) for e in self.eos_ids)
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        self.stats.finish_reason = "length"
+        if self.max_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        pending = list(self.prompt_ids)
+        if not pending:
+            raise ValueError("nothing to continue from: give at least one new prompt token")
+        logits = self.model.forward(pending, self.cache)[-1]
+        self.stats.prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for n in range(self.max_tokens):
+            tok = sampler(logits)
+            self.stats.new_tokens = n + 1
+            self.stats.decode_s = time.perf_counter() - t1
+            yield tok
+            if tok in eos:
+                self.stats.finish_reason = "stop"
+                return
+            if n + 1 == self.max_tokens:
+                return
+            logits = self.model.forward([tok], self.cache)[-1]
+        self.stats.decode_s = time.perf_counter() - t1

@@ -1,0 +1,67 @@
+"""The small interface the forward pass is written against.
+
+A backend owns where arrays live (host numpy, or device memory for the CUDA backend) and
+implements the handful of operations the GLM-5 forward needs. The forward (`forward.py`) only
+composes these; it never touches array storage itself, so the same model code runs on every
+backend and the numpy backend is the token-exact reference.
+
+Dimension legend: see `coli.config`. S = query positions in this call, T = key positions (cached
++ new), A = any leading shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+Array = Any  # backend-specific array (np.ndarray for the numpy backend)
+
+
+class Backend(Protocol):
+    name: str
+
+    # -- storage -----------------------------------------------------------------------------
+    def upload(self, host: np.ndarray) -> Array: ...               # float32 host tensor -> backend
+    def to_host(self, x: Array) -> np.ndarray: ...
+    def empty(self, shape: tuple[int, ...]) -> Array: ...          # float32, contents undefined
+    def write_rows(self, dst: Array, start: int, src: Array) -> None: ...  # dst[start:start+n] = src
+    def rows(self, x: Array, n: int) -> Array: ...                  # view of x[:n]
+
+    # -- elementwise / normalisation ---------------------------------------------------------
+    def embed(self, table: Array, ids: np.ndarray) -> Array: ...   # [V, H], [S] -> [S, H]
+    def add(self, a: Array, b: Array) -> Array: ...
+    def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...            # [A, D]
+    def layer_norm(self, x: Array, w: Array, b: Array, eps: float) -> Array: ...  # [A, D]
+    def linear(self, x: Array, w: Array) -> Array: ...             # [S, in] @ [out, in].T -> [S, out]
+    def split_cols(self, x: Array, n: int) -> tuple[Array, Array]: ...  # [S, D] -> [S, n], [S, D-n]
+    def last_row(self, x: Array) -> Array: ...                           # [S, D] -> [1, D]
+    def rope(self, x: Array, cos: np.ndarray, sin: np.ndarray, offset: int) -> Array: ...
+    # x [S, n, d]: rotates the interleaved pairs in x[..., offset:offset+dr] (cos/sin [S, dr/2]) and lays
+    # the span out [evens' | odds'] like transformers; the rest passes through
+
+    # -- attention -----------------------------------------------------------------------------
+    def mla_attend(self, q: Array, lat: Array, k_pe: Array, w_kb: Array, w_vb: Array,
+                   allowed: np.ndarray, scale: float) -> Array: ...
+    # absorbed MLA: q [S, nh, dn+dr] (rope part last, rotated), lat [T, Lkv], k_pe [T, dr],
+    # w_kb [nh, dn, Lkv], w_vb [nh, dv, Lkv], allowed [S, T] bool -> [S, nh*dv]
+    def indexer_select(self, iq: Array, k_idx: Array, head_w: Array, positions: np.ndarray,
+                       index_topk: int) -> np.ndarray: ...
+    # iq [S, ih, ihd], k_idx [T, ihd], head_w [S, ih] (unscaled weights_proj output)
+    # -> allowed [S, T] bool on the host (causal AND top-k)
+
+    # -- MLPs ------------------------------------------------------------------------------------
+    def swiglu(self, x: Array, gate: Array, up: Array, down: Array) -> Array: ...  # [S, H] -> [S, H]
+    def route(self, x: Array, gate_w: Array, bias: Array, n_group: int, topk_group: int, top_k: int,
+              norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]: ...
+    # -> idx [S, K] int64 (host), weights [S, K] float32 (host)
+    def moe(self, x: Array, idx: np.ndarray, weights: np.ndarray, experts: Mapping[int, Any]) -> Array: ...
+    # experts: {expert id: ExpertWeights} for every id in idx -> routed sum [S, H]
+
+
+def cos_sin_table(positions: Sequence[int] | np.ndarray, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE angles as transformers computes them: inv_freq and angles in fp32. -> cos, sin [S, dim/2]."""
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(theta), exponent, dtype=np.float32)).astype(np.float32)
+    ang = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # [S, dim/2]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)

@@ -1,0 +1,198 @@
+"""The GLM-5 (`glm_moe_dsa`) forward pass, written once over the backend interface.
+
+    h = embed[ids]
+    for each layer: h += Attention(RMSNorm(h)); h += (DenseMLP | MoE)(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))
+
+Attention is MLA with the compressed cache (absorbed form) masked by the DSA indexer's top-k;
+the MoE block routes with sigmoid scores + correction bias (group-limited top-k) and asks its
+expert source for the chosen experts of the whole layer in one call — the seam where the
+runtime's RAM tier and VRAM cache plug in. Shapes use the legend in `coli.config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from coli.config import ModelConfig
+from coli.model.backend import Array, Backend, cos_sin_table
+from coli.model.kv_cache import KVCache
+from coli.weights import ExpertWeights, WeightSource
+
+
+class ExpertSource(Protocol):
+    """Provides a MoE layer's routed experts, all of a step's choices in one batched call."""
+
+    def experts(self, layer: int, ids: Iterable[int]) -> Mapping[int, ExpertWeights]: ...
+
+
+# Called with (layer, idx [S, K], weights [S, K]) after each MoE router; used for routing traces.
+RoutingHook = Callable[[int, np.ndarray, np.ndarray], None]
+
+
+@dataclass
+class AttentionWeights:
+    q_a: Array          # [Lq, H]
+    q_a_norm: Array     # [Lq]
+    q_b: Array          # [nh*(dn+dr), Lq]
+    kv_a: Array         # [Lkv+dr, H]
+    kv_a_norm: Array    # [Lkv]
+    w_kb: Array         # [nh, dn, Lkv]  kv_b_proj rows of the key part, per head
+    w_vb: Array         # [nh, dv, Lkv]  kv_b_proj rows of the value part, per head
+    o: Array            # [H, nh*dv]
+    # indexer ("full" layers only)
+    idx_wq_b: Array | None = None    # [ih*ihd, Lq]
+    idx_wk: Array | None = None      # [ihd, H]
+    idx_k_norm_w: Array | None = None  # [ihd]
+    idx_k_norm_b: Array | None = None  # [ihd]
+    idx_weights: Array | None = None   # [ih, H]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: Array   # [H]
+    post_norm: Array    # [H]
+    attn: AttentionWeights
+    # dense layers
+    mlp_gate: Array | None = None    # [I, H]
+    mlp_up: Array | None = None      # [I, H]
+    mlp_down: Array | None = None    # [H, I]
+    # MoE layers
+    router: Array | None = None      # [E, H]
+    router_bias: Array | None = None  # [E]
+    shared_gate: Array | None = None  # [Im*ns, H]
+    shared_up: Array | None = None    # [Im*ns, H]
+    shared_down: Array | None = None  # [H, Im*ns]
+
+
+def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: int) -> LayerWeights:
+    up = backend.upload
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    nh, dn, dv = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+    kv_b = src.dense(a + "kv_b_proj.weight").reshape(nh, dn + dv, c.kv_lora_rank)  # [nh, dn+dv, Lkv]
+    attn = AttentionWeights(
+        q_a=up(src.dense(a + "q_a_proj.weight")),
+        q_a_norm=up(src.dense(a + "q_a_layernorm.weight")),
+        q_b=up(src.dense(a + "q_b_proj.weight")),
+        kv_a=up(src.dense(a + "kv_a_proj_with_mqa.weight")),
+        kv_a_norm=up(src.dense(a + "kv_a_layernorm.weight")),
+        w_kb=up(np.ascontiguousarray(kv_b[:, :dn, :])),
+        w_vb=up(np.ascontiguousarray(kv_b[:, dn:, :])),
+        o=up(src.dense(a + "o_proj.weight")),
+    )
+    if c.indexer_types[i] == "full":
+        x = a + "indexer."
+        attn.idx_wq_b = up(src.dense(x + "wq_b.weight"))
+        attn.idx_wk = up(src.dense(x + "wk.weight"))
+        attn.idx_k_norm_w = up(src.dense(x + "k_norm.weight"))
+        attn.idx_k_norm_b = up(src.dense(x + "k_norm.bias"))
+        attn.idx_weights = up(src.dense(x + "weights_proj.weight"))
+    lw = LayerWeights(up(src.dense(p + "input_layernorm.weight")), up(src.dense(p + "post_attention_layernorm.weight")), attn)
+    if c.mlp_layer_types[i] == "dense":
+        lw.mlp_gate, lw.mlp_up, lw.mlp_down = (up(src.dense(p + f"mlp.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj"))
+    else:
+        lw.router = up(src.dense(p + "mlp.gate.weight"))
+        lw.router_bias = up(src.dense(p + "mlp.gate.e_score_correction_bias"))
+        lw.shared_gate, lw.shared_up, lw.shared_down = (
+            up(src.dense(p + f"mlp.shared_experts.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj"))
+    return lw
+
+
+class GlmMoeDsaModel:
+    """Weights resident on a backend plus the forward pass. Routed experts come from `experts`."""
+
+    def __init__(self, config: ModelConfig, weights: WeightSource, backend: Backend,
+                 experts: ExpertSource | None = None):
+        self.config = c = config
+        self.backend = backend
+        self.experts = experts if experts is not None else weights
+        self.embed = backend.upload(weights.dense("model.embed_tokens.weight"))       # [V, H]
+        self.layers = [load_layer_weights(c, weights, backend, i) for i in range(c.num_hidden_layers)]
+        self.final_norm = backend.upload(weights.dense("model.norm.weight"))          # [H]
+        self.lm_head = self.embed if c.tie_word_embeddings else backend.upload(weights.dense("lm_head.weight"))
+        self.routing_hook: RoutingHook | None = None
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache.empty(self.config, self.backend, capacity)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run S new positions (prefill S > 1, decode S = 1) after the cache's `length` positions.
+
+        Returns host float32 logits: [S, V] if all_logits else [1, V] for the last position.
+        """
+        c, b = self.config, self.backend
+        ids = np.asarray(ids, dtype=np.int64)
+        S = int(ids.shape[0])
+        if S == 0:
+            raise ValueError("forward() needs at least one new position")
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= c.vocab_size)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{c.vocab_size - 1})")
+        start = cache.length
+        cache.reserve(S)
+        positions = np.arange(start, start + S)                        # [S]
+        cos, sin = cos_sin_table(positions, c.qk_rope_head_dim, c.rope_theta)  # [S, dr/2]
+
+        h = b.embed(self.embed, ids)                                   # [S, H]
+        allowed = None                                                  # [S, T] from the last full indexer
+        for i, lw in enumerate(self.layers):
+            x = b.rms_norm(h, lw.input_norm, c.rms_norm_eps)           # [S, H]
+            a, allowed = self._attention(i, lw.attn, x, positions, cos, sin, cache, start, allowed)
+            h = b.add(h, a)
+            x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)           # [S, H]
+            h = b.add(h, self._mlp(i, lw, x2))
+        cache.length = start + S
+
+        if not all_logits:
+            h = b.last_row(h)                                           # [1, H]
+        hn = b.rms_norm(h, self.final_norm, c.rms_norm_eps)
+        return b.to_host(b.linear(hn, self.lm_head))                    # [S or 1, V]
+
+    # ------------------------------------------------------------------------------------------
+    def _attention(self, i, w: AttentionWeights, x, positions, cos, sin, cache: KVCache, start, prev_allowed):
+        c, b = self.config, self.backend
+        S = x.shape[0]
+        nh, dn, dr, Lkv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        T = start + S
+
+        q_lat = b.rms_norm(b.linear(x, w.q_a), w.q_a_norm, 1e-6)       # [S, Lq]  (also feeds the indexer)
+        q = b.linear(q_lat, w.q_b).reshape(S, nh, dn + dr)             # [S, nh, dn+dr], rope part last
+        q = b.rope(q, cos, sin, dn)                                     # rotate q[..., dn:]
+        lat, k_pe = b.split_cols(b.linear(x, w.kv_a), Lkv)             # [S, Lkv], [S, dr]
+        lat = b.rms_norm(lat, w.kv_a_norm, 1e-6)                        # normalised latent
+        k_pe = b.rope(k_pe.reshape(S, 1, dr), cos, sin, 0).reshape(S, dr)  # one rope key for all heads
+
+        k_idx_new = None
+        if c.indexer_types[i] == "full":
+            ih, ihd = c.index_n_heads, c.index_head_dim
+            iq = b.rope(b.linear(q_lat, w.idx_wq_b).reshape(S, ih, ihd), cos, sin, 0)  # [S, ih, ihd], rope first
+            ik = b.layer_norm(b.linear(x, w.idx_wk), w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
+            k_idx_new = b.rope(ik.reshape(S, 1, ihd), cos, sin, 0).reshape(S, ihd)
+        cache.write(i, start, lat, k_pe, k_idx_new)
+        lat_all, kpe_all, kidx_all = cache.view(i, T)                  # [T, Lkv], [T, dr], [T, ihd]
+
+        if c.indexer_types[i] == "full":
+            head_w = b.linear(x, w.idx_weights)                         # [S, ih] (scaled by ih^-0.5 inside)
+            allowed = b.indexer_select(iq, kidx_all, head_w, positions, c.index_topk)   # [S, T] bool, host
+        else:
+            allowed = prev_allowed                                      # shared layer reuses the top-k
+        o = b.mla_attend(q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale)  # [S, nh*dv]
+        return b.linear(o, w.o), allowed
+
+    def _mlp(self, i, lw: LayerWeights, x2):
+        c, b = self.config, self.backend
+        if lw.router is None:
+            return b.swiglu(x2, lw.mlp_gate, lw.mlp_up, lw.mlp_down)
+        idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
+                           c.norm_topk_prob, c.routed_scaling_factor)   # [S, K], [S, K]
+        if self.routing_hook is not None:
+            self.routing_hook(i, idx, wts)
+        experts = self.experts.experts(i, sorted(set(idx.ravel().tolist())))
+        routed = b.moe(x2, idx, wts, experts)                           # [S, H]
+        shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        return b.add(routed, shared)

@@ -1,0 +1,92 @@
+"""The compressed KV cache: per layer the normalised latent [T, Lkv] and the rotated rope key
+[T, dr] (MLA), plus the indexer key [T, ihd] on layers whose indexer is "full" (reference §3.10).
+
+Storage grows by doubling on the backend; `length` is the number of cached positions. The arrays
+are exactly what a session saves to disk (issue 8), so keep them plain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coli.config import ModelConfig
+from coli.model.backend import Array, Backend
+
+
+@dataclass
+class LayerCache:
+    lat: Array        # [cap, Lkv]
+    k_pe: Array       # [cap, dr]
+    k_idx: Array | None  # [cap, ihd] on "full" indexer layers, None on "shared" ones
+
+
+@dataclass
+class KVCache:
+    config: ModelConfig
+    backend: Backend
+    capacity: int = 0
+    length: int = 0
+    layers: list[LayerCache] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, backend: Backend, capacity: int = 256) -> "KVCache":
+        c = cls(config, backend)
+        c._allocate(max(1, capacity))
+        return c
+
+    def _allocate(self, capacity: int) -> None:
+        c, b = self.config, self.backend
+        old = self.layers
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            lc = LayerCache(
+                b.empty((capacity, c.kv_lora_rank)),
+                b.empty((capacity, c.qk_rope_head_dim)),
+                b.empty((capacity, c.index_head_dim)) if c.indexer_types[i] == "full" else None,
+            )
+            if old and self.length:
+                b.write_rows(lc.lat, 0, b.rows(old[i].lat, self.length))
+                b.write_rows(lc.k_pe, 0, b.rows(old[i].k_pe, self.length))
+                if lc.k_idx is not None:
+                    b.write_rows(lc.k_idx, 0, b.rows(old[i].k_idx, self.length))
+            self.layers.append(lc)
+        self.capacity = capacity
+
+    def reserve(self, new_positions: int) -> None:
+        need = self.length + new_positions
+        if need > self.capacity:
+            cap = self.capacity
+            while cap < need:
+                cap *= 2
+            self._allocate(cap)
+
+    def write(self, layer: int, start: int, lat: Array, k_pe: Array, k_idx: Array | None) -> None:
+        """Store S new positions starting at `start` (= length before this call)."""
+        lc, b = self.layers[layer], self.backend
+        b.write_rows(lc.lat, start, lat)
+        b.write_rows(lc.k_pe, start, k_pe)
+        if lc.k_idx is not None and k_idx is not None:
+            b.write_rows(lc.k_idx, start, k_idx)
+
+    def view(self, layer: int, n: int) -> tuple[Array, Array, Array | None]:
+        lc, b = self.layers[layer], self.backend
+        return b.rows(lc.lat, n), b.rows(lc.k_pe, n), (b.rows(lc.k_idx, n) if lc.k_idx is not None else None)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (e.g. to re-run a turn)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """The cached positions as host float32 arrays, named per layer (for saving sessions)."""
+        out: dict[str, np.ndarray] = {}
+        b = self.backend
+        for i, lc in enumerate(self.layers):
+            out[f"{i}.lat"] = np.array(b.to_host(b.rows(lc.lat, self.length)))
+            out[f"{i}.k_pe"] = np.array(b.to_host(b.rows(lc.k_pe, self.length)))
+            if lc.k_idx is not None:
+                out[f"{i}.k_idx"] = np.array(b.to_host(b.rows(lc.k_idx, self.length)))
+        return out
