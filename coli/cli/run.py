@@ -1,0 +1,89 @@
+"""`coli run`: in-process generation (no stage processes), the simplest way to run a model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from coli.cli.common import clean_errors, parse_ids, stderr_note
+from coli.errors import ColiError
+
+
+def run(
+    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face checkpoint directory or ColiStream container."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (needs tokenizer.json in the model directory)."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids, used exactly as given."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=0, help="Tokens to generate at most."),
+    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token (default when no sampling option is given)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="Sampling temperature (> 0)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the k most likely tokens (0 = all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    device: str = typer.Option("cpu", "--device", help="cpu (numpy) | gpu | auto."),
+) -> None:
+    """Generate from a model in this process and print the result."""
+    _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device)
+
+
+@clean_errors
+def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device):
+    from coli.generate import Generation
+    from coli.loader import load_model
+    from coli.model.sampling import SamplingParams
+    from coli.tokenizer import StreamDecoder, load_tokenizer
+
+    if (prompt is None) == (prompt_ids is None):
+        raise ColiError("give exactly one of --prompt or --prompt-ids")
+    sampling_requested = temperature is not None or top_p != 1.0 or top_k != 0
+    if greedy and sampling_requested:
+        raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
+    params = SamplingParams(greedy=not sampling_requested, temperature=temperature or 1.0, top_p=top_p,
+                            top_k=top_k, seed=seed)
+    params.validate()
+
+    tok = load_tokenizer(model)
+    if prompt is not None:
+        if tok is None:
+            raise ColiError(f"--prompt needs a tokenizer, and {model} has no tokenizer.json (use --prompt-ids)")
+        ids = tok.encode(prompt)
+        if not ids:
+            raise ColiError("the prompt encodes to no tokens")
+    else:
+        ids = parse_ids(prompt_ids)
+    lm, config = load_model(model, device, report=stderr_note)
+    bad = [i for i in ids if i >= config.vocab_size]
+    if bad:
+        raise ColiError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
+
+    gen = Generation(lm, ids, max_tokens, params, eos_ids=config.eos_token_ids, ignore_eos=ignore_eos)
+    tokens: list[int] = []
+    stream = StreamDecoder(tok) if (tok is not None and not as_json) else None
+    for t in gen:
+        tokens.append(t)
+        if stream is not None:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+    if as_json:
+        out = {"tokens": tokens, "finish_reason": gen.stats.finish_reason, "prompt_tokens": len(ids),
+               "stats": gen.stats.to_dict()}
+        if tok is not None:
+            out["text"] = tok.decode(tokens)
+        print(json.dumps(out))
+    elif stream is not None:
+        sys.stdout.write(stream.flush() + "\n")
+    else:
+        print(" ".join(str(t) for t in tokens))
+    if not as_json:
+        s = gen.stats
+        stderr_note(f"[{s.new_tokens} tokens, finish: {s.finish_reason}, prefill {s.prefill_s:.3f} s, "
+                    f"decode {s.decode_tps:.1f} tok/s]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
