@@ -1,0 +1,44 @@
+"""Shared test setup: `scripts/` and `tests/` importable (oracle builder, checkpoint helpers), the gpu
+marker skipped where there is no usable CUDA device, and one-thread torch to keep CI's 2 cores sane."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT / "scripts", ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _gpu_available() -> bool:
+    try:
+        import pycuda.driver as drv  # noqa: F401
+        drv.init()
+        return drv.Device.count() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if any("gpu" in item.keywords for item in items) and not _gpu_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device and PyCUDA (pip install .[gpu])")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_threads():
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    yield
