@@ -11,7 +11,7 @@ Dimension legend: see `coli.config`. S = query positions in this call, T = key p
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -55,8 +55,8 @@ class Backend(Protocol):
     def route(self, x: Array, gate_w: Array, bias: Array, n_group: int, topk_group: int, top_k: int,
               norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]: ...
     # -> idx [S, K] int64 (host), weights [S, K] float32 (host)
-    def moe(self, x: Array, idx: np.ndarray, weights: np.ndarray, experts: Mapping[int, Any]) -> Array: ...
-    # experts: {expert id: ExpertWeights} for every id in idx -> routed sum [S, H]
+    def moe(self, x: Array, idx: np.ndarray, weights: np.ndarray, experts: Iterable[tuple[int, Any]]) -> Array: ...
+    # experts: (expert id, ExpertWeights) pairs, each id of idx once, in any order -> routed sum [S, H]
 
 
 def cos_sin_table(positions: Sequence[int] | np.ndarray, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ runtime's RAM tier and VRAM cache plug in. Shapes use the legend in `coli.config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -24,9 +24,23 @@ from coli.weights import ExpertWeights, WeightSource
 
 
 class ExpertSource(Protocol):
-    """Provides a MoE layer's routed experts, all of a step's choices in one batched call."""
+    """Provides a MoE layer's routed experts: all of a step's choices are asked for in one batched
+    call, and experts are yielded as they become available (hits first, misses as their reads land).
+    A yielded ExpertWeights is only valid until the next one is requested: a runtime source may
+    recycle its memory (the RAM tier's slots) once the consumer moves on."""
 
-    def experts(self, layer: int, ids: Iterable[int]) -> Mapping[int, ExpertWeights]: ...
+    def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]: ...
+
+
+class WeightExperts:
+    """ExpertSource over a WeightSource that holds every expert (a checkpoint or a container)."""
+
+    def __init__(self, weights: WeightSource):
+        self.weights = weights
+
+    def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for e in ids:
+            yield e, self.weights.experts(layer, [e])[e]
 
 
 # Called with (layer, idx [S, K], weights [S, K]) after each MoE router; used for routing traces.
@@ -109,7 +123,7 @@ class GlmMoeDsaModel:
                  experts: ExpertSource | None = None):
         self.config = c = config
         self.backend = backend
-        self.experts = experts if experts is not None else weights
+        self.experts = experts if experts is not None else WeightExperts(weights)
         self.embed = backend.upload(weights.dense("model.embed_tokens.weight"))       # [V, H]
         self.layers = [load_layer_weights(c, weights, backend, i) for i in range(c.num_hidden_layers)]
         self.final_norm = backend.upload(weights.dense("model.norm.weight"))          # [H]
@@ -192,7 +206,7 @@ class GlmMoeDsaModel:
                            c.norm_topk_prob, c.routed_scaling_factor)   # [S, K], [S, K]
         if self.routing_hook is not None:
             self.routing_hook(i, idx, wts)
-        experts = self.experts.experts(i, sorted(set(idx.ravel().tolist())))
-        routed = b.moe(x2, idx, wts, experts)                           # [S, H]
+        wanted = sorted(set(idx.ravel().tolist()))
+        routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
         shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
         return b.add(routed, shared)

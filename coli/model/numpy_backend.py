@@ -3,7 +3,7 @@ the CPU fallback for experts the GPU cannot serve, and the whole engine where th
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -155,12 +155,12 @@ class NumpyBackend:
             w = w / (w.sum(-1, keepdims=True) + F32(1e-20))
         return idx.astype(np.int64), (w * F32(scaling)).astype(F32)
 
-    def moe(self, x, idx, weights, experts: Mapping[int, Any]):
-        # Tokens are grouped by expert so each expert is one batched SwiGLU over the rows routed to it.
+    def moe(self, x, idx, weights, experts: Iterable[tuple[int, Any]]):
+        # Each expert is one batched SwiGLU over the rows routed to it, computed as soon as the
+        # source yields it (its memory may be recycled after).
         out = np.zeros_like(x)
-        for e in np.unique(idx):
+        for e, ew in experts:
             rows, slot = np.nonzero(idx == e)
-            ew = experts[int(e)]
             y = expert_ffn(x[rows], ew.gate, ew.up, ew.down)              # [n, H]
             np.add.at(out, rows, y * weights[rows, slot][:, None])
         return out
