@@ -1,0 +1,1 @@
+"""Executor stage: runs the model forward, asks the RAM tier for experts, serves generate requests."""

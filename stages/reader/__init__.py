@@ -1,0 +1,1 @@
+"""Reader stage: O_DIRECT reads of expert records into arena slots."""

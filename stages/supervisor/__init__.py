@@ -1,0 +1,1 @@
+"""Supervisor: spawns, handshakes, watches and shuts down the stages; brokers clients."""
