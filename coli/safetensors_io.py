@@ -61,9 +61,10 @@ E4M3_TABLE = _e4m3_table()
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """Widen a raw tensor view of safetensors dtype `dtype` to a new float32 array."""
+    """Widen a raw tensor view of safetensors dtype `dtype` to float32. F32 comes back as the same
+    read-only view (zero-copy: an mmap'd checkpoint is not duplicated in RAM); others are new arrays."""
     if dtype == "F32":
-        return np.array(raw, dtype=np.float32)
+        return raw
     if dtype == "BF16":
         return bf16_to_f32(raw)
     if dtype == "F8_E4M3":

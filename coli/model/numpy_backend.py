@@ -162,5 +162,5 @@ class NumpyBackend:
         for e, ew in experts:
             rows, slot = np.nonzero(idx == e)
             y = expert_ffn(x[rows], ew.gate, ew.up, ew.down)              # [n, H]
-            np.add.at(out, rows, y * weights[rows, slot][:, None])
+            out[rows] += y * weights[rows, slot][:, None]  # an expert appears once per token: rows are unique
         return out
