@@ -32,8 +32,8 @@ def main(
 
 def _register() -> None:
     # Each module defines `register(app)`; importing here keeps `coli --help` fast and the modules small.
-    from coli.cli import run
-    for module in (run,):
+    from coli.cli import convert, inspect, run, verify
+    for module in (run, convert, inspect, verify):
         module.register(app)
 
 

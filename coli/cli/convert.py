@@ -1,0 +1,75 @@
+"""`coli convert SRC DST`: a Hugging Face glm_moe_dsa checkpoint -> a ColiStream container (resumable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from coli.cli.common import clean_errors, stderr_note
+
+HELP = """Convert a Hugging Face glm_moe_dsa checkpoint directory (bf16/fp16/fp32, or FP8-e4m3 with 128x128 weight_scale_inv blocks; one file or shards + model.safetensors.index.json) into a ColiStream container.
+
+\b
+Formats (--experts for the routed experts, --dense for the rest):
+  int4  symmetric 4-bit, one fp16 scale per --group inputs (4.25 bits/weight at g64)
+  int8  symmetric 8-bit, one fp16 scale per row
+  int2  2-bit, fp16 scale and offset per --group inputs
+  bf16  bfloat16 (lossless for bf16 checkpoints)
+  f32   float32 (lossless; for exact tests)
+Norms, routers, the router correction bias and the indexer's weights_proj always stay float32. The MTP layer (layers >= num_hidden_layers) is skipped.
+
+Interrupted (Ctrl-C, SIGKILL, power loss, full disk)? Run the same command again: it resumes and ends byte-identical to an uninterrupted run. Different options on an unfinished DST are refused.
+"""
+
+
+def convert(
+    src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),
+    dst: Path = typer.Argument(..., help="Container directory to create (or an unfinished one to resume)."),
+    experts: str = typer.Option("int4", "--experts", help="Routed expert format: int4 | int8 | int2 | bf16 | f32."),
+    dense: str = typer.Option("int8", "--dense", help="Dense core format: int4 | int8 | int2 | bf16 | f32."),
+    group: int = typer.Option(64, "--group", help="Inputs per scale group for int4/int2: 32 | 64 | 128."),
+    tile_kb: int = typer.Option(512, "--tile-kb", help="Tile size in KiB (whole rows per tile, each tile "
+                                                       "dequantises on its own)."),
+    expert_file_mb: int = typer.Option(16384, "--expert-file-mb", help="Largest expert store file in MiB "
+                                                                       "(records are never split)."),
+    threads: int = typer.Option(2, "--threads", min=1, help="Worker threads quantising expert records."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+) -> None:
+    _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, no_progress)
+
+
+@clean_errors
+def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, no_progress):
+    from coli.container.writer import ConvertOptions, convert as run_convert
+
+    opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb, expert_file_mb=expert_file_mb)
+    opts.validate()
+    if no_progress:
+        result = run_convert(src, dst, opts, report=stderr_note, threads=threads)
+    else:
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+        console = Console(stderr=True)
+        with Progress(TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=console, transient=False) as bar:
+            task = bar.add_task("convert", total=None)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+            result = run_convert(src, dst, opts, progress=progress, report=lambda m: console.print(m), threads=threads)
+    if result.status == "already complete":
+        stderr_note(f"{dst}: already a complete container made with these options; nothing to do")
+        return
+    m = result.manifest
+    size = m.dense_file.size + sum(f.size for f in m.expert_files) if m else 0
+    rate = result.bytes_in / result.seconds / 1e6 if result.seconds > 0 else 0.0
+    resumed = f", resumed after {result.units_skipped} of {result.units_total} units" if result.units_skipped else ""
+    stderr_note(f"{dst}: container complete ({opts.flags()}); {size / 1e9:.3f} GB; read {result.bytes_in / 1e9:.3f} GB "
+                f"in {result.seconds:.1f} s ({rate:.0f} MB/s){resumed}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert", help=HELP)(convert)

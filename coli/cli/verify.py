@@ -1,0 +1,58 @@
+"""`coli verify DST`: recompute every checksum of a container."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from coli.cli.common import clean_errors, stderr_note
+
+
+def verify(
+    model: Path = typer.Argument(..., help="Container directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad record."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+) -> None:
+    """Recompute every checksum (dense tensors, expert records, index, copied files).
+
+    Exit 1 and name the first bad record, its file and offset, when any differs; exit 2 when the container cannot be read at all."""
+    _verify(model, as_json, fail_fast, no_progress)
+
+
+@clean_errors
+def _verify(model, as_json, fail_fast, no_progress):
+    from coli.container.check import verify_container
+
+    if no_progress or as_json:
+        rep = verify_container(model, stop_at_first=fail_fast)
+    else:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+        with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      console=Console(stderr=True)) as bar:
+            task = bar.add_task("verify", total=None)
+            rep = verify_container(model, progress=lambda d, t: bar.update(task, completed=d, total=t),
+                                   stop_at_first=fail_fast)
+    if as_json:
+        print(json.dumps({"ok": rep.ok, "checked": rep.checked, "bytes": rep.bytes,
+                          "bad": [{"file": b.file, "offset": b.offset, "length": b.length, "what": b.what,
+                                   "expected_xxh64": f"{b.expected:016x}", "xxh64": f"{b.got:016x}"}
+                                  for b in rep.bad]}))
+    if rep.ok:
+        if not as_json:
+            print(f"{model}: OK ({rep.checked} checksums, {rep.bytes / 1e9:.3f} GB)")
+        return
+    if not as_json:
+        typer.secho(f"error: {rep.bad[0].describe()}", err=True, fg=typer.colors.RED)
+        if len(rep.bad) > 1:
+            stderr_note(f"{len(rep.bad)} bad extents in all; the others:")
+            for b in rep.bad[1:10]:
+                stderr_note("  " + b.describe())
+    raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify)
