@@ -160,6 +160,30 @@ class Error(Message):
         _name("code", self.code)
 
 
+@dataclass(frozen=True, slots=True)
+class StatusRequest(Message):
+    """Client -> supervisor: describe the run (`coli status`)."""
+
+    KIND: ClassVar[int] = 0x07
+    request_id: str
+
+    def __post_init__(self) -> None:
+        _name("request_id", self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    """Supervisor -> client: the run's model, budgets and each stage's pid, state and uptime, plus the
+    latest stats counters of each stage (primitive values only)."""
+
+    KIND: ClassVar[int] = 0x08
+    request_id: str
+    info: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        _name("request_id", self.request_id)
+
+
 # ---------------------------------------------------------------------------------------------------
 # generation: client <-> supervisor <-> executor
 
@@ -388,7 +412,7 @@ class ReadDone(Message):
 
 # Every message type, in kind order. codec.py decodes only these; a test checks nothing is missing.
 ALL_MESSAGES: tuple[type[Message], ...] = (
-    Hello, Ready, Shutdown, Stats, StageDead, Error,
+    Hello, Ready, Shutdown, Stats, StageDead, Error, StatusRequest, StatusReply,
     GenerateRequest, Token, Done, Cancel,
     SlotRef, ExpertRequest, ExpertReady, ExpertFailed, ExpertRelease,
     ReadRequest, ReadDone,

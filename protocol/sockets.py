@@ -46,7 +46,9 @@ def make_socket(
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # libzmq drops a peer whose frame exceeds 4x the codec's limit (memory protection); anything
+        # between reaches the codec, which refuses it with a ProtocolError the stage logs.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_MESSAGE_BYTES)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         if kind == zmq.ROUTER:

@@ -32,13 +32,3 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _torch_threads():
-    try:
-        import torch
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
-    yield

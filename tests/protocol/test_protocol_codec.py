@@ -20,6 +20,8 @@ REF = m.SlotRef(arena="coli-run-experts", slot=7, offset=0, nbytes=20_054_016, g
 # One instance of every message, fields chosen to exercise each annotation (None and non-None arms,
 # nested records, empty and non-empty dicts, uint64 extremes).
 SAMPLES: list[m.Message] = [
+    m.StatusRequest(request_id="st-1"),
+    m.StatusReply(request_id="st-1", info={"model": "/m", "stages": {"reader": {"pid": 7, "state": "ready"}}}),
     m.Hello(stage="reader", pid=4242, protocol_version=m.PROTOCOL_VERSION),
     m.Ready(
         stage="executor",

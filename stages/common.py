@@ -1,0 +1,108 @@
+"""What every stage process does the same way: JSON-line logging through structlog (configured in the
+process, after spawn), noticing that the supervisor is gone, and a tiny event loop over a type ->
+handler table (SGLang style) that logs and survives malformed messages."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+PR_SET_PDEATHSIG = 1
+
+
+def configure_logging(log_path: Path | str | None, stage: str, level: str = "info") -> structlog.BoundLogger:
+    """structlog -> one JSON object per line in `log_path` (and nothing on stdout/stderr, which belong
+    to the user's terminal). Bound: stage, pid."""
+    handlers: list[logging.Handler] = []
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_path, encoding="utf-8"))
+    else:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        h.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(h)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(stage=stage, pid=os.getpid())
+    return structlog.get_logger()
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the parent (the supervisor) dies, so a SIGKILLed supervisor
+    leaves no orphans even if a stage is stuck in a long call. Linux only; elsewhere the parent
+    sentinel poll in each loop does the job."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def parent_sentinel() -> int | None:
+    """A file descriptor that becomes readable when the parent process exits (spawn context)."""
+    p = multiprocessing.parent_process()
+    return p.sentinel if p is not None else None
+
+
+def parent_alive(initial_ppid: int) -> bool:
+    return os.getppid() == initial_ppid
+
+
+class LogOnce:
+    """Logs the first occurrence of each kind of event, counts the rest."""
+
+    def __init__(self, log: Any):
+        self.log = log
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        n = self.counts.get(kind, 0)
+        self.counts[kind] = n + 1
+        if n == 0:
+            self.log.warning(kind, **fields, note="logged once; further occurrences are only counted")
+
+
+class Ticker:
+    """True once every `period` seconds (stats messages)."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.next = time.monotonic() + period
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.period
+            return True
+        return False
+
+    def timeout_ms(self) -> int:
+        return max(0, int((self.next - time.monotonic()) * 1000))
+
+
+Handler = Callable[[Any], None]

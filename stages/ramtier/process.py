@@ -1,0 +1,210 @@
+"""The RAM-tier stage process: owns the arena's expert slots (RamTierCore), answers the executor's
+batched ExpertRequests in two phases (hits at once, misses when the reader lands them), orders reads
+from the reader (demand before prefetch), and persists per-expert usage for the learned pin set.
+
+Sockets: binds `ramtier` (ROUTER; peers: supervisor control, executor data plane); connects a DEALER to
+`reader`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from coli.container.reader import ContainerReader
+from coli.protocol.arena import Arena
+from coli.protocol.errors import ProtocolError
+from coli.protocol.handshake import check_hello, make_hello
+from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, Hello, ReadDone,
+                                    ReadRequest, Ready, Shutdown, SlotRef, Stats)
+from coli.protocol.rundir import RunDir
+from coli.protocol.sockets import make_socket, recv, recv_from, send
+from coli.stages.common import Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
+
+STAGE = "ramtier"
+USAGE_FILE = "coli-usage.json"  # in the container directory: per-expert demand counts across runs
+
+
+def load_usage(container_dir: Path, n_keys: int) -> np.ndarray:
+    p = container_dir / USAGE_FILE
+    try:
+        d = json.loads(p.read_text())
+        arr = np.asarray(d["counts"], dtype=np.int64)
+        if arr.shape == (n_keys,):
+            return arr
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return np.zeros(n_keys, dtype=np.int64)
+
+
+def save_usage(container_dir: Path, counts: np.ndarray) -> None:
+    """Atomic write; a read-only container directory just means pins are not learned (logged by caller)."""
+    p = container_dir / USAGE_FILE
+    tmp = p.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"version": 1, "counts": counts.tolist()}))
+    os.replace(tmp, p)
+
+
+def pin_set(counts: np.ndarray, n_pins: int) -> list[int]:
+    if n_pins <= 0:
+        return []
+    order = np.argsort(-counts, kind="stable")[:n_pins]
+    return [int(k) for k in order if counts[k] > 0]
+
+
+def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
+                 pin_fraction: float = 0.25, max_inflight_reads: int = 16, log_level: str = "info") -> None:
+    rd = RunDir(run_name, run_base, create=False)
+    log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
+    die_with_parent()
+    cdir = Path(container_dir)
+    container = ContainerReader(cdir, cache_dense=False)
+    cfg = container.config
+    E = cfg.n_routed_experts
+    n_keys = cfg.num_hidden_layers * E
+    arena = Arena.attach(arena_name)
+    tarena = Arena.attach(table_name)
+    table = ResidencyTable(tarena.slot_view(0), n_keys, arena.n_slots)
+    usage = load_usage(cdir, n_keys)
+    n_pins = int(arena.n_slots * pin_fraction)
+    pins = pin_set(usage, n_pins)
+    core = RamTierCore(arena.n_slots, n_keys, table, pinned=pins, max_inflight_reads=max_inflight_reads)
+    core.usage += usage
+    record_len = container.record_layout.nbytes
+
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER, rd.endpoint(STAGE), bind=True)
+    reader = make_socket(ctx, zmq.DEALER, rd.endpoint("reader"), bind=False, identity=STAGE.encode())
+    send(reader, make_hello(STAGE))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(reader, zmq.POLLIN)
+    ps = parent_sentinel()
+    if ps is not None:
+        poller.register(ps, zmq.POLLIN)
+    peers: dict[int, bytes] = {}  # request id -> the executor peer that asked
+    supervisor: bytes | None = None
+    ticker = Ticker(0.5)
+    t_start = time.time()
+    read_bytes = 0
+    log.info("started", slots=arena.n_slots, slot_bytes=arena.slot_bytes, pins=len(pins), keys=n_keys)
+
+    def carry_out(act: Actions) -> None:
+        nonlocal read_bytes
+        by_req: dict[int, list] = {}
+        for g in act.grants:
+            by_req.setdefault(g.request_id, []).append(g)
+        for rid, grants in by_req.items():
+            layer = grants[0].key // E
+            msg = ExpertReady(rid, layer, [g.key % E for g in grants],
+                              [SlotRef(arena_name, g.slot, 0, record_len, g.gen) for g in grants])
+            _send_to(peers.get(rid), msg)
+        fails: dict[tuple[int, str], list] = {}
+        for f in act.failures:
+            fails.setdefault((f.request_id, f.reason), []).append(f.key)
+        for (rid, reason), keys in fails.items():
+            _send_to(peers.get(rid), ExpertFailed(rid, keys[0] // E, [k % E for k in keys], reason))
+        for r in act.reads:
+            layer, e = divmod(r.key, E)
+            loc = container.record_location(layer, e)
+            read_bytes += loc.length
+            send(reader, ReadRequest(r.key, layer, e, r.slot, loc.path, loc.offset, loc.length, loc.xxh64))
+
+    def _send_to(peer: bytes | None, msg) -> None:
+        if peer is None:
+            return
+        try:
+            send(sock, msg, peer=peer)
+        except zmq.ZMQError as e:
+            log.warning("answer_undeliverable", error=str(e))
+
+    running = True
+    try:
+        while running:
+            events = dict(poller.poll(ticker.timeout_ms() + 1))
+            if ps is not None and ps in events:
+                log.warning("supervisor is gone; exiting")
+                break
+            if reader in events:
+                while True:
+                    try:
+                        msg = recv(reader, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ProtocolError as e:
+                        log.error("protocol_error", error=str(e), peer="reader")
+                        continue
+                    if isinstance(msg, ReadDone):
+                        if not msg.ok:
+                            log.warning("read_failed", layer=msg.layer, expert=msg.expert, error=msg.error)
+                        carry_out(core.read_done(msg.request_id, msg.slot, msg.ok, msg.error or "read failed"))
+            if sock in events:
+                while True:
+                    try:
+                        peer, msg = recv_from(sock, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ProtocolError as e:
+                        log.error("protocol_error", error=str(e), peer=repr(e.peer))
+                        continue
+                    if isinstance(msg, ExpertRequest):
+                        if not 0 <= msg.layer < cfg.num_hidden_layers or max(msg.experts) >= E:
+                            _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts,
+                                                        f"layer {msg.layer} / experts out of range"))
+                            continue
+                        peers[msg.request_id] = peer
+                        keys = [msg.layer * E + e for e in msg.experts]
+                        carry_out(core.request(msg.request_id, keys, msg.demand))
+                    elif isinstance(msg, ExpertRelease):
+                        act = Actions()
+                        for ref in msg.refs:
+                            if ref.arena == arena_name and 0 <= ref.slot < arena.n_slots:
+                                act.extend(core.release(ref.slot, ref.generation))
+                        carry_out(act)
+                    elif isinstance(msg, Hello):
+                        try:
+                            check_hello(msg)
+                        except ProtocolError as e:
+                            log.error("protocol_error", error=str(e))
+                            continue
+                        if msg.stage == "supervisor":
+                            supervisor = peer
+                            send(sock, make_hello(STAGE), peer=peer)
+                            send(sock, Ready(STAGE, {"slots": arena.n_slots, "slot_bytes": arena.slot_bytes,
+                                                     "pins": len(pins)}), peer=peer)
+                    elif isinstance(msg, Shutdown):
+                        log.info("shutdown", reason=msg.reason)
+                        running = False
+                    else:
+                        log.error("protocol_error", error=f"unexpected {type(msg).__name__}", peer=repr(peer))
+            if ticker.due() and supervisor is not None:
+                c = core.counters.as_dict()
+                demand = c["hits"] + c["misses"]
+                c.update(resident=core.resident_count(), slots=arena.n_slots, pins=len(pins),
+                         resident_bytes=core.resident_count() * record_len, read_bytes=read_bytes,
+                         hit_rate=(c["hits"] / demand) if demand else 0.0, uptime_s=time.time() - t_start)
+                try:
+                    send(sock, Stats(STAGE, time.time(), c), peer=supervisor, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+    finally:
+        try:
+            save_usage(cdir, core.usage)
+        except OSError as e:
+            log.warning("usage_not_saved", error=str(e), note="the pin set is not learned for read-only containers")
+        sock.close(linger=0)
+        reader.close(linger=0)
+        ctx.term()
+        del table
+        for a in (tarena, arena):
+            try:
+                a.close()
+            except Exception as e:
+                log.warning("arena_close", error=str(e))
+        container.close()
+        log.info("stopped", **core.counters.as_dict())

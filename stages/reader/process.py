@@ -1,0 +1,164 @@
+"""The reader stage process: serves ReadRequests from the RAM tier by reading expert records from the
+container into arena slots on a bounded thread pool, and answers ReadDone when each lands.
+
+Sockets: binds `reader` (ROUTER). Peers: the supervisor (control: Hello/Shutdown, we answer Hello,
+Ready, Stats) and the RAM tier (ReadRequest -> ReadDone)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import zmq
+
+from coli.protocol.arena import Arena
+from coli.protocol.errors import ProtocolError
+from coli.protocol.handshake import check_hello, make_hello
+from coli.protocol.messages import Hello, ReadDone, ReadRequest, Ready, Shutdown, Stats
+from coli.protocol.rundir import RunDir
+from coli.protocol.sockets import make_socket, recv_from, send
+from coli.stages.common import LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.reader.core import FileTable, RecordError, read_record
+from coli.stages.faults import Faults
+
+STAGE = "reader"
+
+
+def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: str, threads: int = 4,
+                queue_depth: int = 16, log_level: str = "info") -> None:
+    rd = RunDir(run_name, run_base, create=False)
+    log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
+    die_with_parent()
+    faults = Faults.from_env()
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER, rd.endpoint(STAGE), bind=True)
+    arena = Arena.attach(arena_name)
+    root = Path(container_dir).resolve()
+    files = FileTable()
+    once = LogOnce(log)
+    done_q: "queue.Queue[tuple[bytes, ReadDone, int, float]]" = queue.Queue()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="read")
+    inflight = 0
+    busy_lock = threading.Lock()
+    stats = {"records": 0, "bytes": 0, "errors": 0, "checksum_failures": 0, "busy_s": 0.0, "queue_depth": 0,
+             "threads": threads, "direct_fallbacks": 0}
+    t_start = time.time()
+
+    def work(peer: bytes, req: ReadRequest) -> None:
+        t0 = time.perf_counter()
+        ok, err, n = True, None, 0
+        try:
+            path = (root / req.file).resolve()
+            if root not in path.parents:
+                raise RecordError(f"{req.file}: not a file of the container {root}")
+            view = arena.slot_view(req.slot)
+            n = read_record(files, str(path), req.offset, req.length, req.checksum, view, verify=True)
+            if faults.hit("read_error"):
+                raise RecordError(f"{path} @ {req.offset}: injected read error (COLI_INJECT)")
+            if faults.hit("checksum"):
+                raise RecordError(f"{path} @ {req.offset}: injected checksum mismatch (COLI_INJECT)")
+        except (RecordError, OSError, ValueError) as e:
+            ok, err = False, str(e)
+        dt = time.perf_counter() - t0
+        done_q.put((peer, ReadDone(req.request_id, req.layer, req.expert, req.slot, ok, err), n, dt))
+        os.write(wake_w, b"x")
+
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(wake_r, zmq.POLLIN)
+    ps = parent_sentinel()
+    if ps is not None:
+        poller.register(ps, zmq.POLLIN)
+    supervisor: bytes | None = None
+    ticker = Ticker(0.5)
+    pending: list[tuple[bytes, ReadRequest]] = []  # beyond queue_depth: wait here, not in the pool
+    log.info("started", container=str(root), threads=threads, queue_depth=queue_depth, arena=arena_name)
+    running = True
+    try:
+        while running:
+            events = dict(poller.poll(ticker.timeout_ms() + 1))
+            if ps is not None and ps in events:
+                log.warning("supervisor is gone; exiting")
+                break
+            if wake_r in events:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                while True:
+                    try:
+                        peer, msg, n, dt = done_q.get_nowait()
+                    except queue.Empty:
+                        break
+                    inflight -= 1
+                    stats["busy_s"] += dt
+                    if msg.ok:
+                        stats["records"] += 1
+                        stats["bytes"] += n
+                    else:
+                        stats["errors"] += 1
+                        if "checksum" in (msg.error or ""):
+                            stats["checksum_failures"] += 1
+                        once("read_failed", error=msg.error)
+                    try:
+                        send(sock, msg, peer=peer)
+                    except zmq.ZMQError as e:
+                        once("completion_undeliverable", error=str(e))
+            while pending and inflight < queue_depth:
+                peer, req = pending.pop(0)
+                inflight += 1
+                pool.submit(work, peer, req)
+            if sock in events:
+                while True:
+                    try:
+                        peer, msg = recv_from(sock, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ProtocolError as e:
+                        log.error("protocol_error", error=str(e), peer=repr(e.peer))
+                        continue
+                    if isinstance(msg, ReadRequest):
+                        if inflight < queue_depth:
+                            inflight += 1
+                            pool.submit(work, peer, msg)
+                        else:
+                            pending.append((peer, msg))
+                    elif isinstance(msg, Hello):
+                        try:
+                            check_hello(msg)
+                        except ProtocolError as e:
+                            log.error("protocol_error", error=str(e))
+                            continue
+                        if msg.stage == "supervisor":
+                            supervisor = peer
+                            send(sock, make_hello(STAGE), peer=peer)
+                            send(sock, Ready(STAGE, {"threads": threads, "queue_depth": queue_depth}), peer=peer)
+                    elif isinstance(msg, Shutdown):
+                        log.info("shutdown", reason=msg.reason)
+                        running = False
+                    else:
+                        log.error("protocol_error", error=f"unexpected {type(msg).__name__}", peer=repr(peer))
+            if ticker.due() and supervisor is not None:
+                stats["queue_depth"] = inflight + len(pending)
+                stats["direct_fallbacks"] = len(files.fallbacks)
+                stats["uptime_s"] = time.time() - t_start
+                try:
+                    send(sock, Stats(STAGE, time.time(), dict(stats)), peer=supervisor, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        files.close()
+        sock.close(linger=0)
+        ctx.term()
+        try:
+            arena.close()
+        except Exception as e:  # views still referenced by finished futures: the mapping goes with the process
+            log.warning("arena_close", error=str(e))
+        log.info("stopped", records=stats["records"], bytes=stats["bytes"])
