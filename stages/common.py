@@ -106,3 +106,14 @@ class Ticker:
 
 
 Handler = Callable[[Any], None]
+
+
+def orphan_cleanup(*arena_names: str) -> None:
+    """The supervisor died without cleaning up (SIGKILL): the run's shared memory must not outlive it.
+    Unlinking is idempotent, so every stage does it; mappings stay valid until each process exits."""
+    from coli.protocol.arena import Arena
+    for name in arena_names:
+        try:
+            Arena.unlink_name(name)
+        except Exception:
+            pass

@@ -34,19 +34,22 @@ def convert(
     expert_file_mb: int = typer.Option(16384, "--expert-file-mb", help="Largest expert store file in MiB "
                                                                        "(records are never split)."),
     threads: int = typer.Option(2, "--threads", min=1, help="Worker threads quantising expert records."),
+    commit_mb: int = typer.Option(256, "--commit-mb", min=1, help="Journal finished work (fsync) at least every "
+                                                                  "this many MiB written, and every 2 s: the most "
+                                                                  "work a crash can cost."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
-    _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, no_progress)
+    _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress)
 
 
 @clean_errors
-def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, no_progress):
+def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress):
     from coli.container.writer import ConvertOptions, convert as run_convert
 
     opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb, expert_file_mb=expert_file_mb)
     opts.validate()
     if no_progress:
-        result = run_convert(src, dst, opts, report=stderr_note, threads=threads)
+        result = run_convert(src, dst, opts, report=stderr_note, threads=threads, commit_bytes=commit_mb << 20)
     else:
         from rich.console import Console
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -59,7 +62,8 @@ def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, 
             def progress(done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total)
 
-            result = run_convert(src, dst, opts, progress=progress, report=lambda m: console.print(m), threads=threads)
+            result = run_convert(src, dst, opts, progress=progress, report=lambda m: console.print(m), threads=threads,
+                                 commit_bytes=commit_mb << 20)
     if result.status == "already complete":
         stderr_note(f"{dst}: already a complete container made with these options; nothing to do")
         return

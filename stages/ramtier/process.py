@@ -23,7 +23,7 @@ from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, Ex
                                     ReadRequest, Ready, Shutdown, SlotRef, Stats)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
-from coli.stages.common import Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
 
 STAGE = "ramtier"
@@ -129,6 +129,7 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
             events = dict(poller.poll(ticker.timeout_ms() + 1))
             if ps is not None and ps in events:
                 log.warning("supervisor is gone; exiting")
+                orphan_cleanup(arena_name, table_name)
                 break
             if reader in events:
                 while True:
@@ -200,11 +201,12 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
         sock.close(linger=0)
         reader.close(linger=0)
         ctx.term()
-        del table
+        final = core.counters.as_dict()
+        del core, table  # the residency table's numpy views must go before the arena unmaps
         for a in (tarena, arena):
             try:
                 a.close()
             except Exception as e:
                 log.warning("arena_close", error=str(e))
         container.close()
-        log.info("stopped", **core.counters.as_dict())
+        log.info("stopped", **final)

@@ -21,7 +21,7 @@ from coli.protocol.handshake import check_hello, make_hello
 from coli.protocol.messages import Hello, ReadDone, ReadRequest, Ready, Shutdown, Stats
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv_from, send
-from coli.stages.common import LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.reader.core import FileTable, RecordError, read_record
 from coli.stages.faults import Faults
 
@@ -85,6 +85,7 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
             events = dict(poller.poll(ticker.timeout_ms() + 1))
             if ps is not None and ps in events:
                 log.warning("supervisor is gone; exiting")
+                orphan_cleanup(arena_name)
                 break
             if wake_r in events:
                 try:

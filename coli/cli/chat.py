@@ -1,0 +1,124 @@
+"""`coli chat`: talk to a running model — an interactive REPL that streams tokens and keeps the
+conversation, or one-shot with -p TEXT / --prompt-ids (the same JSON as `coli run`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from coli.cli.common import clean_errors, parse_ids
+from coli.errors import ColiError
+
+
+def chat(
+    name: str = typer.Option("default", "--name", help="Run name."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One user message; print the answer and exit."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Raw comma-separated token ids (no template)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="Tokens per answer at most."),
+    greedy: bool = typer.Option(False, "--greedy", help="Most likely token every step (default without sampling options)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="Sampling temperature (> 0)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the k most likely tokens (0 = all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message to start the conversation."),
+    as_json: bool = typer.Option(False, "--json", help="One-shot: print one JSON object (like `coli run --json`)."),
+) -> None:
+    """Chat with a running model (start one with `coli up`)."""
+    _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json)
+
+
+@clean_errors
+def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json):
+    from coli.chat_template import load_chat_template
+    from coli.client import Client
+    from coli.tokenizer import StreamDecoder, load_tokenizer
+
+    if prompt is not None and prompt_ids is not None:
+        raise ColiError("give at most one of --prompt and --prompt-ids")
+    sampling = temperature is not None or top_p != 1.0 or top_k != 0
+    if greedy and sampling:
+        raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
+    kw = dict(greedy=not sampling, temperature=temperature or 1.0, top_p=top_p, top_k=top_k, seed=seed,
+              ignore_eos=ignore_eos)
+    with Client(name) as client:
+        container = client.info.get("container")
+        tok = load_tokenizer(container) if container else None
+        template = load_chat_template(container) if container else None
+        if prompt_ids is not None or prompt is not None:
+            if prompt_ids is not None:
+                ids = parse_ids(prompt_ids)
+            else:
+                ids = _encode_turn(tok, template, ([{"role": "system", "content": system}] if system else [])
+                                   + [{"role": "user", "content": prompt}])
+            if as_json:
+                r = client.generate(ids, max_tokens, **kw)
+                out = {"tokens": r.tokens, "finish_reason": r.finish_reason, "prompt_tokens": len(ids), "stats": r.timing}
+                if tok is not None:
+                    out["text"] = tok.decode(r.tokens)
+                print(json.dumps(out))
+                return
+            _stream_answer(client, tok, ids, max_tokens, kw)
+            return
+        _repl(client, tok, template, system, max_tokens, kw)
+
+
+def _encode_turn(tok, template, messages) -> list[int]:
+    if tok is None:
+        raise ColiError("this model has no tokenizer.json: use --prompt-ids")
+    text = template.render(messages, add_generation_prompt=True) if template is not None else messages[-1]["content"]
+    return tok.encode(text)
+
+
+def _stream_answer(client, tok, ids, max_tokens, kw) -> list[int]:
+    from coli.tokenizer import StreamDecoder
+
+    eos = set(client.info.get("eos_token_ids") or [])
+    stream = StreamDecoder(tok, skip_special_tokens=True) if tok is not None else None
+    out: list[int] = []
+    for item in client.stream(ids, max_tokens, **kw):
+        if isinstance(item, int):
+            out.append(item)
+            if stream is not None:
+                if item not in eos:
+                    sys.stdout.write(stream.push(item))
+            else:
+                sys.stdout.write(f"{item} ")
+            sys.stdout.flush()
+    if stream is not None:
+        sys.stdout.write(stream.flush())
+    sys.stdout.write("\n")
+    return out
+
+
+def _repl(client, tok, template, system, max_tokens, kw) -> None:
+    if tok is None:
+        raise ColiError("this model has no tokenizer.json: the interactive chat needs one (use --prompt-ids)")
+    messages = [{"role": "system", "content": system}] if system else []
+    print(f"chatting with {client.info.get('model')} — empty line or Ctrl-D to quit, /reset to forget the conversation",
+          file=sys.stderr)
+    eos = set(client.info.get("eos_token_ids") or [])
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if not line.strip():
+            return
+        if line.strip() == "/reset":
+            messages = messages[:1] if system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = _encode_turn(tok, template, messages)
+        sys.stdout.write("model> ")
+        answer = _stream_answer(client, tok, ids, max_tokens, kw)
+        messages.append({"role": "assistant", "content": tok.decode([t for t in answer if t not in eos],
+                                                                    skip_special_tokens=True)})
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)

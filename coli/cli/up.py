@@ -1,0 +1,143 @@
+"""`coli up`, `coli down`, `coli status`: start, stop and describe a run of stage processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from coli.cli.common import clean_errors
+from coli.errors import ColiError
+
+
+def up(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container or Hugging Face checkpoint (default: the built-in demo model)."),
+    name: str = typer.Option("default", "--name", help="Run name (several runs can be up at once)."),
+    ram_gb: float = typer.Option(4.0, "--ram-gb", help="RAM tier budget for expert slots, in GB."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | gpu."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return once the run is ready."),
+    startup_timeout: float = typer.Option(120.0, "--startup-timeout", help="Seconds each stage gets to become ready."),
+    reader_threads: int = typer.Option(4, "--reader-threads", min=1, help="NVMe reader threads."),
+    queue_depth: int = typer.Option(16, "--queue-depth", min=1, help="Reads in flight at most."),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+) -> None:
+    """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
+    _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level)
+
+
+@clean_errors
+def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level):
+    from coli.stages.supervisor.process import RunOptions, run_supervisor
+
+    if model is not None and not model.is_dir():
+        raise ColiError(f"--model {model}: no such directory")
+    if detach:
+        return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level)
+    opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
+                      startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
+                      log_level=log_level)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
+    run_supervisor(opts, say)
+
+
+def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level):
+    from coli.protocol.rundir import RunDir, default_base
+
+    args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
+            "--startup-timeout", str(startup_timeout), "--reader-threads", str(reader_threads),
+            "--queue-depth", str(queue_depth), "--log-level", log_level]
+    if model is not None:
+        args += ["--model", str(model.resolve())]
+    base = default_base()
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out_path = base / f"{name}.up.log"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + startup_timeout * 3 + 600  # conversion on first use may take a while
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ColiError(f"`coli up` exited with code {proc.returncode} during start-up:\n"
+                            + out_path.read_text()[-2000:])
+        try:
+            state = RunDir(name, create=False).read_state() or {}
+        except Exception:
+            state = {}
+        if state.get("state") == "ready" and state.get("supervisor_pid") == proc.pid:
+            print(out_path.read_text().strip())
+            print(f"run {name!r} is up in the background (supervisor pid {proc.pid}); "
+                  f"stop it with `coli down{'' if name == 'default' else ' --name ' + name}`")
+            return
+        time.sleep(0.1)
+    proc.terminate()
+    raise ColiError(f"run {name!r} did not become ready in time; see {out_path}")
+
+
+def down(name: str = typer.Option("default", "--name", help="Run name."),
+         timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the run to stop.")) -> None:
+    """Stop a run: drain, stop the stages, free shared memory. Cleans up a run whose supervisor died."""
+    _down(name, timeout)
+
+
+@clean_errors
+def _down(name, timeout):
+    from coli.client import Client, RunNotFound
+    from coli.protocol.errors import RunDirError
+    from coli.protocol.rundir import RunDir
+    from coli.stages.supervisor.process import clean_stale
+
+    try:
+        rd = RunDir(name, create=False)
+    except RunDirError:
+        raise ColiError(f"no run named {name!r}") from None
+    if rd.is_stale() or (rd.read_pid() is None and not rd.is_live()):
+        clean_stale(rd, print)
+        return
+    try:
+        with Client(name) as c:
+            c.down(wait=timeout)
+    except RunNotFound:
+        clean_stale(rd, print)
+        return
+    print(f"run {name!r} stopped")
+
+
+def status(name: str = typer.Option("default", "--name", help="Run name."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Each stage's pid, state and uptime, and the run's model and budgets."""
+    _status(name, as_json)
+
+
+@clean_errors
+def _status(name, as_json):
+    from coli.client import Client
+
+    with Client(name) as c:
+        st = c.status()
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"run [bold]{st['name']}[/] — model {st['model']} — supervisor pid {st['supervisor_pid']}, "
+              f"up {st['uptime_s']:.0f} s, {st['queued']} request(s) queued")
+    con.print(f"RAM tier: {st['ram_slots']} slots × {st['slot_bytes'] / 2**20:.2f} MiB "
+              f"({100 * st['ram_fraction_of_experts']:.0f}% of the experts, --ram-gb {st['ram_gb']}), device {st['device']}")
+    t = Table("stage", "pid", "state", "uptime s")
+    for n, s in st["stages"].items():
+        t.add_row(n, str(s["pid"]), s["state"], f"{s['uptime_s']:.0f}")
+    con.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+    app.command("down")(down)
+    app.command("status")(status)

@@ -1,0 +1,51 @@
+"""Where `coli up` gets its container from: the built-in demo model or a Hugging Face checkpoint are
+converted once (lossless f32, so served tokens match the reference exactly) into a cache directory;
+a ColiStream container is used in place."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable
+
+from coli.errors import ColiError
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("COLI_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                        os.path.expanduser("~/.cache"), "coli")
+    return Path(base) / "containers"
+
+
+def _fingerprint(src: Path) -> str:
+    h = hashlib.sha256(str(src.resolve()).encode())
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def resolve_container(model: str | Path | None, report: Callable[[str], None] = print,
+                      experts: str = "f32", dense: str = "f32") -> Path:
+    from coli.container.format import MANIFEST_NAME
+    from coli.container.writer import ConvertOptions, convert
+
+    src = DEMO_DIR if model is None else Path(model)
+    if not src.is_dir():
+        raise ColiError(f"model directory {src} does not exist")
+    if (src / MANIFEST_NAME).is_file():
+        return src
+    if not (src / "config.json").is_file():
+        raise ColiError(f"{src} is neither a ColiStream container nor a Hugging Face checkpoint (no config.json)")
+    name = "demo" if model is None else src.resolve().name
+    dst = cache_root() / f"{name}-{experts}-{dense}-{_fingerprint(src)}"
+    if (dst / MANIFEST_NAME).is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    report(f"converting {src} into a container at {dst} (--experts {experts} --dense {dense}; once)")
+    convert(src, dst, ConvertOptions(experts=experts, dense=dense), report=report)
+    return dst

@@ -1,0 +1,64 @@
+"""`coli stats` as a pure function: a snapshot of the stages' latest counters -> a rich Table.
+
+The snapshot is {stage: {counter: value, "t": time, ...}} as the supervisor republishes it; a
+previous snapshot (for rates) is optional. Engines shown: NVMe reader, RAM tier, PCIe copy lanes and
+SMs (from the executor; zero in CPU mode), CPU fallbacks, tokens/s, request latency."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+
+def _rate(now: dict, prev: dict | None, key: str) -> float:
+    if not prev or key not in prev or "t" not in prev or now.get("t", 0) <= prev["t"]:
+        return 0.0
+    return max(0.0, (now.get(key, 0) - prev[key]) / (now["t"] - prev["t"]))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f} %"
+
+
+def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, str, str]]:
+    prev = prev or {}
+    out: list[tuple[str, str, str]] = []
+    r = snap.get("reader")
+    if r:
+        busy = _rate(r, prev.get("reader"), "busy_s") / max(1, r.get("threads", 1))
+        out += [("NVMe reader", "read rate", f"{_rate(r, prev.get('reader'), 'bytes') / 1e6:8.1f} MB/s"),
+                ("", "queue depth", f"{r.get('queue_depth', 0)}"),
+                ("", "busy", _pct(min(1.0, busy))),
+                ("", "records / errors", f"{r.get('records', 0)} / {r.get('errors', 0)}")]
+    m = snap.get("ramtier")
+    if m:
+        out += [("RAM tier", "hit rate", _pct(m.get("hit_rate", 0.0))),
+                ("", "resident", f"{m.get('resident_bytes', 0) / 1e9:.3f} GB ({m.get('resident', 0)}/{m.get('slots', 0)} slots)"),
+                ("", "pins", f"{m.get('pins', 0)}"),
+                ("", "evictions", f"{m.get('evictions', 0)}")]
+    e = snap.get("executor")
+    if e:
+        out += [("PCIe copy lanes", "busy", _pct(e.get("copy_busy", 0.0))),
+                ("SMs", "busy", _pct(e.get("sm_busy", 0.0))),
+                ("CPU fallbacks", "experts", f"{e.get('cpu_fallbacks', 0)}"),
+                ("executor", "tokens/s (now)", f"{_rate(e, prev.get('executor'), 'tokens'):8.2f}"),
+                ("", "tokens/s (last request)", f"{e.get('last_tokens_per_s', 0.0):8.2f}"),
+                ("", "tokens / requests", f"{e.get('tokens', 0)} / {e.get('requests', 0)}")]
+    s = snap.get("supervisor")
+    if s:
+        out += [("requests", "queued / done / failed", f"{s.get('queued', 0)} / {s.get('completed', 0)} / {s.get('failed', 0)}"),
+                ("", "last latency", f"{s.get('last_latency_s', 0.0):.3f} s")]
+    return out
+
+
+def render(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None, title: str = "") -> Table:
+    t = Table(title=title or None, show_edge=False, pad_edge=False)
+    t.add_column("engine", style="bold")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for row in rows(snap, prev):
+        t.add_row(*row)
+    if not snap:
+        t.add_row("(no stats yet)", "", "")
+    return t

@@ -1,0 +1,88 @@
+"""The executor's expert source over the RAM tier: one batched ExpertRequest per MoE layer step
+(chunked to what the arena can hold at once), experts yielded as their slots are granted — hits
+first, misses as their reads land — computed from the shared-memory slot in place, and released as
+soon as the consumer moves on."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+import zmq
+
+from coli.container.format import RecordLayout
+from coli.container.reader import decode_expert_record
+from coli.protocol.arena import Arena
+from coli.protocol.errors import ProtocolError
+from coli.protocol.messages import ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest
+from coli.protocol.sockets import recv, send
+from coli.stages.ramtier.core import ResidencyTable
+from coli.weights import ExpertWeights
+
+
+class ExpertUnavailable(Exception):
+    """The RAM tier could not provide an expert (a failed read or checksum): names layer and expert."""
+
+
+class RamTierExperts:
+    def __init__(self, sock: zmq.Socket, arena: Arena, table: ResidencyTable, layout: RecordLayout,
+                 n_experts: int, max_lease: int, idle: Callable[[], None], log=None):
+        self.sock, self.arena, self.table, self.layout = sock, arena, table, layout
+        self.E = n_experts
+        self.max_lease = max(1, max_lease)
+        self.idle = idle  # called while waiting: checks control messages and parent death, may raise
+        self.log = log
+        self._ids = itertools.count(1)
+        self.stats = {"expert_requests": 0, "experts_served": 0, "wait_s": 0.0, "stale_grants": 0}
+
+    def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for c0 in range(0, len(ids), self.max_lease):
+            yield from self._chunk(layer, ids[c0:c0 + self.max_lease])
+
+    def _chunk(self, layer: int, chunk: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        rid = next(self._ids)
+        send(self.sock, ExpertRequest(rid, layer, chunk, True))
+        self.stats["expert_requests"] += 1
+        remaining = set(chunk)
+        while remaining:
+            t0 = time.perf_counter()
+            msg = self._next_answer(rid)
+            self.stats["wait_s"] += time.perf_counter() - t0
+            if isinstance(msg, ExpertFailed):
+                raise ExpertUnavailable(f"layer {msg.layer} expert(s) {msg.experts}: {msg.reason}")
+            for e, ref in zip(msg.experts, msg.slots):
+                key = layer * self.E + e
+                try:
+                    buf = self.arena.ref_array(ref)
+                    weights = decode_expert_record(buf, self.layout)
+                    del buf
+                    # the slot is leased: its generation cannot move while we hold it
+                    if not self.table.still_valid(key, ref.slot, ref.generation):
+                        raise RuntimeError(f"slot {ref.slot} of layer {layer} expert {e} was recycled while leased")
+                    self.stats["experts_served"] += 1
+                    remaining.discard(e)
+                    yield e, weights
+                finally:
+                    send(self.sock, ExpertRelease([ref]))
+
+    def _next_answer(self, rid: int):
+        while True:
+            if self.sock.poll(50):
+                try:
+                    msg = recv(self.sock, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                except ProtocolError as e:
+                    if self.log:
+                        self.log.error("protocol_error", error=str(e), peer="ramtier")
+                    continue
+                if isinstance(msg, (ExpertReady, ExpertFailed)) and msg.request_id == rid:
+                    return msg
+                if isinstance(msg, ExpertReady):
+                    # a grant for an abandoned request (cancelled, failed): give the leases back
+                    self.stats["stale_grants"] += 1
+                    send(self.sock, ExpertRelease(list(msg.slots)))
+                continue
+            self.idle()

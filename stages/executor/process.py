@@ -1,0 +1,193 @@
+"""The executor stage process: the model forward (numpy backend here), fed with experts from the RAM
+tier's shared-memory slots, serving one GenerateRequest at a time with streaming Tokens.
+
+Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients); connects a DEALER to
+`ramtier`."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from coli.container.reader import ContainerReader
+from coli.generate import Generation
+from coli.loader import make_backend
+from coli.model.forward import GlmMoeDsaModel
+from coli.model.sampling import SamplingParams
+from coli.protocol.arena import Arena
+from coli.protocol.errors import ProtocolError
+from coli.protocol.handshake import check_hello, make_hello
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, Error, GenerateRequest, Hello,
+                                    Ready, Shutdown, Stats, Token)
+from coli.protocol.rundir import RunDir
+from coli.protocol.sockets import make_socket, recv_from, send
+from coli.stages.common import orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.executor.experts import ExpertUnavailable, RamTierExperts
+from coli.stages.ramtier.core import ResidencyTable
+
+STAGE = "executor"
+
+
+class Cancelled(Exception):
+    pass
+
+
+class StopRequested(Exception):
+    pass
+
+
+def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
+                  device: str = "cpu", log_level: str = "info") -> None:
+    rd = RunDir(run_name, run_base, create=False)
+    log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
+    die_with_parent()
+    t_load = time.perf_counter()
+    weights = ContainerReader(container_dir)
+    cfg = weights.config
+    arena = Arena.attach(arena_name)
+    tarena = Arena.attach(table_name)
+    table = ResidencyTable(tarena.slot_view(0), cfg.num_hidden_layers * cfg.n_routed_experts, arena.n_slots)
+
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER, rd.endpoint(STAGE), bind=True)
+    ram = make_socket(ctx, zmq.DEALER, rd.endpoint("ramtier"), bind=False, identity=STAGE.encode())
+    ps = parent_sentinel()
+    state = {"supervisor": None, "current": None, "stop": False}
+    inbox: list[tuple[bytes, object]] = []
+
+    def handle(peer: bytes, msg) -> None:
+        if isinstance(msg, Hello):
+            check_hello(msg)
+            if msg.stage == "supervisor":
+                state["supervisor"] = peer
+                send(sock, make_hello(STAGE), peer=peer)
+                send(sock, Ready(STAGE, {"device": backend.name, "layers": cfg.num_hidden_layers,
+                                         "load_s": round(time.perf_counter() - t_load, 3)}), peer=peer)
+        elif isinstance(msg, Cancel):
+            if state["current"] == msg.request_id:
+                raise Cancelled()
+        elif isinstance(msg, Shutdown):
+            log.info("shutdown", reason=msg.reason)
+            state["stop"] = True
+            raise StopRequested()
+        elif isinstance(msg, GenerateRequest):
+            inbox.append((peer, msg))
+        else:
+            log.error("protocol_error", error=f"unexpected {type(msg).__name__}", peer=repr(peer))
+
+    def pump(timeout_ms: int = 0) -> None:
+        """Handle control messages; raises Cancelled / StopRequested for the generation in progress."""
+        if ps is not None and zmq.select([ps], [], [], 0)[0]:
+            log.warning("supervisor is gone; exiting")
+            orphan_cleanup(arena_name, table_name)
+            state["stop"] = True
+            raise StopRequested()
+        if not sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                peer, msg = recv_from(sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError as e:
+                log.error("protocol_error", error=str(e), peer=repr(e.peer))
+                continue
+            try:
+                handle(peer, msg)
+            except ProtocolError as e:
+                log.error("protocol_error", error=str(e), peer=repr(peer))
+
+    backend = make_backend(device)
+    experts = RamTierExperts(ram, arena, table, weights.record_layout, cfg.n_routed_experts, arena.n_slots,
+                             idle=pump, log=log)
+    model = GlmMoeDsaModel(cfg, weights, backend, experts=experts)
+    counters = {"requests": 0, "tokens": 0, "cancelled": 0, "failed": 0, "decode_s": 0.0, "prefill_s": 0.0,
+                "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0}
+    ticker = Ticker(0.5)
+    t_start = time.time()
+    log.info("started", device=backend.name, load_s=round(time.perf_counter() - t_load, 3), slots=arena.n_slots)
+
+    def send_stats() -> None:
+        if state["supervisor"] is None:
+            return
+        c = dict(counters)
+        c.update(experts.stats, uptime_s=time.time() - t_start)
+        try:
+            send(sock, Stats(STAGE, time.time(), c), peer=state["supervisor"], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def serve(peer: bytes, req: GenerateRequest) -> None:
+        rid = req.request_id
+        bad = [t for t in req.prompt_ids if t >= cfg.vocab_size]
+        if bad:
+            send(sock, Error(ERROR_BAD_REQUEST, f"prompt token id {bad[0]} is outside the vocabulary "
+                                                f"(0..{cfg.vocab_size - 1})", rid), peer=peer)
+            return
+        params = SamplingParams(greedy=req.greedy or req.temperature == 0.0, temperature=req.temperature or 1.0,
+                                top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        state["current"] = rid
+        counters["requests"] += 1
+        t0 = time.perf_counter()
+        gen = Generation(model, req.prompt_ids, req.max_tokens, params, eos_ids=cfg.eos_token_ids,
+                         ignore_eos=req.ignore_eos)
+        n = 0
+        reason = "length"
+        try:
+            for i, tok in enumerate(gen):
+                send(sock, Token(rid, int(tok), i), peer=peer)
+                n = i + 1
+                counters["tokens"] += 1
+                pump(0)
+                if ticker.due():
+                    send_stats()
+            reason = gen.stats.finish_reason
+        except Cancelled:
+            reason = "cancelled"
+            counters["cancelled"] += 1
+        except ExpertUnavailable as e:
+            counters["failed"] += 1
+            log.error("expert_unavailable", request_id=rid, error=str(e))
+            send(sock, Error(ERROR_INTERNAL, f"expert unavailable: {e}", rid), peer=peer)
+            return
+        finally:
+            state["current"] = None
+        dt = time.perf_counter() - t0
+        counters["prefill_s"] += gen.stats.prefill_s
+        counters["decode_s"] += gen.stats.decode_s
+        counters["last_tokens_per_s"] = round(gen.stats.decode_tps, 3)
+        counters["last_latency_s"] = round(dt, 4)
+        timing = {"prefill_s": gen.stats.prefill_s, "decode_s": gen.stats.decode_s, "total_s": dt,
+                  "decode_tokens_per_s": gen.stats.decode_tps}
+        send(sock, Done(rid, reason, n, timing), peer=peer)
+        log.info("request", request_id=rid, prompt_tokens=len(req.prompt_ids), tokens=n, finish=reason,
+                 total_s=round(dt, 4), decode_tps=round(gen.stats.decode_tps, 2))
+
+    try:
+        while not state["stop"]:
+            try:
+                pump(ticker.timeout_ms() + 1)
+            except StopRequested:
+                break
+            except Cancelled:
+                continue
+            if ticker.due():
+                send_stats()
+            while inbox and not state["stop"]:
+                peer, req = inbox.pop(0)
+                try:
+                    serve(peer, req)
+                except StopRequested:
+                    break
+    finally:
+        sock.close(linger=0)
+        ram.close(linger=0)
+        ctx.term()
+        del model, experts, table
+        for a in (tarena, arena):
+            try:
+                a.close()
+            except Exception as e:
+                log.warning("arena_close", error=str(e))
+        log.info("stopped", **{k: v for k, v in counters.items() if isinstance(v, int)})

@@ -1,0 +1,519 @@
+"""The supervisor (`coli up`): creates the arena, spawns the stages, runs the HELLO -> READY handshake
+with a deadline while watching every child's sentinel, brokers clients to the executor, republishes
+stats, and owns the one shutdown path (coli down, Ctrl-C, SIGTERM, a stage dying): tell clients,
+ask stages to stop, join with a deadline, kill, unlink shared memory, remove the run directory.
+
+Sockets (in the run dir): binds `client` (ROUTER, clients) and `stats` (PUB); connects one DEALER
+(identity "supervisor") to each stage's own socket."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from coli import __version__
+from coli.errors import ColiError
+from coli.protocol.arena import Arena
+from coli.protocol.errors import ProtocolError
+from coli.protocol.handshake import check_hello, make_hello
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, Cancel, Done, Error, GenerateRequest,
+                                    Hello, Ready, Shutdown, StageDead, Stats, StatusReply, StatusRequest, Token)
+from coli.protocol.rundir import RunDir
+from coli.protocol.sockets import make_socket, recv, recv_from, send
+from coli.stages.common import configure_logging
+from coli.stages.ramtier.core import ResidencyTable
+from coli.stages.supervisor.core import Pending, RequestBook
+
+STAGES = ("reader", "ramtier", "executor")
+
+
+class StartupError(ColiError):
+    pass
+
+
+@dataclass
+class RunOptions:
+    name: str = "default"
+    model: str | None = None
+    ram_gb: float = 4.0
+    device: str = "auto"
+    startup_timeout: float = 120.0
+    stop_timeout: float = 5.0
+    reader_threads: int = 4
+    queue_depth: int = 16
+    pin_fraction: float = 0.25
+    log_level: str = "info"
+    run_base: str | None = None
+
+
+@dataclass
+class StageProc:
+    name: str
+    proc: Any
+    sock: zmq.Socket
+    state: str = "starting"
+    t_start: float = field(default_factory=time.time)
+    info: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    hello: bool = False
+
+
+def clean_stale(rd: RunDir, say: Callable[[str], None]) -> None:
+    """A run dir whose supervisor is gone: kill what remains of its stages, unlink its shared memory,
+    remove the directory (logs kept), and say so."""
+    state = rd.read_state() or {}
+    rec = rd.read_pid()
+    killed = 0
+    for st in (state.get("stages") or {}).values():
+        pid, start = st.get("pid"), st.get("start")
+        if pid and _same_process_alive(pid, start):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    removed = [n for n in state.get("arenas", []) if Arena.unlink_name(n)]
+    rd.cleanup(keep_logs=True)
+    say(f"cleaned up stale run {rd.name!r} (supervisor pid {rec[0] if rec else '?'} is gone): "
+        f"{len(removed)} shared-memory segment(s) removed, {killed} leftover stage process(es) killed")
+
+
+def _same_process_alive(pid: int, start: int | None) -> bool:
+    from coli.protocol.rundir import _alive
+    return _alive(pid, start)
+
+
+def _proc_start(pid: int) -> int | None:
+    from coli.protocol.rundir import _process_start
+    return _process_start(pid)
+
+
+class Supervisor:
+    def __init__(self, opts: RunOptions, say: Callable[[str], None] = print):
+        self.opts = opts
+        self.say = say
+        self.rd: RunDir | None = None
+        self.arenas: list[Arena] = []
+        self.stages: dict[str, StageProc] = {}
+        self.book = RequestBook()
+        self.stop_reason: str | None = None
+        self.t_start = time.time()
+        self.stats_out: dict[str, dict] = {}
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "clients": 0,
+                         "protocol_errors": 0, "last_latency_s": 0.0, "queued": 0}
+        self.clients: set[bytes] = set()
+
+    # ---- start -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        o = self.opts
+        rd = RunDir(o.name, o.run_base, create=True)
+        if rd.is_live():
+            pid = rd.read_pid()[0]
+            raise StartupError(f"run {o.name!r} is already up (supervisor pid {pid}); stop it with "
+                               f"`coli down --name {o.name}` or pick another --name")
+        if rd.is_stale():
+            clean_stale(rd, self.say)
+            rd = RunDir(o.name, o.run_base, create=True)
+        self.rd = rd
+        rd.write_pid()
+        self.log = configure_logging(rd.log_path("supervisor"), "supervisor", o.log_level)
+        try:
+            self._start_stages()
+        except BaseException:
+            self.shutdown("start-up failed")
+            raise
+
+    def _start_stages(self) -> None:
+        from coli.container.reader import ContainerReader
+        from coli.model_store import resolve_container
+
+        o, rd = self.opts, self.rd
+        if o.device not in ("auto", "cpu"):
+            raise StartupError(f"--device {o.device}: the GPU stage is not available in this build; use --device cpu")
+        device = "cpu"
+        container = resolve_container(o.model, report=self.say)
+        view = ContainerReader(container, cache_dense=False)
+        cfg, slot_bytes = view.config, view.record_layout.nbytes
+        view.close()
+        n_total = len(cfg.moe_layers) * cfg.n_routed_experts
+        if o.ram_gb <= 0:
+            raise StartupError(f"--ram-gb must be > 0 (got {o.ram_gb})")
+        n_slots = max(1, min(n_total, int(o.ram_gb * 1e9 // slot_bytes)))
+        n_keys = cfg.num_hidden_layers * cfg.n_routed_experts
+        tag = f"coli-{o.name}-{os.getpid()}"
+        arena = Arena.create(f"{tag}-experts", slot_bytes, n_slots)
+        self.arenas.append(arena)
+        table = Arena.create(f"{tag}-residency", ResidencyTable.nbytes(n_keys, n_slots), 1)
+        self.arenas.append(table)
+        self.model_info = {"model": str(o.model or "demo"), "container": str(container), "layers": cfg.num_hidden_layers,
+                           "experts_per_layer": cfg.n_routed_experts, "moe_layers": len(cfg.moe_layers),
+                           "ram_gb": o.ram_gb, "ram_slots": n_slots, "slot_bytes": slot_bytes,
+                           "ram_fraction_of_experts": round(n_slots / n_total, 4), "device": device,
+                           "eos_token_ids": list(cfg.eos_token_ids), "vocab_size": cfg.vocab_size,
+                           "version": __version__}
+        self.say(f"run {o.name!r}: model {self.model_info['model']} ({cfg.num_hidden_layers} layers, "
+                 f"{len(cfg.moe_layers)}x{cfg.n_routed_experts} experts), RAM tier {n_slots} slots x "
+                 f"{slot_bytes / 2**20:.2f} MiB ({100 * n_slots / n_total:.0f}% of the experts), device {device}")
+        self.log.info("starting", **self.model_info)
+        self._write_state("starting")
+
+        from coli.stages.executor.process import executor_main
+        from coli.stages.ramtier.process import ramtier_main
+        from coli.stages.reader.process import reader_main
+
+        base = str(rd.base)
+        targets = {
+            "reader": (reader_main, (o.name, base, arena.name, str(container), o.reader_threads, o.queue_depth,
+                                     o.log_level)),
+            "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
+                                       o.queue_depth, o.log_level)),
+            "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level)),
+        }
+        self.ctx = zmq.Context()
+        self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
+        self.pub = make_socket(self.ctx, zmq.PUB, rd.endpoint("stats"), bind=True, hwm=64)
+        mp = multiprocessing.get_context("spawn")
+        for name in STAGES:
+            fn, args = targets[name]
+            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name]), name=f"coli-{o.name}-{name}",
+                           daemon=False)
+            p.start()
+            sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=b"supervisor")
+            send(sock, make_hello("supervisor"))
+            self.stages[name] = StageProc(name, p, sock)
+        self._write_state("starting")
+        self._handshake()
+        self._write_state("ready")
+        self.say(f"run {o.name!r} is up: {', '.join(f'{s.name} pid {s.proc.pid}' for s in self.stages.values())}")
+        self.log.info("ready", **{f"{n}_pid": s.proc.pid for n, s in self.stages.items()})
+
+    def _handshake(self) -> None:
+        deadline = time.monotonic() + self.opts.startup_timeout
+        poller = zmq.Poller()
+        for s in self.stages.values():
+            poller.register(s.sock, zmq.POLLIN)
+            poller.register(s.proc.sentinel, zmq.POLLIN)
+        while any(s.state != "ready" for s in self.stages.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = [s.name for s in self.stages.values() if s.state != "ready"]
+                raise StartupError(f"stage {late[0]!r} did not become ready in {self.opts.startup_timeout:.0f} s "
+                                   f"(raise --startup-timeout; see `coli logs --name {self.opts.name} --stage {late[0]}`)")
+            events = dict(poller.poll(int(min(left, 0.2) * 1000)))
+            for s in self.stages.values():
+                if s.proc.sentinel in events or not s.proc.is_alive():
+                    s.proc.join(0.1)
+                    raise StartupError(f"stage {s.name!r} exited with code {s.proc.exitcode} during start-up "
+                                       f"(see `coli logs --name {self.opts.name} --stage {s.name}`)")
+                if s.sock in events:
+                    while s.sock.poll(0):
+                        try:
+                            msg = recv(s.sock)
+                        except ProtocolError as e:
+                            raise StartupError(f"stage {s.name!r} sent a bad message during start-up: {e}") from None
+                        if isinstance(msg, Hello):
+                            check_hello(msg, stage=s.name)
+                            s.hello = True
+                        elif isinstance(msg, Ready) and s.hello:
+                            s.state, s.info = "ready", dict(msg.info)
+                            s.t_start = time.time()
+                        elif isinstance(msg, Stats):
+                            s.stats = dict(msg.counters)
+
+    def _write_state(self, state: str) -> None:
+        self.rd.write_state({
+            "state": state, "name": self.opts.name, "supervisor_pid": os.getpid(), "started": self.t_start,
+            "arenas": [a.name for a in self.arenas], **getattr(self, "model_info", {}),
+            "stages": {n: {"pid": s.proc.pid, "start": _proc_start(s.proc.pid) if s.proc.pid else None,
+                           "state": s.state} for n, s in self.stages.items()},
+        })
+
+    # ---- serve -------------------------------------------------------------------------------------
+    def serve(self) -> str:
+        """Run until shutdown; returns the reason."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        got: list[int] = []
+        handlers = {sig: signal.signal(sig, lambda s, f: got.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+        poller = zmq.Poller()
+        poller.register(self.client_sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
+        for s in self.stages.values():
+            poller.register(s.sock, zmq.POLLIN)
+            poller.register(s.proc.sentinel, zmq.POLLIN)
+        next_stats = time.monotonic() + 0.5
+        try:
+            while self.stop_reason is None:
+                events = dict(poller.poll(200))
+                if got:
+                    self.stop_reason = f"signal {signal.Signals(got[0]).name}"
+                    break
+                if wake_r in events:
+                    try:
+                        os.read(wake_r, 512)
+                    except BlockingIOError:
+                        pass
+                for s in self.stages.values():
+                    if s.proc.sentinel in events or not s.proc.is_alive():
+                        self._stage_died(s)
+                        break
+                if self.stop_reason:
+                    break
+                for s in self.stages.values():
+                    if s.sock in events:
+                        self._from_stage(s)
+                if self.client_sock in events:
+                    self._from_clients()
+                self._dispatch()
+                if time.monotonic() >= next_stats:
+                    next_stats = time.monotonic() + 0.5
+                    self._publish_own_stats()
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            os.close(wake_r)
+            os.close(wake_w)
+        return self.stop_reason or "stopped"
+
+    def _stage_died(self, s: StageProc) -> None:
+        s.proc.join(0.05)
+        code = s.proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        s.state = "dead"
+        reason = f"stage {s.name!r} (pid {s.proc.pid}) {how}"
+        self.log.error("stage_died", stage=s.name, pid=s.proc.pid, exitcode=code)
+        self.say(f"{reason}; shutting the run down")
+        for p in self.book.clear():
+            self._to_client(p.client, StageDead(s.name, reason, code))
+        self.stop_reason = reason
+
+    def _from_stage(self, s: StageProc) -> None:
+        while True:
+            try:
+                msg = recv(s.sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                self.log.error("protocol_error", error=str(e), peer=s.name)
+                continue
+            if isinstance(msg, Stats):
+                s.stats = dict(msg.counters)
+                self.stats_out[s.name] = {"t": msg.t, **s.stats}
+                try:
+                    send(self.pub, msg, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            elif isinstance(msg, (Token, Done, Error)) and s.name == "executor":
+                self._from_executor(msg)
+
+    def _from_executor(self, msg) -> None:
+        rid = msg.request_id
+        p = self.book.by_id.get(rid) if rid is not None else None
+        if p is None:
+            return
+        if isinstance(msg, Token):
+            p.tokens += 1
+            if not self._to_client(p.client, msg):
+                self._cancel_running(p, "client went away")
+            return
+        self.book.finish(rid)
+        if isinstance(msg, Done):
+            self.counters["completed" if msg.finish_reason != "cancelled" else "cancelled"] += 1
+            self.counters["last_latency_s"] = round(time.time() - p.t_submit, 4)
+            self.log.info("request_done", request_id=rid, tokens=msg.tokens, finish=msg.finish_reason,
+                          latency_s=self.counters["last_latency_s"])
+        else:
+            self.counters["failed"] += 1
+        self._to_client(p.client, msg)
+
+    def _cancel_running(self, p: Pending, why: str) -> None:
+        self.log.info("cancel", request_id=p.request_id, reason=why)
+        try:
+            send(self.stages["executor"].sock, Cancel(p.request_id), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _to_client(self, client: bytes, msg) -> bool:
+        try:
+            send(self.client_sock, msg, peer=client, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:  # EHOSTUNREACH: the client is gone; EAGAIN: it stopped reading
+            if client in self.clients:
+                self.clients.discard(client)
+                self.book.drop_client(client)
+            return False
+
+    def _from_clients(self) -> None:
+        while True:
+            try:
+                peer, msg = recv_from(self.client_sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                self.log.error("protocol_error", error=str(e), peer=repr(e.peer))
+                if e.peer is not None:
+                    self._to_client(e.peer, Error(ERROR_PROTOCOL, str(e)))
+                continue
+            self._client_message(peer, msg)
+
+    def _client_message(self, peer: bytes, msg) -> None:
+        if isinstance(msg, Hello):
+            try:
+                check_hello(msg)
+            except ProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                self.log.error("protocol_error", error=str(e), peer=repr(peer))
+                self._to_client(peer, Error(ERROR_PROTOCOL, str(e)))
+                return
+            self.clients.add(peer)
+            self.counters["clients"] += 1
+            self._to_client(peer, Ready("supervisor", self.model_info))
+        elif isinstance(msg, GenerateRequest):
+            if msg.request_id in self.book.by_id:
+                self._to_client(peer, Error(ERROR_BAD_REQUEST, f"request id {msg.request_id!r} is in use",
+                                            msg.request_id))
+                return
+            self.clients.add(peer)
+            self.counters["requests"] += 1
+            self.book.submit(Pending(peer, msg.request_id, msg, time.time()))
+        elif isinstance(msg, Cancel):
+            p, running = self.book.cancel(msg.request_id)
+            if p is None or p.client != peer:
+                return
+            if running:
+                self._cancel_running(p, "client cancelled")
+            else:
+                self.counters["cancelled"] += 1
+                self._to_client(peer, Done(msg.request_id, "cancelled", 0, {}))
+        elif isinstance(msg, StatusRequest):
+            self._to_client(peer, StatusReply(msg.request_id, self.status()))
+        elif isinstance(msg, Shutdown):
+            self.log.info("down_requested", reason=msg.reason)
+            self.stop_reason = f"coli down ({msg.reason})" if msg.reason else "coli down"
+        else:
+            self.counters["protocol_errors"] += 1
+            self.log.error("protocol_error", error=f"unexpected {type(msg).__name__} from a client", peer=repr(peer))
+
+    def _dispatch(self) -> None:
+        p = self.book.next()
+        if p is None:
+            return
+        p.t_start = time.time()
+        try:
+            send(self.stages["executor"].sock, p.message, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.book.finish(p.request_id)
+            self._to_client(p.client, Error("internal", f"executor unreachable: {e}", p.request_id))
+
+    def _publish_own_stats(self) -> None:
+        self.counters["queued"] = len(self.book)
+        c = dict(self.counters, uptime_s=time.time() - self.t_start)
+        self.stats_out["supervisor"] = {"t": time.time(), **c}
+        try:
+            send(self.pub, Stats("supervisor", time.time(), c), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def status(self) -> dict:
+        now = time.time()
+        return {
+            **self.model_info, "name": self.opts.name, "supervisor_pid": os.getpid(),
+            "uptime_s": round(now - self.t_start, 3), "queued": len(self.book),
+            "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
+                           "info": s.info} for n, s in self.stages.items()},
+            "stats": self.stats_out,
+        }
+
+    # ---- stop --------------------------------------------------------------------------------------
+    def shutdown(self, reason: str) -> None:
+        """The one shutdown path: clients told, stages asked to stop, joined with a deadline, killed,
+        shared memory unlinked, run dir removed (logs kept)."""
+        log = getattr(self, "log", None)
+        if log:
+            log.info("shutting_down", reason=reason)
+        for p in self.book.clear():
+            self._to_client(p.client, Error("shutdown", f"the run is shutting down: {reason}", p.request_id))
+        for s in self.stages.values():
+            if s.proc.is_alive():
+                try:
+                    send(s.sock, Shutdown(reason), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + self.opts.stop_timeout
+        for s in self.stages.values():
+            s.proc.join(max(0.0, deadline - time.monotonic()))
+        for s in self.stages.values():
+            if s.proc.is_alive():
+                if log:
+                    log.warning("stage_killed", stage=s.name, note=f"did not stop within {self.opts.stop_timeout} s")
+                s.proc.kill()
+                s.proc.join(2.0)
+        for s in self.stages.values():
+            s.sock.close(linger=0)
+        for sock in (getattr(self, "client_sock", None), getattr(self, "pub", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        if hasattr(self, "ctx"):
+            self.ctx.term()
+        for a in self.arenas:
+            try:
+                a.close()
+            except Exception:
+                pass
+            try:
+                a.unlink()
+            except Exception:
+                Arena.unlink_name(a.name)
+        self.arenas.clear()
+        if self.rd is not None:
+            try:
+                self.rd.cleanup(keep_logs=True)
+            except Exception as e:  # never let cleanup mask the reason we are stopping
+                if log:
+                    log.error("cleanup_failed", error=str(e))
+        if log:
+            log.info("stopped", reason=reason)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(0)
+
+
+def _stage_entry(fn, args, arena_names) -> None:
+    """Runs in the spawned child: a clean signal state, then the stage's main. If the supervisor died
+    (SIGKILL: the kernel sends us SIGTERM through PR_SET_PDEATHSIG, or our loop sees its sentinel), the
+    run's shared memory is unlinked on the way out so nothing of the run outlives it."""
+    from coli.stages.common import orphan_cleanup
+
+    ppid = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us in order
+    signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        fn(*args)
+    finally:
+        if os.getppid() != ppid:
+            orphan_cleanup(*arena_names)
+
+
+def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> str:
+    sup = Supervisor(opts, say)
+    sup.start()
+    reason = "stopped"
+    try:
+        reason = sup.serve()
+    finally:
+        sup.shutdown(reason)
+        say(f"run {opts.name!r} stopped: {reason}")
+    return reason
