@@ -22,7 +22,7 @@ import numpy as np
 from coli.config import ModelConfig, load_config
 from coli.errors import WeightError
 from coli.model.tensors import dense_shapes, expert_shapes, expert_tensor_name, layer_of
-from coli.safetensors_io import SafetensorsFile
+from coli.safetensors_io import SafetensorsFile, TensorInfo
 
 log = logging.getLogger("coli.weights")
 
@@ -153,6 +153,11 @@ class HFCheckpoint:
 
     def raw(self, name: str) -> np.ndarray:
         return self._where[name].raw(name)
+
+    def tensor_info(self, name: str) -> tuple[Path, TensorInfo]:
+        """(shard path, header entry) of a tensor, for readers that stream it themselves (the converter)."""
+        f = self._where[name]
+        return f.path, f.tensors[name]
 
     def dense(self, name: str) -> np.ndarray:
         """float32 tensor; FP8 weights dequantised with their block scales."""

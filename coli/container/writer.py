@@ -45,7 +45,7 @@ from coli.container.format import (
 from coli.container.quant import QuantError, fp8_to_float32, pack_tiles, quantize, quantize_fp8_int4
 from coli.errors import WeightError
 from coli.model.tensors import dense_shapes, expert_tensor_name, keep_full_precision
-from coli.safetensors_io import FLOAT_DTYPES, SafetensorsFile, TensorInfo, to_float32
+from coli.safetensors_io import FLOAT_DTYPES, TensorInfo, to_float32
 from coli.weights import FP8_BLOCK, HFCheckpoint, find_shards
 
 _STORAGE = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "F8_E4M3": "u1"}
@@ -118,7 +118,6 @@ class Source:
         self.config: ModelConfig = load_config(src)
         self.ck = HFCheckpoint(src, self.config, report=report)   # completeness + shapes + MTP skip
         self.shards, _ = find_shards(src)
-        self._st = {p: SafetensorsFile(p) for p in self.shards}
         self._names = set(self.ck.names())
         self._fds: dict[Path, int] = {}
         for p in self.shards:   # opened up front: worker threads read concurrently
@@ -132,14 +131,11 @@ class Source:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        for f in self._st.values():
-            f.close()
         self.ck.close()
 
     # -- lookup ----------------------------------------------------------------------------------
     def _info(self, name: str) -> tuple[Path, TensorInfo]:
-        path = self.ck.file_of(name)
-        return path, self._st[path].tensors[name]
+        return self.ck.tensor_info(name)
 
     def matrix(self, name: str, shape: tuple[int, ...]) -> SrcMatrix:
         path, info = self._info(name)
@@ -498,30 +494,27 @@ def unit_input_bytes(src: Source, plan: Plan, u: Unit) -> int:
 
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, *,
             progress: Callable[[int, int], None] | None = None,
-            report: Callable[[str], None] | None = None, threads: int = 2) -> ConvertResult:
+            report: Callable[[str], None] | None = None, threads: int = 2,
+            commit_bytes: int = COMMIT_BYTES, commit_seconds: float = COMMIT_SECONDS) -> ConvertResult:
     """Convert (or resume converting) SRC into DST. progress(done_bytes, total_bytes) is called as input is
-    consumed; report(message) gets one-line notes."""
+    consumed; report(message) gets one-line notes. Finished units are journaled (fsync'd) at least every
+    commit_bytes written or commit_seconds elapsed: what a crash can cost in redone work."""
     t_start = time.monotonic()
     src, dst = Path(src), Path(dst)
     opts.validate()
     _check_paths(src, dst)
     source = Source(src, report=report)
     try:
-        return _convert(source, src, dst, opts, progress, report or (lambda m: None), threads, t_start)
+        return _convert(source, src, dst, opts, progress, report or (lambda m: None), threads, t_start,
+                        (commit_bytes, commit_seconds))
     finally:
         source.close()
 
 
-def _convert(source: Source, src: Path, dst: Path, opts: ConvertOptions, progress, report, threads, t_start):
-    c = source.config
-    # validate every tensor up front, so a bad dtype or companion fails before any byte is written
-    for name, shape in dense_shapes(c).items():
-        source.matrix(name, shape)
-    for layer in c.moe_layers:
-        for e in range(c.n_routed_experts):
-            for part in ("gate_proj", "up_proj", "down_proj"):
-                source.expert_matrix(layer, e, part)
-    plan = make_plan(c, opts)
+def _convert(source: Source, src: Path, dst: Path, opts: ConvertOptions, progress, report, threads, t_start, commit):
+    plan = make_plan(source.config, opts)
+    # every tensor is looked up (dtype, FP8 companion, shapes) here, so bad input fails before a byte is written
+    in_bytes = [unit_input_bytes(source, plan, u) for u in plan.units]
     header = {"journal": "coli-convert", "format_version": VERSION, "writer": f"coli {__version__}",
               "args": opts.to_dict(), "source": source.fingerprint(), "plan": plan.digest()}
 
@@ -532,7 +525,8 @@ def _convert(source: Source, src: Path, dst: Path, opts: ConvertOptions, progres
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ContainerError(f"{dst}: another coli convert is writing this directory") from None
-        return _convert_locked(source, src, dst, opts, plan, header, progress, report, threads, t_start)
+        return _convert_locked(source, src, dst, opts, plan, in_bytes, header, progress, report, threads, t_start,
+                               commit)
     finally:
         os.close(lock_fd)
 
@@ -550,7 +544,8 @@ def _check_header(dst: Path, old: dict, header: dict, what: str) -> None:
                              f"delete it and convert again")
 
 
-def _convert_locked(source, src, dst, opts, plan, header, progress, report, threads, t_start) -> ConvertResult:
+def _convert_locked(source, src, dst, opts, plan, in_bytes, header, progress, report, threads, t_start,
+                    commit) -> ConvertResult:
     journal_path = dst / JOURNAL_NAME
     manifest_path = dst / MANIFEST_NAME
     units = plan.units
@@ -604,11 +599,12 @@ def _convert_locked(source, src, dst, opts, plan, header, progress, report, thre
                                  f"{free / 1e9:.2f} GB are free. Free space and rerun the same command")
         copied = _copy_files(src, dst, plan.total_bytes)
 
-        total_in = sum(unit_input_bytes(source, plan, u) for u in units)
-        done_in = sum(unit_input_bytes(source, plan, u) for u in units[:done])
+        total_in = sum(in_bytes)
+        done_in = sum(in_bytes[:done])
         if progress:
             progress(done_in, total_in)
-        bytes_in = _run_units(source, plan, units, done, sums, out, journal, progress, done_in, total_in, threads)
+        bytes_in = _run_units(source, plan, in_bytes, done, sums, out, journal, progress, done_in, total_in,
+                              threads, commit)
         manifest = _finish(source, dst, opts, plan, header, sums, out, copied)
     finally:
         out.close()
@@ -632,8 +628,10 @@ def _copy_files(src: Path, dst: Path, total: int) -> list[FileEntry]:
     return entries
 
 
-def _run_units(source, plan, units, done, sums, out, journal, progress, done_in, total_in, threads) -> int:
+def _run_units(source, plan, in_bytes, done, sums, out, journal, progress, done_in, total_in, threads, policy) -> int:
     """Produce units[done:] in order, journaling them in fsync'd batches. Returns the input bytes converted."""
+    commit_bytes, commit_seconds = policy
+    units = plan.units
     pending: list[tuple[int, int]] = []
     pending_bytes = 0
     last_commit = time.monotonic()
@@ -656,7 +654,7 @@ def _run_units(source, plan, units, done, sums, out, journal, progress, done_in,
         consumed += nin
         if progress:
             progress(done_in + consumed, total_in)
-        if pending_bytes >= COMMIT_BYTES or time.monotonic() - last_commit >= COMMIT_SECONDS:
+        if pending_bytes >= commit_bytes or time.monotonic() - last_commit >= commit_seconds:
             commit()
 
     def produce_expert(u: Unit) -> np.ndarray:
@@ -686,7 +684,7 @@ def _run_units(source, plan, units, done, sums, out, journal, progress, done_in,
                     z = bytes(pad)
                     out.write(u.file, pos, z, f"tensor {u.name!r}")
                     h.update(z)
-                finished(i, h.intdigest(), u.length, m.nbytes)
+                finished(i, h.intdigest(), u.length, in_bytes[i])
                 i += 1
             else:
                 # a run of expert records: produced by worker threads (numpy releases the GIL), written in order
@@ -708,7 +706,7 @@ def _run_units(source, plan, units, done, sums, out, journal, progress, done_in,
                         if k + window < len(run):
                             futures.append(pool.submit(produce_expert, run[k + window]))
                     out.write(u.file, u.offset, rec, f"record layer {u.layer} expert {u.expert}")
-                    finished(i + k, xxhash.xxh64(rec).intdigest(), u.length, unit_input_bytes(source, plan, u))
+                    finished(i + k, xxhash.xxh64(rec).intdigest(), u.length, in_bytes[i + k])
                 i = j
         commit()
     finally:
