@@ -13,6 +13,7 @@ KNOWN = {
     "copy_error",    # GPU: an H2D copy fails
     "kernel_error",  # GPU: a kernel launch fails
     "oversize",      # GPU: a record is treated as larger than a VRAM slot
+    "start_crash_reader", "start_crash_ramtier", "start_crash_executor",  # a stage dies during start-up
 }
 
 

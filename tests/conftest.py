@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT / "scripts", ROOT / "tests"):
+for p in (ROOT / "scripts", ROOT / "tests", ROOT / "tests" / "runtime"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 

@@ -182,7 +182,7 @@ class Supervisor:
         mp = multiprocessing.get_context("spawn")
         for name in STAGES:
             fn, args = targets[name]
-            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name]), name=f"coli-{o.name}-{name}",
+            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name), name=f"coli-{o.name}-{name}",
                            daemon=False)
             p.start()
             sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=b"supervisor")
@@ -487,22 +487,32 @@ class Supervisor:
             log.info("stopped", reason=reason)
 
 
-def _raise_exit(signum, frame):
-    raise SystemExit(0)
-
-
-def _stage_entry(fn, args, arena_names) -> None:
+def _stage_entry(fn, args, arena_names, stage) -> None:
     """Runs in the spawned child: a clean signal state, then the stage's main. If the supervisor died
     (SIGKILL: the kernel sends us SIGTERM through PR_SET_PDEATHSIG, or our loop sees its sentinel), the
-    run's shared memory is unlinked on the way out so nothing of the run outlives it."""
+    run's shared memory is unlinked on the way out so nothing of the run outlives it. The unlink is done
+    first thing in the SIGTERM handler too, so it cannot be skipped by where the exit lands."""
     from coli.stages.common import orphan_cleanup
 
     ppid = os.getppid()
+
+    def on_term(signum, frame):
+        # The supervisor stops stages with Shutdown messages (then SIGKILL), never SIGTERM: a SIGTERM is
+        # the kernel telling us the supervisor died (PR_SET_PDEATHSIG; some kernels, gVisor among them,
+        # deliver it before getppid() changes) or an operator killing this stage, which ends the run
+        # anyway. Either way the run's shared memory goes (unlinking twice is harmless).
+        orphan_cleanup(*arena_names)
+        raise SystemExit(0)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us in order
-    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGTERM, on_term)
     try:
+        from coli.stages.faults import Faults
+        if Faults.from_env().hit(f"start_crash_{stage}"):
+            raise SystemExit(f"injected start-up crash of stage {stage!r} (COLI_INJECT)")
         fn(*args)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if os.getppid() != ppid:
             orphan_cleanup(*arena_names)
 
