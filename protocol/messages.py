@@ -193,8 +193,10 @@ class GenerateRequest(Message):
     """Client -> executor (through the supervisor): generate up to `max_tokens` after `prompt_ids`.
 
     `greedy` overrides the sampling settings (argmax). `top_k` 0 and `top_p` 1.0 disable those filters.
-    `seed` None means the executor picks one. `session` names a conversation whose KV cache may be
-    reused; None for a one-shot request."""
+    `seed` None means the executor picks one. `session` names a conversation whose KV cache is kept
+    between turns (and saved on shutdown): the executor reuses the longest prefix of `prompt_ids` it
+    already holds and prefills only the rest; None for a one-shot request. An unknown session is an
+    error unless `new_session` asks to create it."""
 
     KIND: ClassVar[int] = 0x10
     request_id: str
@@ -207,6 +209,7 @@ class GenerateRequest(Message):
     greedy: bool
     ignore_eos: bool
     session: str | None = None
+    new_session: bool = False
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
@@ -222,6 +225,8 @@ class GenerateRequest(Message):
             _need(0 <= self.seed < _U64, f"seed must be in [0, 2**64), got {self.seed}")
         if self.session is not None:
             _name("session", self.session)
+            _need(all(c.isalnum() or c in "._-" for c in self.session),
+                  f"session must be letters, digits, '.', '_' or '-', got {short(self.session)}")
 
 
 @dataclass(frozen=True, slots=True)

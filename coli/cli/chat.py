@@ -25,14 +25,18 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
     system: Optional[str] = typer.Option(None, "--system", help="A system message to start the conversation."),
+    session: Optional[str] = typer.Option(None, "--session", help="Keep this conversation's KV cache between turns "
+                                          "and across restarts (created if new; each turn prefills only new tokens)."),
     as_json: bool = typer.Option(False, "--json", help="One-shot: print one JSON object (like `coli run --json`)."),
 ) -> None:
     """Chat with a running model (start one with `coli up`)."""
-    _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json)
+    _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json,
+          session)
 
 
 @clean_errors
-def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json):
+def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json,
+          session=None):
     from coli.chat_template import load_chat_template
     from coli.client import Client
     from coli.tokenizer import StreamDecoder, load_tokenizer
@@ -43,7 +47,7 @@ def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     if greedy and sampling:
         raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
     kw = dict(greedy=not sampling, temperature=temperature or 1.0, top_p=top_p, top_k=top_k, seed=seed,
-              ignore_eos=ignore_eos)
+              ignore_eos=ignore_eos, session=session, new_session=session is not None)
     with Client(name) as client:
         container = client.info.get("container")
         tok = load_tokenizer(container) if container else None

@@ -7,10 +7,13 @@ Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients);
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import zmq
 
+from coli.container.format import MANIFEST_NAME
 from coli.container.reader import ContainerReader
+from coli.errors import WeightError
 from coli.generate import Generation
 from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
@@ -24,6 +27,7 @@ from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv_from, send
 from coli.stages.common import orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.executor.experts import ExpertUnavailable, RamTierExperts
+from coli.stages.executor.sessions import SessionError, SessionStore, model_fingerprint
 from coli.stages.ramtier.core import ResidencyTable
 
 STAGE = "executor"
@@ -38,7 +42,7 @@ class StopRequested(Exception):
 
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
-                  device: str = "cpu", log_level: str = "info") -> None:
+                  device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None) -> None:
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -102,6 +106,9 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     experts = RamTierExperts(ram, arena, table, weights.record_layout, cfg.n_routed_experts, arena.n_slots,
                              idle=pump, log=log)
     model = GlmMoeDsaModel(cfg, weights, backend, experts=experts)
+    manifest = (Path(container_dir) / MANIFEST_NAME).read_bytes()
+    sessions = SessionStore(cfg, model.new_cache, Path(sessions_dir or Path(container_dir) / "sessions"),
+                            model_fingerprint(cfg, manifest))
     counters = {"requests": 0, "tokens": 0, "cancelled": 0, "failed": 0, "decode_s": 0.0, "prefill_s": 0.0,
                 "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0}
     ticker = Ticker(0.5)
@@ -127,16 +134,28 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             return
         params = SamplingParams(greedy=req.greedy or req.temperature == 0.0, temperature=req.temperature or 1.0,
                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        sess, new_ids, cache = None, list(req.prompt_ids), None
+        if req.session is not None:
+            try:
+                sess = sessions.get(req.session, create=req.new_session)
+            except (SessionError, WeightError, ValueError) as e:
+                send(sock, Error(ERROR_BAD_REQUEST, str(e), rid), peer=peer)
+                return
+            new_ids = sess.reuse(list(req.prompt_ids))
+            cache = sess.cache
+        reused = len(req.prompt_ids) - len(new_ids)
         state["current"] = rid
         counters["requests"] += 1
         t0 = time.perf_counter()
-        gen = Generation(model, req.prompt_ids, req.max_tokens, params, eos_ids=cfg.eos_token_ids,
-                         ignore_eos=req.ignore_eos)
+        gen = Generation(model, new_ids, req.max_tokens, params, eos_ids=cfg.eos_token_ids,
+                         ignore_eos=req.ignore_eos, cache=cache)
         n = 0
+        out_tokens: list[int] = []
         reason = "length"
         try:
             for i, tok in enumerate(gen):
                 send(sock, Token(rid, int(tok), i), peer=peer)
+                out_tokens.append(int(tok))
                 n = i + 1
                 counters["tokens"] += 1
                 pump(0)
@@ -153,15 +172,19 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             return
         finally:
             state["current"] = None
+            if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
+                sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
         dt = time.perf_counter() - t0
         counters["prefill_s"] += gen.stats.prefill_s
         counters["decode_s"] += gen.stats.decode_s
         counters["last_tokens_per_s"] = round(gen.stats.decode_tps, 3)
         counters["last_latency_s"] = round(dt, 4)
         timing = {"prefill_s": gen.stats.prefill_s, "decode_s": gen.stats.decode_s, "total_s": dt,
-                  "decode_tokens_per_s": gen.stats.decode_tps}
+                  "decode_tokens_per_s": gen.stats.decode_tps, "prefill_tokens": len(new_ids),
+                  "reused_tokens": reused}
         send(sock, Done(rid, reason, n, timing), peer=peer)
-        log.info("request", request_id=rid, prompt_tokens=len(req.prompt_ids), tokens=n, finish=reason,
+        log.info("request", request_id=rid, prompt_tokens=len(req.prompt_ids), reused_tokens=reused,
+                 session=req.session, tokens=n, finish=reason,
                  total_s=round(dt, 4), decode_tps=round(gen.stats.decode_tps, 2))
 
     try:
@@ -181,10 +204,16 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 except StopRequested:
                     break
     finally:
+        try:
+            saved = sessions.save_all()
+            if saved:
+                log.info("sessions_saved", count=len(saved), dir=str(sessions.dir))
+        except Exception as e:  # never lose the shutdown over it, but say so
+            log.error("sessions_not_saved", error=str(e))
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()
-        del model, experts, table
+        del model, experts, table, sessions
         for a in (tarena, arena):
             try:
                 a.close()

@@ -85,6 +85,12 @@ def clean_stale(rd: RunDir, say: Callable[[str], None]) -> None:
         f"{len(removed)} shared-memory segment(s) removed, {killed} leftover stage process(es) killed")
 
 
+def sessions_dir(container: Path) -> Path:
+    """Saved sessions live beside the container cache, per container (a container dir may be read-only)."""
+    from coli.model_store import cache_root
+    return cache_root().parent / "sessions" / Path(container).resolve().name
+
+
 def _same_process_alive(pid: int, start: int | None) -> bool:
     from coli.protocol.rundir import _alive
     return _alive(pid, start)
@@ -174,7 +180,8 @@ class Supervisor:
                                      o.log_level)),
             "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
                                        o.queue_depth, o.log_level)),
-            "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level)),
+            "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
+                                         str(sessions_dir(container)))),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
