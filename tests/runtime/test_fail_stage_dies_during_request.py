@@ -22,6 +22,7 @@ def test_kill_stage_mid_generation(default_oracle, start_run, stage):
     os.kill(run.stage_pids[stage], signal.SIGKILL)
     err, dt = drain_until_error(it, StageDeadError)
     assert err.stage == stage and stage in str(err)
+    print(f"{stage}: StageDead after {dt:.3f} s")
     assert dt < 2.0, f"the client learnt of the death after {dt:.2f} s"
     c.close()
     run.proc.wait(30)
