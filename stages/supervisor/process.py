@@ -163,6 +163,7 @@ class Supervisor:
                            "ram_gb": o.ram_gb, "ram_slots": n_slots, "slot_bytes": slot_bytes,
                            "ram_fraction_of_experts": round(n_slots / n_total, 4), "device": device,
                            "eos_token_ids": list(cfg.eos_token_ids), "vocab_size": cfg.vocab_size,
+                           "max_position_embeddings": cfg.max_position_embeddings,
                            "version": __version__}
         self.say(f"run {o.name!r}: model {self.model_info['model']} ({cfg.num_hidden_layers} layers, "
                  f"{len(cfg.moe_layers)}x{cfg.n_routed_experts} experts), RAM tier {n_slots} slots x "
