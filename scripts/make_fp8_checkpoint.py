@@ -102,11 +102,11 @@ def hf_config(d: dict, weight_dtype: str) -> dict:
     return cfg
 
 
-def tensor_specs(d: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+def tensor_specs(d: dict, mtp: bool = True) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, kind, shape) in hub order; kind: linear | norm | knorm_bias | embed | router | corr_bias | small."""
     H, nh = d["hidden"], d["heads"]
     specs: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", "embed", (d["vocab"], H))]
-    for i in range(d["layers"] + 1):  # + the MTP layer
+    for i in range(d["layers"] + (1 if mtp else 0)):  # + the MTP layer
         p = f"model.layers.{i}."
         mtp = i == d["layers"]
         if mtp:
@@ -228,8 +228,9 @@ def write_tokenizer(out: Path, vocab: int) -> None:
 
 
 def build_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, weight_dtype: str = "fp8", shards: int = 3,
-                     random_codes: bool = False, tokenizer: bool = True, **dims) -> dict:
-    """Write the checkpoint into out_dir (created; must not hold files). Returns the config dict."""
+                     random_codes: bool = False, tokenizer: bool = True, mtp: bool = True, **dims) -> dict:
+    """Write the checkpoint into out_dir (created; must not hold files). Returns the config dict.
+    mtp=False leaves out the MTP layer (benchmarks: it is skipped by the converter anyway)."""
     if weight_dtype not in ("fp8", "bf16", "f32"):
         raise ValueError(f"weight_dtype must be fp8, bf16 or f32, got {weight_dtype!r}")
     unknown = set(dims) - set(DEFAULT_DIMS)
@@ -241,7 +242,7 @@ def build_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0, weight_dtype:
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty")
     cfg = hf_config(d, weight_dtype)
-    specs = tensor_specs(d)
+    specs = tensor_specs(d, mtp)
     # Split into shards of about equal stored size, keeping the hub order.
     sizes = [sum(int(np.prod(s)) * _ITEM[t] for _, t, s in _stored(n, k, sh, weight_dtype)) for n, k, sh in specs]
     total = sum(sizes)
@@ -286,12 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("fp8", "bf16", "f32"), default="fp8")
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--random-codes", action="store_true", help="uniform random fp8 codes (benchmarks only)")
+    ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer")
     for k, v in DEFAULT_DIMS.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     a = ap.parse_args(argv)
     dims = {k: getattr(a, k) for k in DEFAULT_DIMS}
     try:
-        build_checkpoint(a.out, seed=a.seed, weight_dtype=a.dtype, shards=a.shards, random_codes=a.random_codes, **dims)
+        build_checkpoint(a.out, seed=a.seed, weight_dtype=a.dtype, shards=a.shards, random_codes=a.random_codes,
+                         mtp=not a.no_mtp, **dims)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,10 +25,14 @@ import fcntl
 import json
 import math
 import os
+import queue
 import shutil
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -297,24 +301,6 @@ def _encode_rows(src: Source, m: SrcMatrix, lay: MatrixLayout, r0: int, r1: int)
         raise WeightError(f"{m.path}: tensor {m.name!r}: {e}") from None
 
 
-def _dense_chunks(src: Source, m: SrcMatrix, lay: MatrixLayout) -> Iterator[np.ndarray]:
-    """The tiles of one dense tensor, in order, produced a row chunk at a time."""
-    step = lay.rows_per_tile
-    if m.dtype == "F8_E4M3":
-        step = step * FP8_BLOCK // math.gcd(step, FP8_BLOCK)
-    step *= max(1, _CHUNK_ELEMS // max(step * lay.cols, 1))
-    for r0 in range(0, lay.rows, step):
-        r1 = min(lay.rows, r0 + step)
-        data, meta = _encode_rows(src, m, lay, r0, r1)
-        t0 = r0 // lay.rows_per_tile
-        t_end = -(-r1 // lay.rows_per_tile)
-        start = lay.tile(t0)[0]
-        stop = lay.nbytes if t_end == lay.n_tiles else lay.tile(t_end)[0]
-        out = np.empty(stop - start, np.uint8)
-        pack_tiles(lay, data, meta, r0, out)
-        yield out
-
-
 def _expert_record(src: Source, record: RecordLayout, layer: int, e: int) -> np.ndarray:
     buf = np.zeros(record.nbytes, np.uint8)
     for part, lay in zip(("gate_proj", "up_proj", "down_proj"), record.matrices):
@@ -348,14 +334,6 @@ class _Out:
             raise _write_error(self.dst / name, e, f"{what} at offset {offset + done}", self.total) from None
         self.dirty.add(name)
 
-    def sync(self) -> None:
-        for name in sorted(self.dirty):
-            try:
-                os.fsync(self.fds[name])
-            except OSError as e:
-                raise _write_error(self.dst / name, e, "fsync", self.total) from None
-        self.dirty.clear()
-
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
@@ -366,9 +344,9 @@ def _write_error(path: Path, e: OSError, what: str, total: int) -> ContainerErro
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         why = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                errno.EFBIG: "file too large for this file system or process limit"}[e.errno]
-        return ContainerError(f"{path}: {why} while writing {what}; the container needs "
-                              f"{total / 1e9:.2f} GB in all. Free space and rerun the same command to resume "
-                              f"(the finished part is kept)")
+        need = f"; the container needs {total / 1e9:.2f} GB in all" if total else ""
+        return ContainerError(f"{path}: {why} while writing {what}{need}. Free space and rerun the same command "
+                              f"to resume (the finished part is kept)")
     return ContainerError(f"{path}: write failed during {what}: {e.strerror}")
 
 
@@ -436,8 +414,14 @@ class Journal:
 
     def append(self, entries: list[tuple[int, int]]) -> None:
         if entries and self.fd is not None:
-            os.write(self.fd, "".join(f"{i} {h:016x}\n" for i, h in entries).encode())
-            os.fsync(self.fd)
+            data = "".join(f"{i} {h:016x}\n" for i, h in entries).encode()
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.write(self.fd, data[done:])
+                os.fsync(self.fd)
+            except OSError as e:
+                raise _write_error(self.path, e, "the journal", 0) from None
 
     def close(self) -> None:
         if self.fd is not None:
@@ -507,6 +491,9 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, *,
     try:
         return _convert(source, src, dst, opts, progress, report or (lambda m: None), threads, t_start,
                         (commit_bytes, commit_seconds))
+    except OSError as e:   # anything not already reported with its context
+        where = e.filename or dst
+        raise ContainerError(f"{where}: {e.strerror or e}") from None
     finally:
         source.close()
 
@@ -628,95 +615,173 @@ def _copy_files(src: Path, dst: Path, total: int) -> list[FileEntry]:
     return entries
 
 
+class _Committer(threading.Thread):
+    """fsyncs data files and then appends journal lines, in the order batches were handed over, off the main
+    thread, so writing the next units overlaps the disk flush. A failure is re-raised in the main thread."""
+
+    def __init__(self, journal: Journal, dst: Path, total: int):
+        super().__init__(name="coli-convert-commit", daemon=True)
+        self.journal, self.dst, self.total = journal, dst, total
+        self.q: queue.Queue = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    fds, entries = item
+                    for name, fd in fds:
+                        try:
+                            os.fsync(fd)
+                        except OSError as e:
+                            raise _write_error(self.dst / name, e, "fsync", self.total) from None
+                    self.journal.append(entries)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, fds: list[tuple[str, int]], entries: list[tuple[int, int]]) -> None:
+        self.check()
+        self.q.put((fds, entries))
+
+    def drain(self) -> None:
+        self.q.join()
+        self.check()
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.join()
+
+
+@dataclass(frozen=True)
+class _Job:
+    unit: int
+    offset: int               # where the piece goes in the unit's file
+    last: bool                # the unit's last piece
+    fn: Callable[[], object]  # produces the piece's bytes
+
+
+def _dense_piece(source: Source, m: SrcMatrix, lay: MatrixLayout, r0: int, r1: int, pad: int) -> np.ndarray:
+    """The tiles of rows [r0, r1) (r0 on a tile boundary), followed by `pad` zero bytes."""
+    data, meta = _encode_rows(source, m, lay, r0, r1)
+    t0, t_end = r0 // lay.rows_per_tile, -(-r1 // lay.rows_per_tile)
+    start = lay.tile(t0)[0]
+    stop = lay.nbytes if t_end == lay.n_tiles else lay.tile(t_end)[0]
+    out = np.empty(stop - start + pad, np.uint8)
+    pack_tiles(lay, data, meta, r0, out[:stop - start])
+    out[stop - start:] = 0
+    return out
+
+
+def _dense_steps(m: SrcMatrix, lay: MatrixLayout) -> list[tuple[int, int]]:
+    step = lay.rows_per_tile
+    if m.dtype == "F8_E4M3":
+        step = step * FP8_BLOCK // math.gcd(step, FP8_BLOCK)   # whole tiles and whole fp8 block rows
+    step *= max(1, _CHUNK_ELEMS // max(step * lay.cols, 1))
+    return [(r0, min(lay.rows, r0 + step)) for r0 in range(0, lay.rows, step)]
+
+
+def _jobs(source: Source, plan: Plan, start: int) -> Iterator[_Job]:
+    for i in range(start, len(plan.units)):
+        u = plan.units[i]
+        if u.kind == "header":
+            head = file_header(KIND_DENSE if u.file == DENSE_NAME else KIND_EXPERTS, u.file_number)
+            yield _Job(i, u.offset, True, lambda head=head: head)
+        elif u.kind == "dense":
+            shape, lay = plan.dense[u.name]
+            m = source.matrix(u.name, shape)
+            steps = _dense_steps(m, lay)
+            for k, (r0, r1) in enumerate(steps):
+                last = k == len(steps) - 1
+                pos = u.offset + lay.tile(r0 // lay.rows_per_tile)[0]
+                pad = u.length - lay.nbytes if last else 0
+                yield _Job(i, pos, last, partial(_dense_piece, source, m, lay, r0, r1, pad))
+        else:
+            yield _Job(i, u.offset, True, partial(_expert_record, source, plan.record, u.layer, u.expert))
+
+
+def _what(u: Unit) -> str:
+    return {"header": "the file header", "dense": f"tensor {u.name!r}",
+            "expert": f"record layer {u.layer} expert {u.expert}"}[u.kind]
+
+
 def _run_units(source, plan, in_bytes, done, sums, out, journal, progress, done_in, total_in, threads, policy) -> int:
-    """Produce units[done:] in order, journaling them in fsync'd batches. Returns the input bytes converted."""
+    """Produce units[done:] in order — pieces computed by `threads` workers (numpy releases the GIL), written by
+    this thread in plan order — journaling finished units in fsync'd batches. Returns the input bytes converted."""
     commit_bytes, commit_seconds = policy
     units = plan.units
     pending: list[tuple[int, int]] = []
     pending_bytes = 0
     last_commit = time.monotonic()
     consumed = 0
+    committer = _Committer(journal, out.dst, plan.total_bytes)
+    committer.start()
 
     def commit() -> None:
         nonlocal pending_bytes, last_commit
         if pending:
-            out.sync()
-            journal.append(pending)
+            fds = [(name, out.fds[name]) for name in sorted(out.dirty)]
+            out.dirty.clear()
+            committer.submit(fds, list(pending))
             pending.clear()
         pending_bytes = 0
         last_commit = time.monotonic()
 
-    def finished(i: int, h: int, nbytes: int, nin: int) -> None:
-        nonlocal pending_bytes, consumed
-        sums.append(h)
-        pending.append((i, h))
-        pending_bytes += nbytes
-        consumed += nin
-        if progress:
-            progress(done_in + consumed, total_in)
-        if pending_bytes >= commit_bytes or time.monotonic() - last_commit >= commit_seconds:
-            commit()
+    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+    window: deque = deque()
+    jobs = _jobs(source, plan, done)
 
-    def produce_expert(u: Unit) -> np.ndarray:
-        return _expert_record(source, plan.record, u.layer, u.expert)
+    def refill() -> None:
+        while len(window) < (threads + 1 if pool else 1):
+            job = next(jobs, None)
+            if job is None:
+                return
+            window.append((job, pool.submit(job.fn) if pool else None))
 
-    pool = ThreadPoolExecutor(max_workers=max(1, threads)) if threads > 1 else None
     try:
-        i = done
-        while i < len(units):
-            u = units[i]
-            if u.kind == "header":
-                buf = file_header(KIND_DENSE if u.file == DENSE_NAME else KIND_EXPERTS, u.file_number)
-                out.write(u.file, u.offset, buf, "the file header")
-                finished(i, xxhash.xxh64(buf).intdigest(), len(buf), 0)
-                i += 1
-            elif u.kind == "dense":
-                shape, lay = plan.dense[u.name]
-                m = source.matrix(u.name, shape)
+        refill()
+        h = xxhash.xxh64()
+        while window:
+            job, fut = window.popleft()
+            refill()
+            buf = fut.result() if fut is not None else job.fn()
+            u = units[job.unit]
+            out.write(u.file, job.offset, buf, _what(u))
+            h.update(buf)
+            if job.last:
+                sums.append(h.intdigest())
+                pending.append((job.unit, sums[-1]))
                 h = xxhash.xxh64()
-                pos = u.offset
-                for chunk in _dense_chunks(source, m, lay):
-                    out.write(u.file, pos, chunk, f"tensor {u.name!r}")
-                    h.update(chunk)
-                    pos += chunk.nbytes
-                pad = u.offset + u.length - pos
-                if pad:
-                    z = bytes(pad)
-                    out.write(u.file, pos, z, f"tensor {u.name!r}")
-                    h.update(z)
-                finished(i, h.intdigest(), u.length, in_bytes[i])
-                i += 1
-            else:
-                # a run of expert records: produced by worker threads (numpy releases the GIL), written in order
-                j = i
-                while j < len(units) and units[j].kind == "expert":
-                    j += 1
-                run = units[i:j]
-                window = max(1, threads) + 1
-                if pool is None:
-                    futures = None
-                else:
-                    futures = [pool.submit(produce_expert, u) for u in run[:window]]
-                for k, u in enumerate(run):
-                    if futures is None:
-                        rec = produce_expert(u)
-                    else:
-                        rec = futures[k].result()
-                        futures[k] = None
-                        if k + window < len(run):
-                            futures.append(pool.submit(produce_expert, run[k + window]))
-                    out.write(u.file, u.offset, rec, f"record layer {u.layer} expert {u.expert}")
-                    finished(i + k, xxhash.xxh64(rec).intdigest(), u.length, in_bytes[i + k])
-                i = j
+                pending_bytes += u.length
+                consumed += in_bytes[job.unit]
+                if progress:
+                    progress(done_in + consumed, total_in)
+                if pending_bytes >= commit_bytes or time.monotonic() - last_commit >= commit_seconds:
+                    commit()
         commit()
+        committer.drain()
     finally:
         # whatever finished before an error or interrupt is kept for the next run
-        try:
-            commit()
-        except ContainerError:
-            pass
+        for _, fut in window:
+            if fut is not None:
+                fut.cancel()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            commit()
+            committer.drain()
+        except ContainerError:
+            pass
+        finally:
+            committer.stop()
     return consumed
 
 

@@ -145,3 +145,21 @@ def test_non_empty_unrelated_dst_is_refused(small_fp8, tmp_path):
     with pytest.raises(ColiError, match="not empty"):
         convert(small_fp8, dst, ConvertOptions())
     assert (dst / "notes.txt").read_text() == "mine"
+
+
+def _peak_rss_converting(src: Path, dst: Path) -> int:
+    code = ("import resource, sys; from coli.container.writer import ConvertOptions, convert; "
+            "convert(sys.argv[1], sys.argv[2], ConvertOptions()); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True, check=True)
+    return int(r.stdout.split()[-1])
+
+
+def test_peak_memory_does_not_grow_with_the_checkpoint(big_ckpt, tmp_path):
+    small = tmp_path / "small"
+    mk.build_checkpoint(small, seed=3, experts=8, random_codes=True, tokenizer=False)
+    size = lambda d: sum(p.stat().st_size for p in d.iterdir())                      # noqa: E731
+    assert size(big_ckpt) - size(small) > 40e6                                       # 12x the experts
+    rss_small = _peak_rss_converting(small, tmp_path / "a")
+    rss_big = _peak_rss_converting(big_ckpt, tmp_path / "b")
+    assert rss_big - rss_small < 15e6, (rss_small, rss_big)

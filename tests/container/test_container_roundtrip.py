@@ -169,3 +169,44 @@ def test_flipped_byte_in_the_dense_core_is_caught(small_fp8, tmp_path):
     assert v.returncode == 1 and "tensor 'model.layers.0.self_attn.q_b_proj.weight'" in v.stderr
     with pytest.raises(ColiError, match="q_b_proj.*checksum mismatch"):
         ContainerReader(dst).dense("model.layers.0.self_attn.q_b_proj.weight")
+
+
+def test_bf16_source_is_lossless_in_bf16(tmp_path):
+    import make_fp8_checkpoint as mk
+    src = tmp_path / "src"
+    mk.build_checkpoint(src, seed=9, weight_dtype="bf16", layers=2, dense_layers=1, experts=4, topk=2, tokenizer=False)
+    dst = tmp_path / "c"
+    convert(src, dst, ConvertOptions(experts="bf16", dense="bf16"))
+    ck, rd = HFCheckpoint(src), ContainerReader(dst)
+    for name in rd.dense_names():
+        assert np.array_equal(rd.dense(name), ck.dense(name)), name
+    for e in range(4):
+        got, want = rd.expert(1, e), ck.expert(1, e)
+        assert all(np.array_equal(getattr(got, p), getattr(want, p)) for p in ("gate", "up", "down"))
+
+
+def test_fused_expert_checkpoint(small_fp8, tmp_path):
+    """A checkpoint saved in transformers' in-memory layout (gate_up_proj [E, 2Im, H], down_proj [E, H, Im])."""
+    from coli.safetensors_io import write_safetensors
+    ck = HFCheckpoint(small_fp8)
+    c = ck.config
+    tensors = {}
+    for name in ck.names():
+        if ".mlp.experts." in name or name.endswith("_scale_inv"):
+            continue
+        tensors[name] = ("F32", ck.dense(name))
+    for layer in c.moe_layers:
+        ex = ck.experts(layer, range(c.n_routed_experts))
+        p = f"model.layers.{layer}.mlp.experts."
+        tensors[p + "gate_up_proj"] = ("F32", np.stack([np.concatenate([ex[e].gate, ex[e].up]) for e in ex]))
+        tensors[p + "down_proj"] = ("F32", np.stack([ex[e].down for e in ex]))
+    src = tmp_path / "fused"
+    src.mkdir()
+    write_safetensors(src / "model.safetensors", tensors)
+    (src / "config.json").write_bytes((small_fp8 / "config.json").read_bytes())
+    dst = tmp_path / "c"
+    convert(src, dst, ConvertOptions(experts="f32", dense="f32"))
+    rd = ContainerReader(dst)
+    for e in range(c.n_routed_experts):
+        got, want = rd.expert(1, e), ck.expert(1, e)
+        assert all(np.array_equal(getattr(got, p), getattr(want, p)) for p in ("gate", "up", "down"))
