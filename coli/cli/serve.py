@@ -1,0 +1,143 @@
+"""`coli serve`: the OpenAI-compatible HTTP gateway in front of a run (see coli/gateway.py and
+docs/serving.md). Starlette + uvicorn, on uvloop where it is installed."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from coli.cli.common import clean_errors
+from coli.errors import ColiError
+
+DEFAULT_HTTP = "127.0.0.1:8000"
+
+
+def parse_http(spec: str) -> tuple[str, int]:
+    """'[HOST:]PORT' -> (host, port); IPv6 hosts in brackets ('[::1]:8000'). The host defaults to 127.0.0.1."""
+    s = spec.strip()
+    host = "127.0.0.1"
+    if s.startswith("["):
+        end = s.find("]")
+        if end < 0 or not s[end + 1:].startswith(":"):
+            raise ColiError(f"--http {spec!r}: write an IPv6 address as [ADDR]:PORT")
+        host, port_s = s[1:end], s[end + 2:]
+    elif ":" in s:
+        host, _, port_s = s.rpartition(":")
+        if ":" in host:
+            raise ColiError(f"--http {spec!r}: write an IPv6 address as [ADDR]:PORT")
+    else:
+        port_s = s
+    if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ColiError(f"--http {spec!r}: the port must be a number in 0..65535 (0 picks a free one)")
+    return host or "127.0.0.1", int(port_s)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ColiError(f"--http: cannot resolve host {host!r}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ColiError(f"--http {host}:{port}: cannot listen there: {e.strerror} (pick another port with --http)") \
+            from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    name: str = typer.Option("default", "--name", help="Run name (the run must be up: `coli up`)."),
+    http: str = typer.Option(DEFAULT_HTTP, "--http", help="[HOST:]PORT to listen on (0 = a free port). Binds "
+                             "127.0.0.1 unless a host is given."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="COLI_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' (env COLI_API_KEY)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients use (default: the model "
+                                             "directory's name, 'demo' for the demo)."),
+    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", min=1,
+                                                     help="max_tokens for requests that give none (default: up to "
+                                                          "the context limit)."),
+    wait: float = typer.Option(0.0, "--wait", min=0.0, help="Seconds to wait for the run to come up."),
+    exit_with_run: bool = typer.Option(False, "--exit-with-run", help="Stop when the run stops."),
+    token_timeout: float = typer.Option(600.0, "--token-timeout", min=1.0,
+                                        help="Seconds without a token (queue wait included) before a 504."),
+    log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+) -> None:
+    """Serve a run over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, plus
+    /health and /metrics (Prometheus)."""
+    _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_run, token_timeout, log_level)
+
+
+@clean_errors
+def _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_run, token_timeout, log_level):
+    import uvicorn
+
+    from coli.client import Client, RunNotFound
+    from coli.gateway import Gateway, GatewayConfig, create_app
+    from coli.protocol.rundir import RunDir
+    from coli.stages.common import configure_logging
+
+    host, port = parse_http(http)
+    if api_key is not None and not api_key.strip():
+        raise ColiError("--api-key is empty")
+    deadline = time.monotonic() + wait
+    while True:  # the run must answer before we listen (clean error instead of a server that only says 503)
+        try:
+            with Client(name) as c:
+                info = c.info
+            break
+        except (RunNotFound, ColiError) as e:
+            if time.monotonic() >= deadline:
+                raise ColiError(f"{e}" + ("" if wait else " (or pass --wait SECONDS)")) from None
+            time.sleep(0.2)
+    sock = bind_socket(host, port)
+    port = sock.getsockname()[1]
+    log = configure_logging(RunDir(name, create=False).log_path("gateway"), "gateway", log_level)
+    cfg = GatewayConfig(run_name=name, api_key=api_key, model_id=model_name, default_max_tokens=default_max_tokens,
+                        token_timeout=token_timeout)
+    gw = Gateway(cfg, log)
+    app = create_app(cfg, log, gw)
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    config = uvicorn.Config(app, loop=loop, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    if exit_with_run:
+        gw.on_run_gone = lambda: setattr(server, "should_exit", True)
+    shown = f"[{host}]" if ":" in host else host
+    model = model_name or (os.path.basename(str(info.get("model") or "demo")) or "demo")
+    print(f"gateway for run {name!r} (model {model!r}) listening on http://{shown}:{port} "
+          f"(loop {loop}; auth {'on' if api_key else 'off'}) — OpenAI API at /v1, /health, /metrics",
+          file=sys.stderr, flush=True)
+    if not _is_loopback(host) and not api_key:
+        print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr, flush=True)
+    log.info("listening", host=host, port=port, loop=loop, auth=bool(api_key), model=model)
+    server.run(sockets=[sock])
+    log.info("stopped")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
