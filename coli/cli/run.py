@@ -26,13 +26,20 @@ def run(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     device: str = typer.Option("cpu", "--device", help="cpu (numpy) | gpu | auto."),
+    record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
+                                                  help="Append every MoE routing decision to this trace file (docs/traces.md)."),
+    topp: Optional[float] = typer.Option(None, "--topp", "--expert-topp", min=0.0, max=1.0, metavar="P",
+                                         help="APPROXIMATE: per token and layer keep only the fewest routed experts "
+                                              "carrying routing weight share >= P (not --top-p sampling). Off = exact."),
 ) -> None:
     """Generate from a model in this process and print the result."""
-    _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device)
+    _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
+         record_routing, topp)
 
 
 @clean_errors
-def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device):
+def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
+         record_routing=None, topp=None):
     from coli.generate import Generation
     from coli.loader import load_model
     from coli.model.sampling import SamplingParams
@@ -61,17 +68,35 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     if bad:
         raise ColiError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
 
+    if topp is not None:
+        if topp <= 0.0:
+            raise ColiError("--topp must be in (0, 1]")
+        lm.topp = topp
+        stderr_note(f"[approximate: expert top-p {topp} drops low-weight routed experts; output differs from the exact model]")
+    recorder = None
+    if record_routing is not None:
+        from coli.trace import RoutingRecorder
+        recorder = RoutingRecorder.for_model(record_routing, config, meta={"model": str(model), "topp": topp})
+        recorder.new_sequence()
+        lm.routing_hook = recorder
+
     gen = Generation(lm, ids, max_tokens, params, eos_ids=config.eos_token_ids, ignore_eos=ignore_eos)
     tokens: list[int] = []
     stream = StreamDecoder(tok) if (tok is not None and not as_json) else None
-    for t in gen:
-        tokens.append(t)
-        if stream is not None:
-            sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
+    try:
+        for t in gen:
+            tokens.append(t)
+            if stream is not None:
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+    finally:
+        if recorder is not None:
+            recorder.close()
     if as_json:
         out = {"tokens": tokens, "finish_reason": gen.stats.finish_reason, "prompt_tokens": len(ids),
                "stats": gen.stats.to_dict()}
+        if topp is not None:
+            out["approximate"] = {"expert_topp": topp}
         if tok is not None:
             out["text"] = tok.decode(tokens)
         print(json.dumps(out))

@@ -43,7 +43,8 @@ class WeightExperts:
             yield e, self.weights.experts(layer, [e])[e]
 
 
-# Called with (layer, idx [S, K], weights [S, K]) after each MoE router; used for routing traces.
+# Called with (layer, idx [S, K], weights [S, K]) after each MoE router; used for routing traces
+# (coli.trace.RoutingRecorder). With expert top-p on, pruned slots have idx -1 and weight 0.
 RoutingHook = Callable[[int, np.ndarray, np.ndarray], None]
 
 
@@ -129,6 +130,9 @@ class GlmMoeDsaModel:
         self.final_norm = backend.upload(weights.dense("model.norm.weight"))          # [H]
         self.lm_head = self.embed if c.tie_word_embeddings else backend.upload(weights.dense("lm_head.weight"))
         self.routing_hook: RoutingHook | None = None
+        # Expert top-p pruning (approximate, off = None = exact): routed experts of a token beyond the
+        # fewest that carry this share of its routing weight are dropped (idx -1). See prune_topp.
+        self.topp: float | None = None
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache.empty(self.config, self.backend, capacity)
@@ -202,11 +206,12 @@ class GlmMoeDsaModel:
         c, b = self.config, self.backend
         if lw.router is None:
             return b.swiglu(x2, lw.mlp_gate, lw.mlp_up, lw.mlp_down)
+        kw = {} if self.topp is None else {"topp": self.topp}
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
-                           c.norm_topk_prob, c.routed_scaling_factor)   # [S, K], [S, K]
+                           c.norm_topk_prob, c.routed_scaling_factor, **kw)   # [S, K], [S, K]; -1 = pruned
         if self.routing_hook is not None:
             self.routing_hook(i, idx, wts)
-        wanted = sorted(set(idx.ravel().tolist()))
+        wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
         routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
         shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
         return b.add(routed, shared)

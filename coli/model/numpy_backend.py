@@ -27,6 +27,28 @@ def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(-scores, k - 1, axis=-1)[..., :k]
 
 
+def prune_topp(idx: np.ndarray, w: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Expert top-p pruning (approximate: changes the output). Per token keep the fewest of its routed
+    experts whose normalised weights (w / sum w) add up to at least p (always at least one), and scale
+    the kept weights so they sum to what all K summed to (routed_scaling_factor included).
+
+    idx, w [S, K] -> idx [S, K] with -1 for dropped experts, w [S, K] with 0 for them; columns are
+    reordered heaviest first. docs/policy.md measures what it saves and costs."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"expert top-p must be in (0, 1] (got {p})")
+    order = np.argsort(-w, axis=-1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=-1)
+    w = np.take_along_axis(w, order, axis=-1)
+    w64 = w.astype(np.float64)
+    total = w64.sum(-1, keepdims=True)                                   # [S, 1]
+    share = np.cumsum(w64 / np.where(total > 0, total, 1.0), axis=-1)    # [S, K] cumulative normalised mass
+    n_keep = 1 + (share[:, :-1] < p).sum(-1)                             # [S]
+    keep = np.arange(w.shape[-1])[None, :] < n_keep[:, None]
+    kept = np.where(keep, w64, 0.0).sum(-1, keepdims=True)
+    scale = np.where(kept > 0, total / np.where(kept > 0, kept, 1.0), 1.0)
+    return np.where(keep, idx, -1), np.where(keep, w64 * scale, 0.0).astype(F32)
+
+
 def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """SwiGLU: down(silu(x @ gate.T) * (x @ up.T)). x [S, H]; gate/up [Im, H]; down [H, Im] -> [S, H]."""
     return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
@@ -138,7 +160,7 @@ class NumpyBackend:
     def swiglu(self, x, gate, up, down):
         return expert_ffn(x, gate, up, down)
 
-    def route(self, x, gate_w, bias, n_group, topk_group, top_k, norm_topk_prob, scaling):
+    def route(self, x, gate_w, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, topp=None):
         p = _sigmoid(x.astype(F32) @ gate_w.T)                           # [S, E] un-biased scores
         choice = p + bias                                                # bias only picks experts
         S, E = choice.shape
@@ -153,7 +175,10 @@ class NumpyBackend:
         w = np.take_along_axis(p, idx, axis=-1)
         if norm_topk_prob:
             w = w / (w.sum(-1, keepdims=True) + F32(1e-20))
-        return idx.astype(np.int64), (w * F32(scaling)).astype(F32)
+        idx, w = idx.astype(np.int64), (w * F32(scaling)).astype(F32)
+        if topp is not None:  # approximate: see prune_topp
+            idx, w = prune_topp(idx, w, topp)
+        return idx, w
 
     def moe(self, x, idx, weights, experts: Iterable[tuple[int, Any]]):
         # Each expert is one batched SwiGLU over the rows routed to it, computed as soon as the
