@@ -61,6 +61,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise ColiError(f"--http {host}:{port}: cannot listen there: {e.strerror} (pick another port with --http)") \
             from None
+    sock.listen(2048)  # from here on connections wait in the backlog, so the URL can be announced now
     sock.set_inheritable(True)
     return sock
 

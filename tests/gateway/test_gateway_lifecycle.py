@@ -1,0 +1,81 @@
+"""--api-key, the run going away and coming back while the gateway keeps serving, --exit-with-run, and a
+small bounded version of scripts/load_test.py (concurrent streaming clients, nothing lost or mixed up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from conftest import GatewayProc
+from harness import Run
+
+
+@pytest.mark.timeout(120)
+def test_api_key_is_mandatory_when_set(gw_run):
+    from openai import AuthenticationError, OpenAI
+
+    g = GatewayProc(gw_run, "--api-key", "s3cret")
+    try:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            status, out = g.post("/v1/completions", body, headers=headers)
+            assert status == 401 and out["error"]["code"] == "invalid_api_key"
+        status, _, _ = g.request("GET", "/v1/models")
+        assert status == 401
+        status, _, _ = g.request("GET", "/metrics")
+        assert status == 401
+        status, _, _ = g.request("GET", "/health")  # liveness probes need no key
+        assert status == 200
+        status, out = g.post("/v1/completions", body, headers={"Authorization": "Bearer s3cret"})
+        assert status == 200
+        ok = OpenAI(base_url=g.url + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=ok.models.list().data[0].id, prompt="Hi", max_tokens=2).usage
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=g.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        g.stop()
+
+
+@pytest.mark.timeout(180)
+def test_run_down_gives_503_and_the_gateway_reconnects_when_it_is_back(gw_root, text_model_dir):
+    name = f"gwr{os.getpid() % 10000}"
+    run = Run(text_model_dir, name, gw_root / "runs", gw_root / "cache", ram_gb=1.0)
+    run.wait_ready()
+    g = GatewayProc(run)
+    g_exit = GatewayProc(run, "--exit-with-run")
+    try:
+        body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        status, before = g.post("/v1/completions", body)
+        assert status == 200
+        assert run.coli("down", "--name", name).returncode == 0
+        run.proc.wait(30)
+        status, out = g.post("/v1/completions", body)
+        assert status == 503 and out["error"]["code"] == "run_unavailable"
+        status, _, data = g.request("GET", "/health")
+        assert status == 503 and json.loads(data)["status"] == "unavailable"
+        assert g_exit.proc.wait(10) == 0  # --exit-with-run: gone with the run
+        run2 = Run(text_model_dir, name, gw_root / "runs", gw_root / "cache", ram_gb=1.0)
+        try:
+            run2.wait_ready()
+            status, after = g.post("/v1/completions", body)
+            assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]
+            assert g.request("GET", "/health")[0] == 200
+        finally:
+            run2.stop()
+    finally:
+        g.stop()
+        g_exit.stop()
+        run.stop()
+
+
+@pytest.mark.timeout(180)
+def test_small_load_every_stream_complete_and_unmixed(gateway):
+    from load_test import run_load
+
+    s = run_load(gateway.url, clients=4, requests=3, max_tokens=8, prompts=["Hello", "What is a generator?",
+                                                                           "Tell me about lists."])
+    assert s["errors"] == [] and s["completed"] == s["expected"] == 12 and s["missing"] == 0
+    assert s["distinct_prompts"] == 3 and s["latency_s"]["p99"] is not None
