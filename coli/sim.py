@@ -193,14 +193,14 @@ def simulate(idx: np.ndarray, policy: str, slots: int | None = None, *, weights:
                 req[f] = False
         elif policy == "rdf":
             prev = last[f]
-            age = np.where(prev >= 0, t - prev, 0.0)
+            age = np.where(prev >= 0, t - np.floor(prev), 0.0)
             fdec[f] = fdec[f] * np.power(decay, age) + 1.0
-            last[f] = t
-            # same last-use token -> their frequencies are as of that token: comparable
-            score = last[c] * 4.0 + 2.0 * (fdec[c] / (f_bound + 1.0))
-            req[f] = True
-            score = score + 1e-3 * np.where(req[c], _gather(tv, f, c, size), 0.0)
-            req[f] = False
+            last[f] = now
+            # token of last use first; entries last used in the same token were updated then, so their
+            # decayed frequencies compare as they are; then the in-token order
+            lt = last[c]
+            tok = np.floor(lt)
+            score = tok * 4.0 + 2.0 * (fdec[c] / (f_bound + 1.0)) + 1e-3 * (lt - tok)
         elif policy == "slru":
             prot[f[h]] = True                              # a hit promotes
             prot[f[~h]] = False                            # a miss enters probation
@@ -242,13 +242,6 @@ def simulate(idx: np.ndarray, policy: str, slots: int | None = None, *, weights:
         params["protected"] = protected
     return SimResult(policy, int(slots if slots is not None else cap // max(L, 1)), cap, shared,
                      int(layer_hits.sum()), int(layer_req.sum()), layer_hits, layer_req, hit_mask, params)
-
-
-def _gather(values: np.ndarray, entries: np.ndarray, c: np.ndarray, size: int) -> np.ndarray:
-    """values given per requested entry, looked up for candidate entries c (0 where not requested)."""
-    tmp = np.zeros(size)
-    tmp[entries] = values
-    return tmp[c]
 
 
 def sweep(idx: np.ndarray, policies: Iterable[str], slots_list: Sequence[int], **kw) -> list[SimResult]:
