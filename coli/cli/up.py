@@ -42,7 +42,8 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
+    if sys.stdin is not None and sys.stdin.isatty():
+        say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
     run_supervisor(opts, say)
 
 
