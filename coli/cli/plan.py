@@ -1,0 +1,211 @@
+"""`coli plan`: where each part of a model goes on this machine (or the one described) and the tokens/s
+bounds each tier implies; refuses a plan that cannot run and says what to change. The math is coli/plan.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from coli.cli.common import clean_errors
+from coli.errors import ColiError
+
+ASSUMED_DISK_GBPS = 6.0    # a consumer Gen4 NVMe (ARCHITECTURE §1: 6-11 GB/s)
+ASSUMED_PCIE_GBPS = 25.0   # PCIe Gen4 x16 at ~88% of its raw rate
+
+
+def plan(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="A ColiStream container (real sizes from its "
+                                         "manifest) or a Hugging Face checkpoint (sizes as converted)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="A config preset instead of a model (glm5, tiny)."),
+    vram_gb: Optional[float] = typer.Option(None, "--vram-gb", help="GPU memory in GB (default: detected; 0 = CPU path)."),
+    ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM in GB (default: detected MemTotal)."),
+    disk_gbps: Optional[float] = typer.Option(None, "--disk-gbps", help="NVMe read GB/s (default: measured on "
+                                              "--model's files, else 6.0 assumed)."),
+    pcie_gbps: Optional[float] = typer.Option(None, "--pcie-gbps", help="Host-to-GPU GB/s (default: from the detected "
+                                              "link, else 25 assumed)."),
+    context: Optional[int] = typer.Option(None, "--context", min=1, help="Context length the KV cache is sized for "
+                                          "(default 8192, or the model's limit if smaller)."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="bf16 | fp32."),
+    experts: str = typer.Option("int4", "--experts", help="Expert format for --preset / a checkpoint."),
+    dense: str = typer.Option("int4", "--dense", help="Dense-core format for --preset / a checkpoint."),
+    group: int = typer.Option(64, "--group", help="Quantisation group size for int4/int2."),
+    vram_reserve_gb: float = typer.Option(1.0, "--vram-reserve-gb", min=0.0, help="VRAM kept for CUDA and workspaces."),
+    ram_reserve_gb: float = typer.Option(4.0, "--ram-reserve-gb", min=0.0, help="RAM kept for the OS and processes."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Place a model on a machine: dense core, VRAM and RAM expert slots, pins, KV budget, tokens/s bounds."""
+    _plan(model, preset, vram_gb, ram_gb, disk_gbps, pcie_gbps, context, kv_dtype, experts, dense, group,
+          vram_reserve_gb, ram_reserve_gb, as_json)
+
+
+def _sizes(model, preset, experts, dense, group):
+    from coli.config import load_config
+    from coli.config import preset as get_preset
+    from coli.container.format import MANIFEST_NAME
+    from coli.plan import sizes_from_config, sizes_from_container
+
+    if (model is None) == (preset is None):
+        raise ColiError("give exactly one of --model DIR and --preset NAME (e.g. --preset glm5)")
+    if preset is not None:
+        return sizes_from_config(get_preset(preset), f"preset {preset}", experts, dense, group)
+    if not model.is_dir():
+        raise ColiError(f"--model {model}: no such directory")
+    if (model / MANIFEST_NAME).is_file():
+        return sizes_from_container(model)
+    return sizes_from_config(load_config(model), model.name, experts, dense, group)
+
+
+def hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps):
+    from coli import probe
+    from coli.plan import Hardware
+
+    src = {}
+    gpu_list, why = ([], None) if (vram_gb is not None and pcie_gbps is not None) else probe.gpus()
+    if vram_gb is None:
+        if gpu_list:
+            vram_gb = gpu_list[0].memory_total / 1e9
+            src["vram"] = f"detected: GPU 0 {gpu_list[0].name}"
+        else:
+            vram_gb = 0.0
+            src["vram"] = f"no GPU detected ({why}): the CPU path"
+    else:
+        src["vram"] = "given"
+    if ram_gb is None:
+        ram_gb = probe.meminfo().get("MemTotal", 0) / 1e9
+        src["ram"] = "detected: MemTotal"
+    else:
+        src["ram"] = "given"
+    if disk_gbps is None:
+        files = probe.expert_files(model) if model is not None else []
+        if files:
+            rs = probe.read_speed(files)
+            disk_gbps = rs.gbps
+            src["disk"] = f"measured: {rs.nbytes / 2**20:.1f} MiB of {model} in {rs.seconds:.3f} s" + \
+                          (" with O_DIRECT" if rs.direct else "") + (f" ({rs.note})" if rs.note else "")
+        else:
+            disk_gbps = ASSUMED_DISK_GBPS
+            src["disk"] = "assumed: a consumer Gen4 NVMe (pass --disk-gbps, or --model CONTAINER to measure)"
+    else:
+        src["disk"] = "given"
+    if pcie_gbps is None:
+        link = gpu_list[0].pcie_gbps if gpu_list else None
+        if link:
+            pcie_gbps = link
+            src["pcie"] = f"detected: PCIe Gen{gpu_list[0].pcie_gen} x{gpu_list[0].pcie_width} at 88% of its raw rate"
+        else:
+            pcie_gbps = ASSUMED_PCIE_GBPS
+            src["pcie"] = "assumed: PCIe Gen4 x16 (pass --pcie-gbps)"
+    else:
+        src["pcie"] = "given"
+    return Hardware(vram_gb=round(vram_gb, 3), ram_gb=round(ram_gb, 3), disk_gbps=disk_gbps, pcie_gbps=pcie_gbps,
+                    sources=src)
+
+
+@clean_errors
+def _plan(model, preset, vram_gb, ram_gb, disk_gbps, pcie_gbps, context, kv_dtype, experts, dense, group,
+          vram_reserve_gb, ram_reserve_gb, as_json):
+    from coli.plan import PlanOptions, make_plan
+
+    sizes = _sizes(model, preset, experts, dense, group)
+    hw = hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps)
+    p = make_plan(sizes, hw, PlanOptions(context=context, kv_dtype=kv_dtype, vram_reserve_gb=vram_reserve_gb,
+                                         ram_reserve_gb=ram_reserve_gb))
+    if as_json:
+        print(json.dumps(p.to_dict(), indent=1))
+    else:
+        show(p)
+    if not p.ok:
+        raise ColiError("this plan cannot run: " + " | ".join(p.problems))
+
+
+def _b(n: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _tps(v) -> str:
+    return "n/a" if v is None else f"{v:.2f} tok/s"
+
+
+def show(p) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(highlight=False)
+    m, hw, s, kv, pt, tps = p.model, p.hardware, p.slots, p.kv, p.per_token, p.tokens_per_s
+    con.print(f"[bold]coli plan[/] — {m['source']}")
+    con.print(f"model: {m['moe_layers']} MoE layers x {m['experts_per_layer']} experts, top-{m['experts_per_token']}; "
+              f"expert {_b(m['expert_bytes'])} ({m['expert_format']}); routed {_b(m['routed_bytes'])}; dense core "
+              f"{_b(m['dense_bytes'])} ({m['dense_format']}); KV {kv['values_per_token']:,} values/token = "
+              f"{_b(kv['bytes_per_token'])}/token ({kv['dtype']})")
+    src = hw["sources"]
+    con.print(f"machine: VRAM {hw['vram_gb']:g} GB ({src.get('vram')}); RAM {hw['ram_gb']:g} GB ({src.get('ram')}); "
+              f"disk {hw['disk_gbps']:.2f} GB/s ({src.get('disk')}); PCIe {hw['pcie_gbps']:.2f} GB/s ({src.get('pcie')})")
+    for title, tier, rows in (
+        ("VRAM", p.vram, [("reserve (CUDA context, workspaces)", "reserve", ""),
+                          ("dense core (resident)", "dense_core", ""),
+                          (f"KV cache ({kv['context']:,} tokens)", "kv_cache", ""),
+                          ("expert slots", "expert_slots",
+                           f"{s['vram']:,} slots, {s['vram_per_layer']:.1f} per layer"),
+                          ("free", "free", "")]),
+        ("RAM", p.ram, [("reserve (OS, stage processes)", "reserve", ""),
+                        ("dense core (CPU path)", "dense_core", ""),
+                        ("KV cache (CPU path)", "kv_cache", ""),
+                        ("expert slots (/dev/shm arena)", "expert_slots",
+                         f"{s['ram']:,} slots, {s['ram_per_layer']:.1f} per layer: {s['ram_pinned']:,} pinned "
+                         f"(learned) + {s['ram_lru']:,} LRU"),
+                        ("free", "free", "")])):
+        if title == "VRAM" and p.device == "cpu":
+            continue
+        t = Table(title=f"{title} {_b(tier['total'])}", title_justify="left")
+        t.add_column("part")
+        t.add_column("bytes", justify="right")
+        t.add_column("detail")
+        for label, key, detail in rows:
+            if tier[key] or key in ("free", "expert_slots"):
+                t.add_row(label, _b(tier[key]), detail)
+        t.add_row("[bold]total[/]", f"[bold]{_b(tier['total'])}[/]", "")
+        con.print(t)
+    kt = Table(title=f"KV budget per context length ({kv['where']}; at most {kv['max_context_that_fits']:,} tokens fit "
+                     f"beside the minimum expert slots)", title_justify="left")
+    kt.add_column("context", justify="right")
+    kt.add_column("KV bf16", justify="right")
+    kt.add_column("KV fp32", justify="right")
+    if p.device == "gpu":
+        kt.add_column(f"VRAM expert slots left ({kv['dtype']})", justify="right")
+    for r in kv["by_context"]:
+        row = [f"{r['context']:,}", _b(r["bytes_bf16"]), _b(r["bytes_fp32"])]
+        if p.device == "gpu":
+            row.append("does not fit" if r["vram_expert_slots"] is None else f"{r['vram_expert_slots']:,}")
+        kt.add_row(*row)
+    con.print(kt)
+    con.print(f"per decoded token: {pt['routed_experts']} routed experts = {pt['vram_hits']:.1f} VRAM hits "
+              f"({100 * pt['hit_rate_vram']:.1f}%) + {pt['ram_hits']:.1f} RAM hits + {pt['disk_reads']:.1f} disk reads "
+              f"({100 * (1 - pt['hit_rate_ram_or_vram']):.1f}%); {_b(pt['routed_bytes'])} routed = "
+              f"{_b(pt['bytes_from_disk'])} from disk"
+              + (f", {_b(pt['bytes_over_pcie'])} over PCIe" if p.device == "gpu" else ""))
+    con.print("[bold]tokens/s bounds[/] (transfers only):")
+    con.print(f"  all cold from disk:  {_tps(tps['all_cold_disk'])}  ({_b(pt['routed_bytes'])} / "
+              f"{hw['disk_gbps']:.2f} GB/s)")
+    if p.device == "gpu":
+        con.print(f"  all cold over PCIe:  {_tps(tps['all_cold_pcie'])}  ({_b(pt['routed_bytes'])} / "
+                  f"{hw['pcie_gbps']:.2f} GB/s; every expert in RAM, none kept in VRAM)")
+    if tps["expected"] is None:
+        con.print("  expected:            no transfers once warm (bound by compute)")
+    else:
+        con.print(f"  expected:            {_tps(tps['expected'])}  (bound by {tps['expected_bound_by']}: disk "
+                  f"{pt['disk_s']:.3f} s" + (f", PCIe {pt['pcie_s']:.3f} s" if p.device == "gpu" else "") + " per token)")
+    for w in p.warnings:
+        con.print(f"[yellow]note:[/] {w}")
+    con.print("assumptions: " + "; ".join(p.assumptions))
+    for pr in p.problems:
+        con.print(f"[red]cannot run:[/] {pr}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
