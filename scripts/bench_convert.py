@@ -8,7 +8,8 @@ Builds a synthetic checkpoint in the GLM-5-FP8 hub layout with the real GLM-5 ma
 expert width 2048, 64 heads, q_lora 2048, kv_lora 512, indexer 32 x 128, dense width 12288) but few layers and
 experts, a 4096-token vocabulary and no MTP layer, its fp8 codes uniformly random (the converter's speed does not depend on the
 values), then runs `coli convert` on it in a subprocess and reports input MB/s (FP8 bytes + scales read per
-second of conversion wall time, process start included), output size, the child's peak RSS against the largest
+second of conversion wall time, process start included; also per CPU-second of the converter process and the
+load average around the run, since the machine may be shared), output size, the child's peak RSS against the largest
 tensor and the checkpoint size, and the implied time for the ~746 GB converted from GLM-5-FP8 (756 GB minus the
 skipped MTP layer). `--cold` evicts the source files from the page cache first (posix_fadvise DONTNEED on our own
 files only), so the source is read from disk.
@@ -83,9 +84,14 @@ def main(argv=None) -> int:
             _evict(src)
         cmd = [sys.executable, "-m", "coli.cli.main", "convert", str(src), str(dst), "--experts", a.format,
                "--group", str(a.group), "--dense", a.dense, "--threads", str(a.threads), "--no-progress"]
+        load0 = os.getloadavg()[0]
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        load1 = os.getloadavg()[0]
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return 1
@@ -99,6 +105,9 @@ def main(argv=None) -> int:
             "experts": a.experts, "moe_layers": a.layers,
             "input_bytes_converted": converted, "mtp_bytes_skipped": skipped, "output_bytes": out_bytes,
             "wall_s": round(wall, 2), "input_MB_per_s": round(rate / 1e6, 1),
+            "cpu_s": round(cpu, 2), "user_s": round(ru1.ru_utime - ru0.ru_utime, 2),
+            "sys_s": round(ru1.ru_stime - ru0.ru_stime, 2), "input_MB_per_cpu_s": round(converted / cpu / 1e6, 1),
+            "load_avg_before_after": [round(load0, 2), round(load1, 2)],
             "largest_tensor_bytes": largest, "checkpoint_bytes": total_src,
             "peak_rss_bytes": peak_rss, "peak_rss_over_largest_tensor": round(peak_rss / largest, 2),
             "glm5_fp8_implied_minutes": round(GLM5_CONVERTED_BYTES / rate / 60, 1),

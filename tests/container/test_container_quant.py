@@ -181,3 +181,10 @@ def test_glm5_record_sizes_match_the_reference_budget():
     r = RecordLayout.make(6144, 2048, "int4", 64, 512)
     for lay in r.matrices:
         assert lay.offset % 4096 == 0 and 400_000 < lay.tile_bytes <= 512 * 1024 and lay.rows_per_tile % 16 == 0
+
+
+@pytest.mark.parametrize("shape", [(2048, 512), (576, 256), (200, 320), (64, 256), (192, 160)])
+def test_fp8_block_dequant_handles_ragged_edges(shape):
+    from coli.weights import dequant_fp8_blocks
+    codes, si = _fp8(*shape, seed=9)
+    assert np.array_equal(Q.fp8_to_float32(codes, si), dequant_fp8_blocks(E4M3_TABLE[codes], si))

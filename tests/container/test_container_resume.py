@@ -40,9 +40,9 @@ def _interrupt_after(n_calls: int):
 
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory) -> Path:
-    # ~60 MB of FP8 input (random codes): a conversion that takes a couple of seconds, across several files
+    # ~50 MB of FP8 input (random codes): a conversion that takes a couple of seconds, across several files
     d = tmp_path_factory.mktemp("big") / "ckpt"
-    mk.build_checkpoint(d, seed=3, experts=96, random_codes=True, tokenizer=False)
+    mk.build_checkpoint(d, seed=3, experts=80, random_codes=True, tokenizer=False)
     return d
 
 
@@ -54,9 +54,9 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(big_ckpt, tmp_pa
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     mid_run, attempts, log = 0, 0, []
-    while (mid_run < 3 or attempts < 4) and attempts < 12:
+    while mid_run < 3 and attempts < 10:
         attempts += 1
-        delay = rng.uniform(0.3, 0.95) * full
+        delay = rng.uniform(0.3, 0.85) * full
         p = subprocess.Popen([sys.executable, "-m", "coli.cli.main", "convert", str(big_ckpt), str(dst), *ARGS],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(delay)
@@ -159,7 +159,7 @@ def test_peak_memory_does_not_grow_with_the_checkpoint(big_ckpt, tmp_path):
     small = tmp_path / "small"
     mk.build_checkpoint(small, seed=3, experts=8, random_codes=True, tokenizer=False)
     size = lambda d: sum(p.stat().st_size for p in d.iterdir())                      # noqa: E731
-    assert size(big_ckpt) - size(small) > 40e6                                       # 12x the experts
+    assert size(big_ckpt) - size(small) > 30e6                                       # 10x the experts
     rss_small = _peak_rss_converting(small, tmp_path / "a")
     rss_big = _peak_rss_converting(big_ckpt, tmp_path / "b")
     assert rss_big - rss_small < 15e6, (rss_small, rss_big)
