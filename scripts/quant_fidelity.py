@@ -158,7 +158,7 @@ def markdown(res: dict, seconds: float) -> str:
         "int2 is an order of magnitude worse than int4 and only for experiments.",
         f"* An int8 dense core alone (f32 experts) costs KL {kl('f32', 'int8'):.1e}, more than int4 experts with a bf16 core: "
         "in these models the core's rounding dominates once it is int8. It is spread over the whole core — keeping any "
-        "one group (indexer, attention, embeddings, MLPs) in f32 removed at most ~30 % of it on seed 1234. A bf16 core is "
+        "one group (indexer, attention, embeddings, MLPs) in f32 removed at most ~30 % of it on seed 1234 (a one-off experiment, not part of this script). A bf16 core is "
         "the choice where quality matters and it fits (GLM-5: ~38 GB vs ~19 GB at int8).",
         f"* top-1 is a noisy measure on these models: their next-token distributions are almost flat (median fp32 "
         f"top-1/top-2 logit margin {res['fp32_margin_median']:.3f} against a logit spread — std over the vocabulary — of "
