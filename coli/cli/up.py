@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from coli.cli.common import clean_errors
+from coli.cli.common import clean_errors, fail
 from coli.errors import ColiError
 
 
@@ -25,9 +25,44 @@ def up(
     reader_threads: int = typer.Option(4, "--reader-threads", min=1, help="NVMe reader threads."),
     queue_depth: int = typer.Option(16, "--queue-depth", min=1, help="Reads in flight at most."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+    http: Optional[str] = typer.Option(None, "--http", help="Also serve the OpenAI-compatible HTTP API on [HOST:]PORT "
+                                       "(`coli serve` beside the run; key from COLI_API_KEY)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
-    _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level)
+    gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
+    try:
+        _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level)
+    finally:
+        if gateway is not None and not detach and gateway.poll() is None:
+            gateway.terminate()
+
+
+# ---- --http: the gateway (coli serve) as a process beside the run; it waits for the run and exits with it ----
+def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
+    from coli.cli.serve import parse_http
+    from coli.protocol.rundir import RunDir, default_base
+    from coli.protocol.errors import RunDirError
+
+    try:
+        parse_http(http)
+        live = RunDir(name, create=False).is_live()
+    except RunDirError:
+        live = False
+    except ColiError as e:
+        fail(str(e))
+    if live:
+        return None  # `coli up` is about to say the run is already up
+    args = [sys.executable, "-m", "coli.cli.main", "serve", "--name", name, "--http", http, "--exit-with-run",
+            "--wait", str(startup_timeout * 3 + 600)]
+    if not detach:
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL)
+    base = default_base()
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(base / f"{name}.serve.log", "w") as out:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    print(f"HTTP gateway starting on {http} beside run {name!r} (pid {proc.pid}; log {base / f'{name}.serve.log'})")
+    return proc
 
 
 @clean_errors

@@ -79,3 +79,34 @@ def test_small_load_every_stream_complete_and_unmixed(gateway):
                                                                            "Tell me about lists."])
     assert s["errors"] == [] and s["completed"] == s["expected"] == 12 and s["missing"] == 0
     assert s["distinct_prompts"] == 3 and s["latency_s"]["p99"] is not None
+
+
+@pytest.mark.timeout(180)
+def test_coli_up_http_starts_the_gateway_beside_the_run_and_it_exits_with_it(gw_run, text_model_dir):
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from harness import pid_gone
+
+    name = f"gwh{os.getpid() % 10000}"
+    r = subprocess.run([sys.executable, "-m", "coli.cli.main", "up", "--model", str(text_model_dir), "--name", name,
+                        "--ram-gb", "0.5", "--http", "127.0.0.1:0", "--detach"], env=gw_run.env, capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode == 0, r.stderr + r.stdout
+    pid = int(re.search(r"HTTP gateway starting on \S+ beside run '[^']+' \(pid (\d+)", r.stdout).group(1))
+    log = gw_run.run_base / f"{name}.serve.log"
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"listening on (http://\S+)", log.read_text())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert m, log.read_text()
+        with urllib.request.urlopen(m.group(1) + "/health", timeout=10) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["run"] == name
+    finally:
+        subprocess.run([sys.executable, "-m", "coli.cli.main", "down", "--name", name], env=gw_run.env, timeout=60)
+    deadline = time.monotonic() + 15
+    while not pid_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_gone(pid), "the gateway outlived its run"
