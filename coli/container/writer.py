@@ -317,10 +317,12 @@ class _Out:
         self.total = total_bytes
         self.fds: dict[str, int] = {}
         self.dirty: set[str] = set()
+        self.new_files = False
 
     def fd(self, name: str) -> int:
         if name not in self.fds:
             self.fds[name] = os.open(self.dst / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.new_files = True   # the directory entry must be durable before units in it are journaled
         return self.fds[name]
 
     def write(self, name: str, offset: int, buf, what: str) -> None:
@@ -544,6 +546,8 @@ def _convert_locked(source, src, dst, opts, plan, in_bytes, header, progress, re
         if journal_path.exists():
             journal_path.unlink()
             _fsync_dir(dst)
+        from coli.container.reader import ContainerReader
+        ContainerReader(dst).close()   # sizes, headers, index: a damaged container is reported, not blessed
         return ConvertResult(dst, "already complete", len(units), len(units), 0, time.monotonic() - t_start, m)
 
     # temporaries of an interrupted atomic write (journal, copies, index, manifest) are ours to drop
@@ -632,12 +636,14 @@ class _Committer(threading.Thread):
                 if item is None:
                     return
                 if self.error is None:
-                    fds, entries = item
+                    fds, entries, sync_dir = item
                     for name, fd in fds:
                         try:
                             os.fsync(fd)
                         except OSError as e:
                             raise _write_error(self.dst / name, e, "fsync", self.total) from None
+                    if sync_dir:
+                        _fsync_dir(self.dst)
                     self.journal.append(entries)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 self.error = e
@@ -648,9 +654,9 @@ class _Committer(threading.Thread):
         if self.error is not None:
             raise self.error
 
-    def submit(self, fds: list[tuple[str, int]], entries: list[tuple[int, int]]) -> None:
+    def submit(self, fds: list[tuple[str, int]], entries: list[tuple[int, int]], sync_dir: bool) -> None:
         self.check()
-        self.q.put((fds, entries))
+        self.q.put((fds, entries, sync_dir))
 
     def drain(self) -> None:
         self.q.join()
@@ -730,7 +736,8 @@ def _run_units(source, plan, in_bytes, done, sums, out, journal, progress, done_
         if pending:
             fds = [(name, out.fds[name]) for name in sorted(out.dirty)]
             out.dirty.clear()
-            committer.submit(fds, list(pending))
+            committer.submit(fds, list(pending), out.new_files)
+            out.new_files = False
             pending.clear()
         pending_bytes = 0
         last_commit = time.monotonic()
