@@ -141,6 +141,12 @@ def test_lfu_admits_every_miss_but_freq_only_one_that_out_counts_a_resident():
     assert hits(idx, "freq", 1)[:, 0].tolist() == [False, True, False, False, False, True, False]
 
 
+def test_decayed_counts_let_a_newly_popular_expert_in():
+    idx = tr([A], [A], [A], [B], [B], [B])
+    assert hits(idx, "freq", 1)[:, 0].tolist() == [False, True, True, False, False, False]
+    assert hits(idx, "freq", 1, count_decay=0.5)[:, 0].tolist() == [False, True, True, False, True, True]
+
+
 def test_rdf_breaks_recency_ties_with_decayed_frequency():
     # 3 slots; A and B both last used at t3 (B the heavier); A was used often before -> on D, rdf evicts
     # the rarer B, lru the lighter A (and then A evicts B)
