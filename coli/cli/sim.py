@@ -40,18 +40,19 @@ def sim(
     slots: str = typer.Option(DEFAULT_SLOTS, "--slots-per-layer", "-s", help="Comma-separated cache sizes per layer."),
     decay: float = typer.Option(0.9, "--decay", help="rdf: frequency decay per token, in [0, 1]."),
     protected: float = typer.Option(0.8, "--protected", help="slru: protected share of the slots."),
+    count_decay: float = typer.Option(1.0, "--count-decay", help="lfu/freq: count decay per token, in (0, 1]."),
     shared: bool = typer.Option(False, "--shared", help="Also simulate one pool of slots x layers for all layers."),
     warmup: int = typer.Option(0, "--warmup", min=0, help="Tokens whose hits are not counted (cold start)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON lines instead of tables."),
 ) -> None:
     """Hit rate per policy and cache size; checks that Belady bounds every other policy."""
     _sim(trace, synth, tokens, layers, experts, top_k, seed, write_trace, policy, slots, decay, protected, shared,
-         warmup, as_json)
+         warmup, as_json, count_decay)
 
 
 @clean_errors
 def _sim(trace, synth, tokens, layers, experts, top_k, seed, write_trace, policy, slots, decay, protected, shared,
-         warmup, as_json):
+         warmup, as_json, count_decay=1.0):
     from coli import sim as S
     from coli.trace import read_trace, write_trace as save_trace
     from coli.traces_synth import generate
@@ -82,6 +83,7 @@ def _sim(trace, synth, tokens, layers, experts, top_k, seed, write_trace, policy
         variants = [False, True] if shared else [False]
         for sh in variants:
             res = S.sweep(idx, pols, sizes, weights=w, n_experts=E, decay=decay, protected=protected, shared=sh,
+                          count_decay=count_decay,
                           warmup=warmup)
             check = _belady_check(res)
             if as_json:
