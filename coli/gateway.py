@@ -123,6 +123,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(raw, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
 
 
 class Gateway:

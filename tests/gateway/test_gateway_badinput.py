@@ -19,6 +19,7 @@ def _cases(ctx: int):
         # (id, path, body or raw bytes, status, error code, param)
         ("malformed-json", CHAT, b'{"messages": [', 400, "invalid_json", None),
         ("empty-body", CHAT, b"", 400, "invalid_json", None),
+        ("deeply-nested", COMP, b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400, "invalid_json", None),
         ("nan-literal", COMP, b'{"prompt": "x", "temperature": NaN}', 400, "invalid_json", None),
         ("body-not-object", CHAT, [1, 2], 400, "invalid_json", None),
         ("messages-missing", CHAT, {"max_tokens": 3}, 400, "invalid_type", "messages"),
