@@ -1,4 +1,4 @@
-"""Gateway tests run a real run (`coli up`: supervisor + stage processes) on a model with text, and a real
+"""Gateway tests run a real run (`coli up`: supervisor + stage processes) on the demo model, and a real
 `coli serve` on a free loopback port; clients are the official `openai` package, `curl` and raw HTTP.
 One run and one gateway are shared by the session (start-up is the expensive part)."""
 
@@ -22,7 +22,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Run  # noqa: E402
-from textmodel import text_model  # noqa: E402
 
 _LISTEN = re.compile(r"listening on (http://\S+)")
 
@@ -87,15 +86,20 @@ class GatewayProc:
 @pytest.fixture(scope="session")
 def gw_root():
     d = Path(tempfile.mkdtemp(prefix="coligw-", dir="/tmp"))  # short: ipc:// paths are limited to 107 bytes
-    for sub in ("runs", "cache", "models"):
+    for sub in ("runs", "cache"):
         (d / sub).mkdir()
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def text_model_dir(gw_root) -> Path:
-    return text_model(gw_root / "models")
+def text_model_dir() -> Path:
+    """The built-in demo model: a trained glm_moe_dsa with tokenizer.json and a GLM chat template."""
+    from coli.model_store import DEMO_DIR
+
+    if not (DEMO_DIR / "tokenizer.json").is_file():
+        pytest.skip("the demo model (coli/demo/model) is not built")
+    return DEMO_DIR
 
 
 @pytest.fixture(scope="session")
