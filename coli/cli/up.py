@@ -27,11 +27,15 @@ def up(
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
     http: Optional[str] = typer.Option(None, "--http", help="Also serve the OpenAI-compatible HTTP API on [HOST:]PORT "
                                        "(`coli serve` beside the run; key from COLI_API_KEY)."),
+    record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
+                                                  help="Append every token's routed experts and weights to FILE "
+                                                       "(docs/traces.md; read it with `coli sim --trace FILE`)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
     gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
     try:
-        _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level)
+        _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
+            record_routing)
     finally:
         if gateway is not None and not detach and gateway.poll() is None:
             gateway.terminate()
@@ -66,23 +70,25 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
 
 
 @clean_errors
-def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level):
+def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
+        record_routing=None):
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
     if model is not None and not model.is_dir():
         raise ColiError(f"--model {model}: no such directory")
     if detach:
-        return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level)
+        return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
+                       record_routing)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
-                      log_level=log_level)
+                      log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
     run_supervisor(opts, say)
 
 
-def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level):
+def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
@@ -90,6 +96,8 @@ def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_
             "--queue-depth", str(queue_depth), "--log-level", log_level]
     if model is not None:
         args += ["--model", str(model.resolve())]
+    if record_routing is not None:
+        args += ["--record-routing", str(record_routing.resolve())]
     base = default_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     out_path = base / f"{name}.up.log"

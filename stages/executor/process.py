@@ -42,7 +42,8 @@ class StopRequested(Exception):
 
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
-                  device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None) -> None:
+                  device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
+                  record_routing: str | None = None) -> None:
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -106,6 +107,11 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     experts = RamTierExperts(ram, arena, table, weights.record_layout, cfg.n_routed_experts, arena.n_slots,
                              idle=pump, log=log)
     model = GlmMoeDsaModel(cfg, weights, backend, experts=experts)
+    recorder = None
+    if record_routing:
+        from coli.trace import RoutingRecorder
+        recorder = RoutingRecorder.for_model(record_routing, cfg, meta={"source": "coli up", "run": run_name})
+        model.routing_hook = recorder
     manifest = (Path(container_dir) / MANIFEST_NAME).read_bytes()
     sessions = SessionStore(cfg, model.new_cache, Path(sessions_dir or Path(container_dir) / "sessions"),
                             model_fingerprint(cfg, manifest))
@@ -144,6 +150,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             new_ids = sess.reuse(list(req.prompt_ids))
             cache = sess.cache
         reused = len(req.prompt_ids) - len(new_ids)
+        if recorder is not None:
+            recorder.new_sequence()
         state["current"] = rid
         counters["requests"] += 1
         t0 = time.perf_counter()
@@ -210,6 +218,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 log.info("sessions_saved", count=len(saved), dir=str(sessions.dir))
         except Exception as e:  # never lose the shutdown over it, but say so
             log.error("sessions_not_saved", error=str(e))
+        if recorder is not None:
+            recorder.close()
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()

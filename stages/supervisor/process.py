@@ -51,6 +51,7 @@ class RunOptions:
     pin_fraction: float = 0.25
     log_level: str = "info"
     run_base: str | None = None
+    record_routing: str | None = None
 
 
 @dataclass
@@ -182,7 +183,7 @@ class Supervisor:
             "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
                                        o.queue_depth, o.log_level)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
-                                         str(sessions_dir(container)))),
+                                         str(sessions_dir(container)), o.record_routing)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)

@@ -61,3 +61,19 @@ def test_several_clients_at_once_all_complete(default_oracle, start_run):
         out, err = p.communicate(timeout=200)
         assert p.returncode == 0, err
         assert json.loads(out)["tokens"] == o["greedy_tokens"]
+
+
+@pytest.mark.timeout(180)
+def test_coli_up_records_routing(default_oracle, start_run, tmp_path):
+    from coli.trace import read_trace
+
+    o = load_oracle(default_oracle)
+    trace = tmp_path / "routing.trace"
+    run = start_run(default_oracle, args=("--record-routing", str(trace)))
+    chat_json(run, o, n=8)
+    assert run.coli("down", "--name", run.name).returncode == 0
+    run.proc.wait(30)
+    t = read_trace(trace)
+    # prompt (20 positions) + 7 fed-back tokens, each with every MoE layer's top-4
+    assert t.idx.shape == (27, 3, 4)
+    assert (t.idx >= 0).all() and (t.idx < 16).all()
