@@ -33,11 +33,13 @@ def up(
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
     gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
+    ok = False
     try:
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
             record_routing)
-    finally:
-        if gateway is not None and not detach and gateway.poll() is None:
+        ok = True
+    finally:  # foreground: the run has stopped; detached: only if the run did not come up
+        if gateway is not None and (not detach or not ok) and gateway.poll() is None:
             gateway.terminate()
 
 
