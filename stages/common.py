@@ -117,3 +117,40 @@ def orphan_cleanup(*arena_names: str) -> None:
             Arena.unlink_name(name)
         except Exception:
             pass
+
+
+def drain_router(sock, log):
+    """Every message waiting on a ROUTER socket, as (peer, message). A malformed one is logged as
+    `protocol_error` and skipped: one bad peer never takes a stage down."""
+    import zmq
+
+    from coli.protocol.errors import ProtocolError
+    from coli.protocol.sockets import recv_from
+
+    while True:
+        try:
+            yield recv_from(sock, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        except ProtocolError as e:
+            log.error("protocol_error", error=str(e), peer=repr(e.peer))
+
+
+def greet(sock, peer: bytes, hello, stage: str, info: dict, log) -> bool:
+    """Answer a Hello on a stage's socket. A wrong protocol version is logged as `protocol_error`; the
+    supervisor's Hello is answered with Hello + Ready (the handshake). True if it was the supervisor."""
+    from coli.protocol.errors import ProtocolError
+    from coli.protocol.handshake import check_hello, make_hello
+    from coli.protocol.messages import Ready
+    from coli.protocol.sockets import send
+
+    try:
+        check_hello(hello)
+    except ProtocolError as e:
+        log.error("protocol_error", error=str(e), peer=repr(peer))
+        return False
+    if hello.stage != "supervisor":
+        return False
+    send(sock, make_hello(stage), peer=peer)
+    send(sock, Ready(stage, info), peer=peer)
+    return True

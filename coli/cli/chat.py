@@ -39,7 +39,7 @@ def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
           session=None):
     from coli.chat_template import load_chat_template
     from coli.client import Client
-    from coli.tokenizer import StreamDecoder, load_tokenizer
+    from coli.tokenizer import load_tokenizer
 
     if prompt is not None and prompt_ids is not None:
         raise ColiError("give at most one of --prompt and --prompt-ids")

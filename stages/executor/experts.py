@@ -9,7 +9,6 @@ import itertools
 import time
 from typing import Callable, Iterator
 
-import numpy as np
 import zmq
 
 from coli.container.format import RecordLayout

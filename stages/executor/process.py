@@ -19,13 +19,11 @@ from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
 from coli.protocol.arena import Arena
-from coli.protocol.errors import ProtocolError
-from coli.protocol.handshake import check_hello, make_hello
 from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, Error, GenerateRequest, Hello,
-                                    Ready, Shutdown, Stats, Token)
+                                    Shutdown, Stats, Token)
 from coli.protocol.rundir import RunDir
-from coli.protocol.sockets import make_socket, recv_from, send
-from coli.stages.common import orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.protocol.sockets import make_socket, send
+from coli.stages.common import drain_router, greet, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.executor.experts import ExpertUnavailable, RamTierExperts
 from coli.stages.executor.sessions import SessionError, SessionStore, model_fingerprint
 from coli.stages.ramtier.core import ResidencyTable
@@ -63,12 +61,10 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
 
     def handle(peer: bytes, msg) -> None:
         if isinstance(msg, Hello):
-            check_hello(msg)
-            if msg.stage == "supervisor":
+            info = {"device": backend.name, "layers": cfg.num_hidden_layers,
+                    "load_s": round(time.perf_counter() - t_load, 3)}
+            if greet(sock, peer, msg, STAGE, info, log):
                 state["supervisor"] = peer
-                send(sock, make_hello(STAGE), peer=peer)
-                send(sock, Ready(STAGE, {"device": backend.name, "layers": cfg.num_hidden_layers,
-                                         "load_s": round(time.perf_counter() - t_load, 3)}), peer=peer)
         elif isinstance(msg, Cancel):
             if state["current"] == msg.request_id:
                 raise Cancelled()
@@ -90,18 +86,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             raise StopRequested()
         if not sock.poll(timeout_ms):
             return
-        while True:
-            try:
-                peer, msg = recv_from(sock, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ProtocolError as e:
-                log.error("protocol_error", error=str(e), peer=repr(e.peer))
-                continue
-            try:
-                handle(peer, msg)
-            except ProtocolError as e:
-                log.error("protocol_error", error=str(e), peer=repr(peer))
+        for peer, msg in drain_router(sock, log):
+            handle(peer, msg)
 
     backend = make_backend(device)
     experts = RamTierExperts(ram, arena, table, weights.record_layout, cfg.n_routed_experts, arena.n_slots,

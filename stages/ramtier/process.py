@@ -18,12 +18,12 @@ import zmq
 from coli.container.reader import ContainerReader
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
-from coli.protocol.handshake import check_hello, make_hello
+from coli.protocol.handshake import make_hello
 from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, Hello, ReadDone,
-                                    ReadRequest, Ready, Shutdown, SlotRef, Stats)
+                                    ReadRequest, Shutdown, SlotRef, Stats)
 from coli.protocol.rundir import RunDir
-from coli.protocol.sockets import make_socket, recv, recv_from, send
-from coli.stages.common import orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.protocol.sockets import make_socket, recv, send
+from coli.stages.common import drain_router, greet, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
 
 STAGE = "ramtier"
@@ -145,14 +145,7 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                             log.warning("read_failed", layer=msg.layer, expert=msg.expert, error=msg.error)
                         carry_out(core.read_done(msg.request_id, msg.slot, msg.ok, msg.error or "read failed"))
             if sock in events:
-                while True:
-                    try:
-                        peer, msg = recv_from(sock, flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except ProtocolError as e:
-                        log.error("protocol_error", error=str(e), peer=repr(e.peer))
-                        continue
+                for peer, msg in drain_router(sock, log):
                     if isinstance(msg, ExpertRequest):
                         if not 0 <= msg.layer < cfg.num_hidden_layers or max(msg.experts) >= E:
                             _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts,
@@ -168,16 +161,9 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                                 act.extend(core.release(ref.slot, ref.generation))
                         carry_out(act)
                     elif isinstance(msg, Hello):
-                        try:
-                            check_hello(msg)
-                        except ProtocolError as e:
-                            log.error("protocol_error", error=str(e))
-                            continue
-                        if msg.stage == "supervisor":
+                        info = {"slots": arena.n_slots, "slot_bytes": arena.slot_bytes, "pins": len(pins)}
+                        if greet(sock, peer, msg, STAGE, info, log):
                             supervisor = peer
-                            send(sock, make_hello(STAGE), peer=peer)
-                            send(sock, Ready(STAGE, {"slots": arena.n_slots, "slot_bytes": arena.slot_bytes,
-                                                     "pins": len(pins)}), peer=peer)
                     elif isinstance(msg, Shutdown):
                         log.info("shutdown", reason=msg.reason)
                         running = False

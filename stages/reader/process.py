@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,12 +15,10 @@ from pathlib import Path
 import zmq
 
 from coli.protocol.arena import Arena
-from coli.protocol.errors import ProtocolError
-from coli.protocol.handshake import check_hello, make_hello
-from coli.protocol.messages import Hello, ReadDone, ReadRequest, Ready, Shutdown, Stats
+from coli.protocol.messages import Hello, ReadDone, ReadRequest, Shutdown, Stats
 from coli.protocol.rundir import RunDir
-from coli.protocol.sockets import make_socket, recv_from, send
-from coli.stages.common import orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.protocol.sockets import make_socket, send
+from coli.stages.common import drain_router, greet, orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.reader.core import FileTable, RecordError, read_record
 from coli.stages.faults import Faults
 
@@ -45,7 +42,6 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
     os.set_blocking(wake_r, False)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="read")
     inflight = 0
-    busy_lock = threading.Lock()
     stats = {"records": 0, "bytes": 0, "errors": 0, "checksum_failures": 0, "busy_s": 0.0, "queue_depth": 0,
              "threads": threads, "direct_fallbacks": 0}
     t_start = time.time()
@@ -116,14 +112,7 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
                 inflight += 1
                 pool.submit(work, peer, req)
             if sock in events:
-                while True:
-                    try:
-                        peer, msg = recv_from(sock, flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except ProtocolError as e:
-                        log.error("protocol_error", error=str(e), peer=repr(e.peer))
-                        continue
+                for peer, msg in drain_router(sock, log):
                     if isinstance(msg, ReadRequest):
                         if inflight < queue_depth:
                             inflight += 1
@@ -131,15 +120,8 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
                         else:
                             pending.append((peer, msg))
                     elif isinstance(msg, Hello):
-                        try:
-                            check_hello(msg)
-                        except ProtocolError as e:
-                            log.error("protocol_error", error=str(e))
-                            continue
-                        if msg.stage == "supervisor":
+                        if greet(sock, peer, msg, STAGE, {"threads": threads, "queue_depth": queue_depth}, log):
                             supervisor = peer
-                            send(sock, make_hello(STAGE), peer=peer)
-                            send(sock, Ready(STAGE, {"threads": threads, "queue_depth": queue_depth}), peer=peer)
                     elif isinstance(msg, Shutdown):
                         log.info("shutdown", reason=msg.reason)
                         running = False
