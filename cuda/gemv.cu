@@ -1,0 +1,173 @@
+// gemv.cu -- weight-streaming matrix-vector kernels for decode (one token): the dense linear and the
+// fused routed-expert MoE (all K experts of a layer in ONE launch for gate/up, one for down).
+//
+// Every kernel is instantiated per weight format: NAME_f32, NAME_bf16, NAME_int8, NAME_int4 (FMT below).
+// Weights are read straight from their container tiles (coli_common.cuh) with 16-byte streaming loads,
+// coalesced along a row; each warp owns two rows at a time so one shared-memory read of x serves both;
+// x (or the experts' intermediate vectors) is staged once per block in shared memory, swizzled so that
+// a warp's 16-byte reads hit distinct bank groups. Grids are persistent: the host launches about as many
+// blocks as fit on the device at once and each warp walks its share of row pairs.
+// Requires row_data % 16 == 0 (true for every GLM-5 matrix; the host falls back to gemm.cu otherwise).
+// fp32 accumulation; int4/int8 scales are applied per 16-byte chunk / per row.
+#include "coli_common.cuh"
+
+// ---- gemv_<fmt> ---------------------------------------------------------------------------------------
+// y[z][n] = sum_k W[wrow0 + z*wz + n, k] * x[z][k]        n < N, k < W.cols, z = blockIdx.y
+//   W: stored matrix (QMAT_PARAMS), x: [Z, x_z] fp32, y: [Z, y_z] fp32
+//   grid (min(ceil(N/2 / warps), resident blocks), Z), block 256..1024 (multiple of 32),
+//   dynamic smem = padded cols * 4 bytes (W.row_data / 16 chunks of x).
+template <int FMT>
+__device__ void gemv_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z) {
+    extern __shared__ float4 smem4[];
+    float *xs = reinterpret_cast<float *>(smem4);
+    const int z = blockIdx.y;
+    const int nchunks = W.row_data / 16;
+    stage_x<FMT>(xs, x + z * x_z, W.cols, nchunks * Chunk<FMT>::VALS);
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int npairs = (N + 1) / 2;
+    for (int p = blockIdx.x * nw + warp; p < npairs; p += gridDim.x * nw) {
+        int n0 = 2 * p, n1 = min(2 * p + 1, N - 1);
+        const u8 *d[2], *m[2];
+        qmat_row(W, wrow0 + z * wz + n0, d[0], m[0]);
+        qmat_row(W, wrow0 + z * wz + n1, d[1], m[1]);
+        float out[2];
+        warp_rows_dot<FMT, 2, 4>(d, m, nchunks, W.group, xs, lane, out);
+        if (lane == 0) {
+            y[z * y_z + n0] = out[0];
+            if (2 * p + 1 < N) y[z * y_z + n0 + 1] = out[1];
+        }
+    }
+}
+
+#define GEMV_KERNEL(NAME, FMT)                                                                               \
+    extern "C" __global__ void gemv_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int N, const float *x,          \
+                                           long long x_z, float *y, long long y_z) {                           \
+        gemv_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z);                                     \
+    }
+COLI_FOR_FORMATS(GEMV_KERNEL)
+
+// ---- moe_gateup_<fmt> -------------------------------------------------------------------------------
+// For the K routed experts of one token: h[k][j] = silu(gate_k[j] . x) * (up_k[j] . x)
+//   table: [K] device pointers to the experts' records (or NULL: every k uses `base`, for a dense SwiGLU)
+//   gate/up matrices at byte offsets gate_off/up_off inside a record, both [rows=Im, cols=H] with the
+//   same tile layout (group, rpt, tile_bytes). x [H] fp32, h [K, Im] fp32.
+//   grid (resident blocks), block 256..1024, dynamic smem = padded H * 4 bytes.
+//   Work item = (k, j): one warp computes gate row j and up row j of expert k (two rows, one x read).
+template <int FMT>
+__device__ void moe_gateup_body(const u8 *const *table, const u8 *base, long long gate_off, long long up_off,
+                                int rows, int cols, int group, int rpt, long long tile_bytes, int K,
+                                const float *x, float *h) {
+    extern __shared__ float4 smem4[];
+    float *xs = reinterpret_cast<float *>(smem4);
+    QMat proto = make_qmat<FMT>(nullptr, rows, cols, group, rpt, tile_bytes);
+    const int nchunks = proto.row_data / 16;
+    stage_x<FMT>(xs, x, cols, nchunks * Chunk<FMT>::VALS);
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int ntask = K * rows;
+    for (int t = blockIdx.x * nw + warp; t < ntask; t += gridDim.x * nw) {
+        int k = t / rows, j = t - k * rows;
+        const u8 *rec = table ? table[k] : base;
+        QMat G = proto, U = proto;
+        G.base = rec + gate_off;
+        U.base = rec + up_off;
+        const u8 *d[2], *m[2];
+        qmat_row(G, j, d[0], m[0]);
+        qmat_row(U, j, d[1], m[1]);
+        float out[2];
+        warp_rows_dot<FMT, 2, 4>(d, m, nchunks, group, xs, lane, out);
+        if (lane == 0) h[t] = __fmul_rn(silu_f(out[0]), out[1]);
+    }
+}
+
+#define MOE_GATEUP_KERNEL(NAME, FMT)                                                                          \
+    extern "C" __global__ void moe_gateup_##NAME(const u8 *const *table, const u8 *base, long long gate_off,  \
+                                                 long long up_off, int rows, int cols, int group, int rpt,    \
+                                                 long long tile_bytes, int K, const float *x, float *h) {     \
+        moe_gateup_body<FMT>(table, base, gate_off, up_off, rows, cols, group, rpt, tile_bytes, K, x, h);     \
+    }
+COLI_FOR_FORMATS(MOE_GATEUP_KERNEL)
+
+// ---- moe_down_<fmt> ---------------------------------------------------------------------------------
+// y[o] (+)= sum_k wts[k] * (down_k[o] . h[k])      o < rows (= H), K <= 8 (the host splits larger K into launches that accumulate)
+//   down matrices [rows=H, cols=Im] at byte offset down_off in each record (table as above),
+//   wts [K] fp32 (routing weights; 1.0 for a dense SwiGLU), h [K, Im] fp32, y [H] fp32;
+//   accumulate != 0 adds to y (a second launch for experts of another layout).
+//   grid (resident blocks), block 256..1024, dynamic smem = K * padded Im * 4 bytes.
+//   Work item = a pair of output rows; its K x 2 row addresses sit in shared memory so the warp's loads run
+//   over all experts' chunks back to back (16 chunks per lane in flight at GLM-5's shape).
+#define MOE_MAXK 8
+#define MOE_MAXW 32
+template <int FMT>
+__device__ void moe_down_body(const u8 *const *table, const u8 *base, long long down_off, int rows, int cols,
+                              int group, int rpt, long long tile_bytes, int K, const float *wts, const float *h,
+                              float *y, int accumulate) {
+    extern __shared__ float4 smem4[];
+    float *hs = reinterpret_cast<float *>(smem4);
+    __shared__ const u8 *rp[MOE_MAXW][MOE_MAXK][2][2];
+    __shared__ float ws[MOE_MAXK];
+    constexpr int V = Chunk<FMT>::VALS;
+    QMat proto = make_qmat<FMT>(nullptr, rows, cols, group, rpt, tile_bytes);
+    const int nchunks = proto.row_data / 16;
+    const int npad = nchunks * V;
+    for (int k = 0; k < K; k++) stage_x<FMT>(hs + k * npad, h + (long long)k * cols, cols, npad);
+    if (threadIdx.x < K) ws[threadIdx.x] = wts[threadIdx.x];
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int npairs = (rows + 1) / 2, total = K * nchunks;
+    for (int p = blockIdx.x * nw + warp; p < npairs; p += gridDim.x * nw) {
+        const int o0 = 2 * p, o1 = min(2 * p + 1, rows - 1);
+        if (lane < 2 * K) {
+            int k = lane >> 1, r = lane & 1;
+            QMat D = proto;
+            D.base = (table ? table[k] : base) + down_off;
+            qmat_row(D, r ? o1 : o0, rp[warp][k][r][0], rp[warp][k][r][1]);
+        }
+        __syncwarp();
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int c0 = lane; c0 < total; c0 += 32 * 4) {
+            uint4 w[2][4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int cc = c0 + 32 * u;
+                if (cc < total) {
+                    int k = cc / nchunks, c = cc - k * nchunks;
+                    w[0][u] = ld_stream(rp[warp][k][0][0] + 16 * (long long)c);
+                    w[1][u] = ld_stream(rp[warp][k][1][0] + 16 * (long long)c);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int cc = c0 + 32 * u;
+                if (cc < total) {
+                    int k = cc / nchunks, c = cc - k * nchunks;
+                    float xv[V];
+                    load_x<FMT>(hs + k * npad, c, xv);
+                    const u8 *m0 = rp[warp][k][0][1], *m1 = rp[warp][k][1][1];
+                    float f0 = ws[k] * chunk_scale<FMT>(m0, c, group) * row_scale<FMT>(m0);
+                    float f1 = ws[k] * chunk_scale<FMT>(m1, c, group) * row_scale<FMT>(m1);
+                    acc0 = fmaf(f0, chunk_dot<FMT>(w[0][u], xv), acc0);
+                    acc1 = fmaf(f1, chunk_dot<FMT>(w[1][u], xv), acc1);
+                }
+            }
+        }
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            y[o0] = accumulate ? y[o0] + acc0 : acc0;
+            if (2 * p + 1 < rows) y[o0 + 1] = accumulate ? y[o0 + 1] + acc1 : acc1;
+        }
+        __syncwarp();
+    }
+}
+
+#define MOE_DOWN_KERNEL(NAME, FMT)                                                                            \
+    extern "C" __global__ void moe_down_##NAME(const u8 *const *table, const u8 *base, long long down_off,    \
+                                               int rows, int cols, int group, int rpt, long long tile_bytes,  \
+                                               int K, const float *wts, const float *h, float *y,             \
+                                               int accumulate) {                                              \
+        moe_down_body<FMT>(table, base, down_off, rows, cols, group, rpt, tile_bytes, K, wts, h, y,           \
+                           accumulate);                                                                       \
+    }
+COLI_FOR_FORMATS(MOE_DOWN_KERNEL)

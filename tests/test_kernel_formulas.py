@@ -1,0 +1,145 @@
+"""The integer and indexing tricks inside the CUDA kernels, transliterated to numpy and checked exhaustively on the
+CPU (the kernels themselves are checked against numpy on a GPU by tests/gpu/):
+
+- dequantisation without int->float conversions (coli_common.cuh chunk_dot): a 4-bit or 8-bit code OR-ed into
+  the mantissa of 2^23, minus a constant, is exactly the code's value;
+- the shared-memory swizzle of x (xs_slot): a permutation inside each chunk, and 8 consecutive lanes reading
+  float4 k of their chunks hit 8 distinct 16-byte bank groups;
+- the row addressing of stored matrices (qmat_row) agrees with the container format's tile layout;
+- the radix top-k selection (indexer.cu topk_select) selects what a sort would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.container.format import MatrixLayout, align
+
+F32 = np.float32
+
+
+def _f(bits) -> np.ndarray:
+    return np.asarray(bits, np.uint32).view(F32)
+
+
+def test_int4_nibbles_from_the_mantissa_of_2_pow_23():
+    b = np.arange(256, dtype=np.uint32)
+    word = b | 0x4B000000                                    # __byte_perm(w, 0x4b000000, 0x7440 + k)
+    lo = _f(word & 0x4B00000F) - F32(8388616.0)              # nib_lo - 8
+    hi = _f(word & 0x4B0000F0) - F32(8388736.0)              # 16 * (nib_hi - 8)
+    np.testing.assert_array_equal(lo, (b & 15).astype(F32) - 8)
+    np.testing.assert_array_equal(hi, 16 * ((b >> 4).astype(F32) - 8))
+    # fmaf(hi_acc, 1/16, lo_acc) recovers the plain sum exactly for in-range partial sums
+    assert F32(16 * -8) * F32(0.0625) == F32(-8)
+
+
+def test_int8_codes_from_the_mantissa_of_2_pow_23():
+    b = np.arange(256, dtype=np.uint32)
+    v = _f((b | 0x4B000000) ^ 0x80) - F32(8388736.0)
+    np.testing.assert_array_equal(v, b.astype(np.uint8).view(np.int8).astype(F32))
+
+
+def test_bf16_halves_of_a_word():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(64).astype(F32)
+    bf = (x.view(np.uint32) >> 16).astype(np.uint16)         # truncation is enough to test the unpacking
+    words = bf.view(np.uint32)                              # little-endian pairs: value 2i low, 2i+1 high
+    even = _f(words << 16)
+    odd = _f(words & 0xFFFF0000)
+    want = (bf.astype(np.uint32) << 16).view(F32)
+    np.testing.assert_array_equal(even, want[0::2])
+    np.testing.assert_array_equal(odd, want[1::2])
+
+
+@pytest.mark.parametrize("f4,shift", [(1, 3), (2, 2), (4, 1), (8, 0)])   # f32, bf16, int8, int4
+def test_x_swizzle_is_a_permutation_and_bank_conflict_free(f4, shift):
+    def slot(c, k):
+        return c * f4 + (k ^ ((c >> shift) & (f4 - 1)))
+    for c in range(64):
+        assert sorted(slot(c, k) for k in range(f4)) == list(range(c * f4, (c + 1) * f4))
+    # a 16-byte shared load is served per quarter warp: lanes 8q..8q+7 read float4 k of chunks c0+lane
+    for c0 in range(0, 256, 8):
+        for k in range(f4):
+            groups = {slot(c0 + lane, k) % 8 for lane in range(8)}
+            assert len(groups) == 8, (f4, c0, k)
+
+
+def qmat_row(lay: MatrixLayout, r: int) -> tuple[int, int]:
+    """coli_common.cuh qmat_row: byte offsets of row r's data and metadata from the matrix start."""
+    t, i = divmod(r, lay.rows_per_tile)
+    tile = t * lay.tile_bytes
+    n = min(lay.rows_per_tile, lay.rows - t * lay.rows_per_tile)
+    meta = tile + i * lay.row_meta_bytes
+    data = tile + align(n * lay.row_meta_bytes, 16) + i * lay.row_data_bytes
+    return data, meta
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group,tile_kb", [
+    (2048, 6144, "int4", 64, 512), (6144, 2048, "int4", 128, 512), (77, 100, "int4", 32, 4), (576, 6144, "int8", 0, 512),
+    (100, 100, "int8", 0, 4), (33, 100, "bf16", 0, 4), (1000, 64, "f32", 0, 4), (5, 7, "f32", 0, 4)])
+def test_row_addressing_matches_the_tile_layout(rows, cols, fmt, group, tile_kb):
+    from coli.container.quant import encode_matrix, quantize
+    lay = MatrixLayout.make(rows, cols, fmt, group or 64, tile_kb)
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((rows, cols)).astype(F32)
+    data, meta = quantize(w, fmt, group or 64)
+    buf = encode_matrix(lay, data, meta)
+    for r in sorted({0, 1, rows // 2, rows - 1} | set(range(0, rows, max(1, rows // 37)))):
+        d, m = qmat_row(lay, r)
+        assert bytes(buf[d:d + lay.row_data_bytes]) == data[r].tobytes()
+        assert bytes(buf[m:m + lay.row_meta_bytes]) == meta[r].tobytes()
+        if fmt in ("f32", "bf16", "int8", "int4") and lay.row_data_bytes % 16 == 0:
+            assert d % 16 == 0          # the GEMV kernels' 16-byte loads stay aligned
+
+
+def order_key(x: np.ndarray) -> np.ndarray:
+    u = x.astype(F32).view(np.uint32)
+    return np.where(u >> 31 == 1, ~u, u | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def radix_topk(row: np.ndarray, k: int) -> list[int]:
+    """indexer.cu topk_select: 4 passes of 8-bit digits from the top, then an ordered compaction."""
+    u = order_key(row)
+    prefix, mask, krem = 0, 0, k
+    for shift in (24, 16, 8, 0):
+        sel = (u & np.uint32(mask)) == np.uint32(prefix)
+        hist = np.bincount(((u[sel] >> np.uint32(shift)) & np.uint32(255)).astype(np.int64), minlength=256)
+        cum = 0
+        for d in range(255, -1, -1):
+            if cum + hist[d] >= krem:
+                prefix |= d << shift
+                mask |= 255 << shift
+                krem -= cum
+                break
+            cum += hist[d]
+    thr = np.uint32(prefix)
+    out, eq_seen = [], 0
+    for t in range(len(row)):
+        if u[t] > thr:
+            out.append(t)
+        elif u[t] == thr:
+            if eq_seen < krem:
+                out.append(t)
+            eq_seen += 1
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_radix_topk_selects_what_a_sort_selects(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(50, 3000))
+    k = int(rng.integers(1, n))
+    row = rng.standard_normal(n).astype(F32)
+    if seed % 2:
+        row = np.round(row, 1).astype(F32)                 # many ties, negative zero included
+        row[::7] = F32(-0.0)
+    if seed == 4:
+        row[:] = F32(1.5)                                   # all equal
+    got = radix_topk(row, k)
+    want = sorted(np.lexsort((np.arange(n), -row.astype(np.float64)))[:k].tolist())
+    assert len(got) == k
+    if (row == 0).any():    # -0.0 and +0.0 order apart in the key: compare as sets by value
+        assert sorted(row[got].tolist()) == sorted(row[want].tolist())
+    else:
+        assert got == want
