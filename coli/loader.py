@@ -33,13 +33,27 @@ def open_weights(model_dir: str | Path, report: Callable[[str], None] | None = N
 
 
 def make_backend(device: str = "cpu"):
-    if device in ("cpu", "numpy", "auto"):
+    """cpu | numpy: the numpy backend; gpu | cuda: the CUDA backend (PyCUDA + a device, else an error);
+    auto: the CUDA backend when PyCUDA imports and a device exists, else numpy."""
+    if device in ("cpu", "numpy"):
         return NumpyBackend()
-    raise ColiError(f"device {device!r} is not available in this build (use --device cpu)")
+    if device in ("gpu", "cuda", "auto"):
+        from coli.model.cuda_runtime import CudaUnavailable
+        try:
+            from coli.model.cuda_backend import CudaBackend
+            return CudaBackend()
+        except CudaUnavailable as e:
+            if device == "auto":
+                return NumpyBackend()
+            raise ColiError(f"--device {device}: {e} (use --device cpu)") from None
+    raise ColiError(f"device {device!r} is not known (use cpu, gpu or auto)")
 
 
 def load_model(model_dir: str | Path, device: str = "cpu", report: Callable[[str], None] | None = None
                ) -> tuple[GlmMoeDsaModel, ModelConfig]:
     weights = open_weights(model_dir, report)
-    model = GlmMoeDsaModel(weights.config, weights, make_backend(device))
+    backend = make_backend(device)
+    # the GPU keeps every routed expert resident in device memory (this part; a bounded slot pool is next)
+    experts = backend.expert_source(weights) if hasattr(backend, "expert_source") else None
+    model = GlmMoeDsaModel(weights.config, weights, backend, experts=experts)
     return model, weights.config

@@ -27,6 +27,11 @@ class Backend(Protocol):
     def empty(self, shape: tuple[int, ...]) -> Array: ...          # float32, contents undefined
     def write_rows(self, dst: Array, start: int, src: Array) -> None: ...  # dst[start:start+n] = src
     def rows(self, x: Array, n: int) -> Array: ...                  # view of x[:n]
+    # weights: a backend may keep matrices in the source's stored format (the CUDA backend keeps the
+    # container's quantised tiles); `linear`, `embed`, `swiglu`, `route` and `mla_attend` accept them
+    def weight(self, src: Any, name: str) -> Array: ...            # matrix `name` of a WeightSource
+    def kv_b(self, src: Any, name: str, nh: int, dn: int, dv: int) -> tuple[Array, Array]: ...
+    # kv_b_proj [nh*(dn+dv), Lkv] -> per-head key rows w_kb [nh, dn, Lkv] and value rows w_vb [nh, dv, Lkv]
 
     # -- elementwise / normalisation ---------------------------------------------------------
     def embed(self, table: Array, ids: np.ndarray) -> Array: ...   # [V, H], [S] -> [S, H]
@@ -48,7 +53,8 @@ class Backend(Protocol):
     def indexer_select(self, iq: Array, k_idx: Array, head_w: Array, positions: np.ndarray,
                        index_topk: int) -> np.ndarray: ...
     # iq [S, ih, ihd], k_idx [T, ihd], head_w [S, ih] (unscaled weights_proj output)
-    # -> allowed [S, T] bool on the host (causal AND top-k)
+    # -> allowed [S, T] (causal AND top-k): a host bool array on the numpy backend; any backend-specific
+    #    form (the CUDA backend's DeviceMask stays on the device) that this backend's mla_attend reads
 
     # -- MLPs ------------------------------------------------------------------------------------
     def swiglu(self, x: Array, gate: Array, up: Array, down: Array) -> Array: ...  # [S, H] -> [S, H]
@@ -57,6 +63,10 @@ class Backend(Protocol):
     # -> idx [S, K] int64 (host), weights [S, K] float32 (host)
     def moe(self, x: Array, idx: np.ndarray, weights: np.ndarray, experts: Iterable[tuple[int, Any]]) -> Array: ...
     # experts: (expert id, ExpertWeights) pairs, each id of idx once, in any order -> routed sum [S, H]
+    # (the CUDA backend also takes device record handles, coli.model.cuda_weights.DeviceRecord)
+
+    # -- logits --------------------------------------------------------------------------------------------
+    def argmax(self, x: Array) -> np.ndarray: ...   # [S, V] -> [S] int64, first maximum (greedy decoding)
 
 
 def cos_sin_table(positions: Sequence[int] | np.ndarray, dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

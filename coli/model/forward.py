@@ -84,36 +84,41 @@ class LayerWeights:
 
 
 def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: int) -> LayerWeights:
-    up = backend.upload
+    def up(name: str) -> Array:        # a vector (norm weight/bias), float32
+        return backend.upload(src.dense(name))
+
+    def mat(name: str) -> Array:       # a matrix; a backend may keep it in its stored (quantised) format
+        return backend.weight(src, name)
+
     p = f"model.layers.{i}."
     a = p + "self_attn."
     nh, dn, dv = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
-    kv_b = src.dense(a + "kv_b_proj.weight").reshape(nh, dn + dv, c.kv_lora_rank)  # [nh, dn+dv, Lkv]
+    w_kb, w_vb = backend.kv_b(src, a + "kv_b_proj.weight", nh, dn, dv)  # [nh, dn, Lkv], [nh, dv, Lkv]
     attn = AttentionWeights(
-        q_a=up(src.dense(a + "q_a_proj.weight")),
-        q_a_norm=up(src.dense(a + "q_a_layernorm.weight")),
-        q_b=up(src.dense(a + "q_b_proj.weight")),
-        kv_a=up(src.dense(a + "kv_a_proj_with_mqa.weight")),
-        kv_a_norm=up(src.dense(a + "kv_a_layernorm.weight")),
-        w_kb=up(np.ascontiguousarray(kv_b[:, :dn, :])),
-        w_vb=up(np.ascontiguousarray(kv_b[:, dn:, :])),
-        o=up(src.dense(a + "o_proj.weight")),
+        q_a=mat(a + "q_a_proj.weight"),
+        q_a_norm=up(a + "q_a_layernorm.weight"),
+        q_b=mat(a + "q_b_proj.weight"),
+        kv_a=mat(a + "kv_a_proj_with_mqa.weight"),
+        kv_a_norm=up(a + "kv_a_layernorm.weight"),
+        w_kb=w_kb,
+        w_vb=w_vb,
+        o=mat(a + "o_proj.weight"),
     )
     if c.indexer_types[i] == "full":
         x = a + "indexer."
-        attn.idx_wq_b = up(src.dense(x + "wq_b.weight"))
-        attn.idx_wk = up(src.dense(x + "wk.weight"))
-        attn.idx_k_norm_w = up(src.dense(x + "k_norm.weight"))
-        attn.idx_k_norm_b = up(src.dense(x + "k_norm.bias"))
-        attn.idx_weights = up(src.dense(x + "weights_proj.weight"))
-    lw = LayerWeights(up(src.dense(p + "input_layernorm.weight")), up(src.dense(p + "post_attention_layernorm.weight")), attn)
+        attn.idx_wq_b = mat(x + "wq_b.weight")
+        attn.idx_wk = mat(x + "wk.weight")
+        attn.idx_k_norm_w = up(x + "k_norm.weight")
+        attn.idx_k_norm_b = up(x + "k_norm.bias")
+        attn.idx_weights = mat(x + "weights_proj.weight")
+    lw = LayerWeights(up(p + "input_layernorm.weight"), up(p + "post_attention_layernorm.weight"), attn)
     if c.mlp_layer_types[i] == "dense":
-        lw.mlp_gate, lw.mlp_up, lw.mlp_down = (up(src.dense(p + f"mlp.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj"))
+        lw.mlp_gate, lw.mlp_up, lw.mlp_down = (mat(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
     else:
-        lw.router = up(src.dense(p + "mlp.gate.weight"))
-        lw.router_bias = up(src.dense(p + "mlp.gate.e_score_correction_bias"))
+        lw.router = mat(p + "mlp.gate.weight")
+        lw.router_bias = up(p + "mlp.gate.e_score_correction_bias")
         lw.shared_gate, lw.shared_up, lw.shared_down = (
-            up(src.dense(p + f"mlp.shared_experts.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj"))
+            mat(p + f"mlp.shared_experts.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
     return lw
 
 
@@ -125,10 +130,10 @@ class GlmMoeDsaModel:
         self.config = c = config
         self.backend = backend
         self.experts = experts if experts is not None else WeightExperts(weights)
-        self.embed = backend.upload(weights.dense("model.embed_tokens.weight"))       # [V, H]
+        self.embed = backend.weight(weights, "model.embed_tokens.weight")             # [V, H]
         self.layers = [load_layer_weights(c, weights, backend, i) for i in range(c.num_hidden_layers)]
         self.final_norm = backend.upload(weights.dense("model.norm.weight"))          # [H]
-        self.lm_head = self.embed if c.tie_word_embeddings else backend.upload(weights.dense("lm_head.weight"))
+        self.lm_head = self.embed if c.tie_word_embeddings else backend.weight(weights, "lm_head.weight")
         self.routing_hook: RoutingHook | None = None
         # Expert top-p pruning (approximate, off = None = exact): routed experts of a token beyond the
         # fewest that carry this share of its routing weight are dropped (idx -1). See prune_topp.
@@ -143,6 +148,14 @@ class GlmMoeDsaModel:
 
         Returns host float32 logits: [S, V] if all_logits else [1, V] for the last position.
         """
+        return self.backend.to_host(self._logits(ids, cache, all_logits))
+
+    def greedy(self, ids: Sequence[int], cache: KVCache) -> int:
+        """Like forward(), but returns the greedy next token (first maximum of the last position's logits),
+        taken on the backend so the logits stay where they are (the GPU)."""
+        return int(self.backend.argmax(self._logits(ids, cache, False))[-1])
+
+    def _logits(self, ids: Sequence[int], cache: KVCache, all_logits: bool) -> Array:
         c, b = self.config, self.backend
         ids = np.asarray(ids, dtype=np.int64)
         S = int(ids.shape[0])
@@ -169,7 +182,7 @@ class GlmMoeDsaModel:
         if not all_logits:
             h = b.last_row(h)                                           # [1, H]
         hn = b.rms_norm(h, self.final_norm, c.rms_norm_eps)
-        return b.to_host(b.linear(hn, self.lm_head))                    # [S or 1, V]
+        return b.linear(hn, self.lm_head)                               # [S or 1, V]
 
     # ------------------------------------------------------------------------------------------
     def _attention(self, i, w: AttentionWeights, x, positions, cos, sin, cache: KVCache, start, prev_allowed):

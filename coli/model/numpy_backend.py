@@ -72,6 +72,17 @@ class NumpyBackend:
     def rows(self, x: np.ndarray, n: int) -> np.ndarray:
         return x[:n]
 
+    def weight(self, src, name: str) -> np.ndarray:
+        return self.upload(src.dense(name))
+
+    def kv_b(self, src, name: str, nh: int, dn: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
+        kv_b = src.dense(name)
+        kv_b = kv_b.reshape(nh, dn + dv, kv_b.shape[-1])                 # [nh, dn+dv, Lkv]
+        return self.upload(np.ascontiguousarray(kv_b[:, :dn, :])), self.upload(np.ascontiguousarray(kv_b[:, dn:, :]))
+
+    def argmax(self, x: np.ndarray) -> np.ndarray:
+        return np.argmax(x, axis=-1).astype(np.int64)
+
     def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return np.array(table[np.asarray(ids, dtype=np.int64)], dtype=F32)  # [S, H]
 

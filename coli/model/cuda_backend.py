@@ -1,0 +1,498 @@
+"""The CUDA backend: the Backend interface (coli/model/backend.py) over device memory and the kernels in
+`cuda/*.cu`. The forward pass (coli/model/forward.py) is the same as on the numpy backend.
+
+    b = CudaBackend()                     # needs PyCUDA and a device (CudaUnavailable otherwise)
+    model = GlmMoeDsaModel(cfg, weights, b, experts=b.expert_source(weights))
+
+Arrays are `DeviceArray` (float32, row-major); weights are `QWeight` (the container's stored format) and
+`HeadView` (kv_b_proj's per-head key/value rows). Everything runs in order on one compute stream; the host
+waits only where the forward needs a value on the host: the router's choices (`route`), logits (`to_host`)
+and the greedy token (`argmax`). The indexer's selection stays on the device as a `DeviceMask` that the
+attention kernel reads.
+
+MoE: `moe()` takes the (expert id, handle) pairs of the layer's experts. Handles are `DeviceRecord`s
+(device address of a record in container format, optional ready event / consumed callback) or host
+`ExpertWeights` (uploaded on the spot as an f32 record, for the RAM-tier executor). Decode (one token) is
+two launches per record layout -- gate/up for all K experts from a table of record pointers, then down
+with the routing-weighted sum; prefill is a grouped GEMM per expert over the tokens routed to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from coli.model.cuda_runtime import CudaRuntime, DeviceArray, get_runtime
+from coli.model.cuda_weights import (
+    DeviceRecord, HeadView, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
+)
+from coli.weights import ExpertWeights
+
+F32 = np.float32
+QM = "Piiiiq"        # the six stored-matrix arguments (QMAT_PARAMS)
+FORMATS = ("f32", "bf16", "int8", "int4")
+
+
+def _signatures() -> dict[tuple[str, str], str]:
+    """(module, kernel) -> PyCUDA argument types (P pointer, i int32, q int64, f float32). Checked against the
+    kernels' C signatures by tests/test_kernels_compile.py (no GPU needed)."""
+    s = {
+        ("elementwise", "add"): "PPPq", ("elementwise", "silu_mul"): "PPPq",
+        ("elementwise", "copy_cols"): "PiiiPi",
+        ("norm", "rmsnorm"): "PPPif", ("norm", "layernorm"): "PPPPif",
+        ("rope", "rope"): "PPPPiiiii",
+        ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
+        ("router", "route_topk"): "PPiiiiifPP",
+        ("gemm", "moe_reduce"): "PiiiPi",
+        ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
+    }
+    for nj in (1, 2, 4, 8, 16):
+        s[("attention", f"mla_attend_{nj}")] = "PPiiPPPPiiiiifP"
+    for f in FORMATS:
+        s[("elementwise", f"embed_{f}")] = QM + "PP"
+        s[("elementwise", f"dequant_{f}")] = QM + "iP"
+        s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
+        s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
+        s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
+        s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
+        s[("gemm", f"gemm_nn_{f}")] = "Pqqi" + QM + "iiiiPqq"
+        s[("gemm", f"moe_gateup_gemm_{f}")] = "PqqiiiiqPPPP"
+        s[("gemm", f"moe_down_gemm_{f}")] = "PqiiiiqPPPPPiP"
+    return s
+
+
+SIGNATURES = _signatures()
+GEMV_THREADS = 256
+MOE_THREADS = 512
+MOE_MAXK = 8         # experts per moe_down launch (MOE_MAXK in gemv.cu)
+# Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
+MOE_CHUNK_BYTES = 256 << 20
+INDEXER_CHUNK_BYTES = 256 << 20
+
+
+@dataclass
+class DeviceMask:
+    """Which keys each query row attends to, on the device. Dense (idx None): row s sees keys 0..start+s.
+    Otherwise row s sees the cnt[s] keys idx[s, :cnt[s]] (ascending)."""
+
+    S: int
+    T: int
+    start: int
+    idx: DeviceArray | None = None   # [S, kmax] int32
+    cnt: DeviceArray | None = None   # [S] int32
+    kmax: int = 0
+
+    def to_host(self, rt: CudaRuntime) -> np.ndarray:
+        """The mask as a host bool [S, T] (the numpy backend's form)."""
+        m = np.zeros((self.S, self.T), bool)
+        if self.idx is None:
+            for s in range(self.S):
+                m[s, :self.start + s + 1] = True
+            return m
+        idx, cnt = rt.to_host(self.idx), rt.to_host(self.cnt)
+        for s in range(self.S):
+            m[s, idx[s, :cnt[s]]] = True
+        return m
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, device: int = 0, runtime: CudaRuntime | None = None):
+        self.rt = runtime or get_runtime(device)
+        self._cs: tuple | None = None         # (cos host, sin host, cos dev, sin dev)
+        self._route: tuple | None = None      # (idx host, idx dev, w dev) of the last route()
+        self._one = self.rt.to_device(np.ones(MOE_MAXK, F32))
+
+    # ---- kernels ---------------------------------------------------------------------------------------
+    def _fn(self, module: str, name: str):
+        return self.rt.function(module, name, SIGNATURES[(module, name)])
+
+    def _grid1d(self, n: int, threads: int = 256) -> int:
+        return max(1, min(-(-n // threads), self.rt.sm_count * 8))
+
+    # ---- storage ---------------------------------------------------------------------------------------
+    def upload(self, host: np.ndarray) -> DeviceArray:
+        return self.rt.to_device(np.asarray(host, F32), F32)
+
+    def to_host(self, x: DeviceArray) -> np.ndarray:
+        return self.rt.to_host(x)
+
+    def empty(self, shape: tuple[int, ...]) -> DeviceArray:
+        return self.rt.empty(shape, F32)
+
+    def write_rows(self, dst: DeviceArray, start: int, src: DeviceArray) -> None:
+        row = dst.nbytes // dst.shape[0]
+        if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
+            raise ValueError(f"cannot write rows {src.shape} into {dst.shape} at {start}")
+        self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
+
+    def rows(self, x: DeviceArray, n: int) -> DeviceArray:
+        return x.row_view(0, n)
+
+    # weights in their stored format ------------------------------------------------------------------------
+    def weight(self, src: Any, name: str) -> QWeight:
+        return upload_weight(self.rt, src, name)
+
+    def kv_b(self, src: Any, name: str, nh: int, dn: int, dv: int) -> tuple[HeadView, HeadView]:
+        w = upload_weight(self.rt, src, name)
+        return HeadView(w, 0, dn + dv, dn, nh), HeadView(w, dn, dn + dv, dv, nh)
+
+    def matrix(self, w: np.ndarray) -> QWeight:
+        """A host float32 matrix as a stored f32 weight (tests, host fallbacks)."""
+        return upload_f32(self.rt, w)
+
+    def expert_source(self, weights: Any) -> ResidentExperts:
+        return ResidentExperts(self.rt, weights)
+
+    # ---- element-wise / normalisation ----------------------------------------------------------------------
+    def embed(self, table: QWeight, ids: np.ndarray) -> DeviceArray:
+        ids = np.asarray(ids, np.int64)
+        S = int(ids.shape[0])
+        out = self.empty((S, table.cols))
+        ids_d = self.rt.to_device_async(ids.astype(np.int32))
+        fn = self._fn("elementwise", f"embed_{table.fmt}")
+        self.rt.launch(fn, (S,), 256, *table.args(), ids_d.ptr, out.ptr)
+        return out
+
+    def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
+        out = self.empty(a.shape)
+        fn = self._fn("elementwise", "add")
+        self.rt.launch(fn, (self._grid1d(a.size),), 256, a.ptr, b.ptr, out.ptr, a.size)
+        return out
+
+    def silu_mul(self, g: DeviceArray, u: DeviceArray) -> DeviceArray:
+        out = self.empty(g.shape)
+        fn = self._fn("elementwise", "silu_mul")
+        self.rt.launch(fn, (self._grid1d(g.size),), 256, g.ptr, u.ptr, out.ptr, g.size)
+        return out
+
+    def rms_norm(self, x: DeviceArray, w: DeviceArray, eps: float) -> DeviceArray:
+        D = x.shape[-1]
+        out = self.empty(x.shape)
+        fn = self._fn("norm", "rmsnorm")
+        self.rt.launch(fn, (x.size // D,), 256, x.ptr, w.ptr, out.ptr, D, F32(eps))
+        return out
+
+    def layer_norm(self, x: DeviceArray, w: DeviceArray, b: DeviceArray, eps: float) -> DeviceArray:
+        D = x.shape[-1]
+        out = self.empty(x.shape)
+        fn = self._fn("norm", "layernorm")
+        self.rt.launch(fn, (x.size // D,), 256, x.ptr, w.ptr, b.ptr, out.ptr, D, F32(eps))
+        return out
+
+    def linear(self, x: DeviceArray, w: QWeight) -> DeviceArray:
+        S, K = x.shape
+        if K != w.cols:
+            raise ValueError(f"linear: input of width {K} for a weight of shape [{w.rows}, {w.cols}]")
+        out = self.empty((S, w.rows))
+        if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
+            return out
+        self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
+        return out
+
+    def split_cols(self, x: DeviceArray, n: int) -> tuple[DeviceArray, DeviceArray]:
+        S, D = x.shape
+        if S == 1:
+            return DeviceArray(x.ptr, (1, n), F32, x.owner), DeviceArray(x.ptr + 4 * n, (1, D - n), F32, x.owner)
+        a, b = self.empty((S, n)), self.empty((S, D - n))
+        fn = self._fn("elementwise", "copy_cols")
+        self.rt.launch(fn, (self._grid1d(a.size),), 256, x.ptr, D, 0, n, a.ptr, S)
+        self.rt.launch(fn, (self._grid1d(b.size),), 256, x.ptr, D, n, D - n, b.ptr, S)
+        return a, b
+
+    def last_row(self, x: DeviceArray) -> DeviceArray:
+        return x.row_view(x.shape[0] - 1, 1)
+
+    def _cos_sin(self, cos: np.ndarray, sin: np.ndarray) -> tuple[DeviceArray, DeviceArray]:
+        if self._cs is None or self._cs[0] is not cos or self._cs[1] is not sin:
+            self._cs = (cos, sin, self.rt.to_device_async(np.asarray(cos, F32)),
+                        self.rt.to_device_async(np.asarray(sin, F32)))
+        return self._cs[2], self._cs[3]
+
+    def rope(self, x: DeviceArray, cos: np.ndarray, sin: np.ndarray, offset: int) -> DeviceArray:
+        S, n, d = x.shape
+        half = cos.shape[-1]
+        cs, sn = self._cos_sin(cos, sin)
+        out = self.empty(x.shape)
+        fn = self._fn("rope", "rope")
+        self.rt.launch(fn, (self._grid1d(x.size),), 256, x.ptr, cs.ptr, sn.ptr, out.ptr, S, n, d, offset, half)
+        return out
+
+    # ---- matrix kernels ------------------------------------------------------------------------------------
+    def _gemv(self, w: QWeight, wrow0: int, wz: int, N: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """y[z][n] = W[wrow0 + z*wz + n] . x[z]; False when the GEMV kernel does not apply (use _gemm)."""
+        if not w.vec_ok:
+            return False
+        fn = self._fn("gemv", f"gemv_{w.fmt}")
+        smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        pairs = -(-N // 2)
+        blocks = min(-(-pairs // (GEMV_THREADS // 32)), max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+        self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, smem=smem)
+        return True
+
+    def _gemm(self, nn: bool, A: int, lda: int, a_z: int, M: int, w: QWeight, wrow0: int, wz: int, N: int, K: int,
+              C: int, ldc: int, c_z: int, Z: int) -> None:
+        fn = self._fn("gemm", f"gemm_{'nn' if nn else 'nt'}_{w.fmt}")
+        self.rt.launch(fn, (-(-N // 64), -(-M // 64), Z), 256, A, lda, a_z, M, *w.args(), wrow0, wz, N, K,
+                       C, ldc, c_z)
+
+    # ---- attention ------------------------------------------------------------------------------------------
+    def mla_attend(self, q: DeviceArray, lat: DeviceArray, k_pe: DeviceArray, w_kb: HeadView, w_vb: HeadView,
+                   allowed: Any, scale: float) -> DeviceArray:
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        dn, dv = w_kb.rows_per_head, w_vb.rows_per_head
+        dr = dq - dn
+        if Lkv > 512 or dr > 64:
+            raise ValueError(f"mla_attend supports kv_lora_rank <= 512 and rope dim <= 64 (got {Lkv}, {dr})")
+        mask = self.device_mask(allowed, S, T)
+        # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
+        q_abs = self.empty((S, nh, Lkv))
+        self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
+                   q_abs.ptr, nh * Lkv, Lkv, nh)
+        ctx = self.empty((S, nh, Lkv))
+        nj = next(j for j in (1, 2, 4, 8, 16) if 32 * j >= Lkv)
+        fn = self._fn("attention", f"mla_attend_{nj}")
+        idx = mask.idx.ptr if mask.idx is not None else 0
+        cnt = mask.cnt.ptr if mask.cnt is not None else 0
+        self.rt.launch(fn, (nh, S), 256, q_abs.ptr, q.ptr, dq, dn, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax,
+                       mask.start, nh, Lkv, dr, F32(scale), ctx.ptr, smem=8 * Lkv * 4)
+        # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
+        o = self.empty((S, nh * dv))
+        self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
+                   o.ptr, nh * dv, dv, nh)
+        return o
+
+    def device_mask(self, allowed: Any, S: int, T: int) -> DeviceMask:
+        """A DeviceMask from the indexer's result or from a host bool [S, T]."""
+        if isinstance(allowed, DeviceMask):
+            if (allowed.S, allowed.T) != (S, T):
+                raise ValueError(f"mask for {allowed.S}x{allowed.T}, attention of {S}x{T}")
+            return allowed
+        a = np.asarray(allowed, bool)
+        if a.shape != (S, T):
+            raise ValueError(f"mask of shape {a.shape}, attention of {S}x{T}")
+        cnt = a.sum(axis=1).astype(np.int32)
+        kmax = max(int(cnt.max()), 1)
+        idx = np.zeros((S, kmax), np.int32)
+        for s in range(S):
+            nz = np.nonzero(a[s])[0]
+            idx[s, :nz.size] = nz
+        return DeviceMask(S, T, T - S, self.rt.to_device_async(idx), self.rt.to_device_async(cnt), kmax)
+
+    def indexer_select(self, iq: DeviceArray, k_idx: DeviceArray, head_w: DeviceArray, positions: np.ndarray,
+                       index_topk: int) -> DeviceMask:
+        S, ih, ihd = iq.shape
+        T = k_idx.shape[0]
+        positions = np.asarray(positions)
+        start = int(positions[0])
+        if not np.array_equal(positions, np.arange(start, start + S)) or start + S != T:
+            raise ValueError("indexer_select on the GPU needs positions start..start+S-1 with T = start + S")
+        if start + S <= index_topk:
+            return DeviceMask(S, T, start)                       # every row keeps all its visible keys
+        kmax = min(index_topk, T)
+        idx = self.rt.empty((S, kmax), np.int32)
+        cnt = self.rt.empty((S,), np.int32)
+        f_sc = self._fn("indexer", "indexer_scores")
+        f_tk = self._fn("indexer", "topk_select")
+        smem = (ih * (ihd + 1) + ih) * 4
+        rows = max(1, INDEXER_CHUNK_BYTES // (4 * T))
+        for s0 in range(0, S, rows):
+            n = min(rows, S - s0)
+            scores = self.empty((n, T))
+            self.rt.launch(f_sc, (-(-T // 64), n), 256, iq.ptr + s0 * ih * ihd * 4, k_idx.ptr,
+                           head_w.ptr + s0 * ih * 4, ih, ihd, start + s0, T, F32(ihd ** -0.5), F32(ih ** -0.5),
+                           index_topk, scores.ptr, smem=smem)
+            self.rt.launch(f_tk, (n,), 1024, scores.ptr, T, start + s0, index_topk, kmax,
+                           idx.ptr + s0 * kmax * 4, cnt.ptr + s0 * 4)
+        return DeviceMask(S, T, start, idx, cnt, kmax)
+
+    # ---- MLPs -------------------------------------------------------------------------------------------------
+    def swiglu(self, x: DeviceArray, gate: QWeight, up: QWeight, down: QWeight) -> DeviceArray:
+        S, H = x.shape
+        if S == 1 and gate.layout == up.layout and gate.fmt == down.fmt and gate.vec_ok and down.vec_ok:
+            out = self.empty((1, down.rows))
+            h = self.empty((1, gate.rows))
+            if self._moe_decode_launch(gate.fmt, 0, gate.ptr, gate.layout, up.ptr - gate.ptr, 1, x.ptr, h.ptr):
+                if self._moe_down_launch(down.fmt, 0, down.ptr, down.layout, 0, 1, self._one.ptr, h.ptr,
+                                         out.ptr, 0):
+                    return out
+        g = self.linear(x, gate)
+        u = self.linear(x, up)
+        return self.linear(self.silu_mul(g, u), down)
+
+    def route(self, x: DeviceArray, gate_w: QWeight, bias: DeviceArray, n_group: int, topk_group: int, top_k: int,
+              norm_topk_prob: bool, scaling: float, topp: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        S = x.shape[0]
+        logits = self.linear(x, gate_w)                                  # [S, E] fp32
+        E = logits.shape[1]
+        idx_d = self.rt.empty((S, top_k), np.int32)
+        w_d = self.empty((S, top_k))
+        fn = self._fn("router", "route_topk")
+        smem = (2 * E + 2 * n_group) * 4
+        self.rt.launch(fn, (S,), 256, logits.ptr, bias.ptr, E, n_group, topk_group, top_k, int(norm_topk_prob),
+                       F32(scaling), idx_d.ptr, w_d.ptr, smem=smem)
+        idx = self.rt.to_host(idx_d).astype(np.int64)
+        w = self.rt.to_host(w_d)
+        if topp is not None:          # approximate expert top-p pruning, on the host like the numpy backend
+            from coli.model.numpy_backend import prune_topp
+            return prune_topp(idx, w, topp)
+        self._route = (idx, idx_d, w_d)
+        return idx, w
+
+    def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[tuple[int, Any]]) -> DeviceArray:
+        S, H = x.shape
+        K = idx.shape[1]
+        recs: dict[int, DeviceRecord] = {}
+        for e, h in experts:
+            if isinstance(h, ExpertWeights):
+                h = upload_host_expert(self.rt, h)     # copied before the source recycles its memory
+            elif not isinstance(h, DeviceRecord):
+                raise TypeError(f"expert {e}: the CUDA backend takes DeviceRecord or ExpertWeights, not {type(h)}")
+            if h.ready is not None:
+                self.rt.stream.wait_for_event(h.ready)
+            recs[int(e)] = h
+        missing = {e for e in np.unique(idx).tolist() if e >= 0} - set(recs)   # -1: a pruned slot
+        if missing:
+            raise ValueError(f"the expert source did not yield expert(s) {sorted(missing)}")
+        if not recs:                                    # every slot pruned: nothing routed
+            return self.upload(np.zeros((S, H), F32))
+        groups: dict[Any, list[int]] = {}
+        for e, r in recs.items():
+            groups.setdefault(r.layout, []).append(e)
+        out = self.empty((S, H))
+        if S == 1 and all(self._decode_ok(lay) for lay in groups):
+            self._moe_decode(x, idx, weights, recs, groups, out)
+        else:
+            self._moe_prefill(x, idx, weights, recs, groups, out)
+        consumed = [r for r in recs.values() if r.on_consumed is not None]
+        if consumed:
+            ev = self.rt.event()
+            ev.record(self.rt.stream)
+            for r in consumed:
+                r.on_consumed(ev)
+        return out
+
+    def _decode_ok(self, lay) -> bool:
+        return all(vec_ok(m) for m in lay.matrices) and lay.gate.fmt == lay.up.fmt == lay.down.fmt
+
+    def _moe_decode(self, x, idx, weights, recs, groups, out) -> None:
+        first = True
+        route_w = None
+        if self._route is not None and self._route[0] is idx:
+            route_w = self._route[2]
+        for lay, members in groups.items():
+            mem = set(members)
+            slots = [k for k in range(idx.shape[1]) if int(idx[0, k]) in mem]
+            for c0 in range(0, len(slots), MOE_MAXK):
+                ks = slots[c0:c0 + MOE_MAXK]
+                table = self.rt.to_device_async(np.array([recs[int(idx[0, k])].ptr for k in ks], np.uint64))
+                if route_w is not None and ks == list(range(idx.shape[1])):
+                    wts = route_w.ptr
+                else:
+                    wts_d = self.rt.to_device_async(np.asarray(weights[0, ks], F32))
+                    wts = wts_d.ptr
+                Im = lay.gate.rows
+                h = self.empty((len(ks), Im))
+                ok = self._moe_decode_launch(lay.gate.fmt, table.ptr, 0, lay.gate, lay.up.offset - lay.gate.offset,
+                                             len(ks), x.ptr, h.ptr, gate_off=lay.gate.offset)
+                ok = ok and self._moe_down_launch(lay.down.fmt, table.ptr, 0, lay.down, lay.down.offset, len(ks),
+                                                  wts, h.ptr, out.ptr, 0 if first else 1)
+                if not ok:
+                    raise RuntimeError("MoE decode kernels do not fit this device's shared memory")
+                first = False
+
+    def _moe_decode_launch(self, fmt, table, base, lay, up_off, K, x, h, gate_off: int = 0) -> bool:
+        fn = self._fn("gemv", f"moe_gateup_{fmt}")
+        smem = lay.row_data_bytes // 16 * _chunk_vals(fmt) * 4
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        need = -(-K * lay.rows // (MOE_THREADS // 32))
+        blocks = min(need, self.rt.resident_blocks(fn, MOE_THREADS, smem))
+        self.rt.launch(fn, (blocks,), MOE_THREADS, table, base, gate_off, gate_off + up_off, lay.rows, lay.cols,
+                       lay.group or 32, lay.rows_per_tile, lay.tile_bytes, K, x, h, smem=smem)
+        return True
+
+    def _moe_down_launch(self, fmt, table, base, lay, down_off, K, wts, h, y, accumulate) -> bool:
+        fn = self._fn("gemv", f"moe_down_{fmt}")
+        smem = K * (lay.row_data_bytes // 16 * _chunk_vals(fmt)) * 4
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        need = -(-((lay.rows + 1) // 2) // (MOE_THREADS // 32))
+        blocks = min(need, self.rt.resident_blocks(fn, MOE_THREADS, smem))
+        self.rt.launch(fn, (blocks,), MOE_THREADS, table, base, down_off, lay.rows, lay.cols, lay.group or 32,
+                       lay.rows_per_tile, lay.tile_bytes, K, wts, h, y, accumulate, smem=smem)
+        return True
+
+    def _moe_prefill(self, x, idx, weights, recs, groups, out) -> None:
+        S, H = x.shape
+        K = idx.shape[1]
+        lay0 = next(iter(groups))
+        Im = lay0.gate.rows
+        per_token = K * max(H, Im) * 4 * 2
+        chunk = max(1, MOE_CHUNK_BYTES // per_token)
+        f_red = self._fn("gemm", "moe_reduce")
+        for s0 in range(0, S, chunk):
+            n = min(chunk, S - s0)
+            xi = x.row_view(s0, n)
+            ii = idx[s0:s0 + n]
+            wi = np.asarray(weights[s0:s0 + n], F32)
+            Y = self.empty((n, K, H))
+            if (ii < 0).any():          # pruned slots (expert top-p) add nothing: their rows of Y stay zero
+                self.rt.zero(Y.ptr, Y.nbytes)
+            for lay, members in groups.items():
+                self._moe_prefill_group(xi, ii, wi, recs, lay, members, Y)
+            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, 0)
+
+    def _moe_prefill_group(self, x, idx, weights, recs, lay, members, Y) -> None:
+        n, K = idx.shape
+        H, Im = lay.down.rows, lay.gate.rows
+        g_of = {e: g for g, e in enumerate(members)}
+        tok, slot = np.nonzero(np.isin(idx, members))
+        if tok.size == 0:
+            return
+        gid = np.array([g_of[int(idx[t, k])] for t, k in zip(tok, slot)], np.int64)
+        order = np.argsort(gid, kind="stable")
+        tok, slot, gid = tok[order], slot[order], gid[order]
+        pw = weights[tok, slot].astype(F32)
+        tiles = []
+        bounds = np.searchsorted(gid, np.arange(len(members) + 1))
+        for g in range(len(members)):
+            for p0 in range(int(bounds[g]), int(bounds[g + 1]), 64):
+                tiles.append((g, p0, min(64, int(bounds[g + 1]) - p0)))
+        tiles_a = np.array(tiles, np.int32).reshape(-1)
+        P = tok.size
+        packed = [np.array([recs[e].ptr for e in members], np.uint64), tiles_a, tok.astype(np.int32),
+                  slot.astype(np.int32), pw]
+        table, tiles_d, tok_d, slot_d, pw_d = (self.rt.to_device_async(a) for a in packed)
+        hb = self.empty((P, Im))
+        fmt = lay.gate.fmt
+        f_gu = self._fn("gemm", f"moe_gateup_gemm_{fmt}")
+        self.rt.launch(f_gu, (len(tiles), -(-Im // 64)), 256, table.ptr, lay.gate.offset, lay.up.offset, Im, H,
+                       lay.gate.group or 32, lay.gate.rows_per_tile, lay.gate.tile_bytes, tiles_d.ptr, tok_d.ptr,
+                       x.ptr, hb.ptr)
+        f_dn = self._fn("gemm", f"moe_down_gemm_{lay.down.fmt}")
+        self.rt.launch(f_dn, (len(tiles), -(-H // 64)), 256, table.ptr, lay.down.offset, H, Im,
+                       lay.down.group or 32, lay.down.rows_per_tile, lay.down.tile_bytes, tiles_d.ptr, tok_d.ptr,
+                       slot_d.ptr, pw_d.ptr, hb.ptr, K, Y.ptr)
+
+    # ---- logits ---------------------------------------------------------------------------------------------
+    def argmax(self, x: DeviceArray) -> np.ndarray:
+        """Index of the first maximum of each row of x [S, V] (greedy decoding), computed on the device."""
+        S, V = x.shape
+        G = max(1, min(-(-V // 1024), 64))
+        pv = self.empty((S, G))
+        pi = self.rt.empty((S, G), np.int32)
+        out = self.rt.empty((S,), np.int32)
+        self.rt.launch(self._fn("argmax", "argmax_partial"), (G, S), 1024, x.ptr, V, pv.ptr, pi.ptr)
+        self.rt.launch(self._fn("argmax", "argmax_final"), (S,), 1024, pv.ptr, pi.ptr, G, out.ptr)
+        return self.rt.to_host(out).astype(np.int64)
+
+
+def _chunk_vals(fmt: str) -> int:
+    return {"f32": 4, "bf16": 8, "int8": 16, "int4": 32}[fmt]

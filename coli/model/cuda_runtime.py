@@ -1,0 +1,303 @@
+"""CUDA plumbing for the GPU backend: one context, one compute stream, a device memory pool, the kernel
+modules (`cuda/*.cu`, package `coli.kernels`) compiled at run time with PyCUDA's SourceModule, prepared
+launches on the explicit stream, and pinned staging for small per-step uploads.
+
+PyCUDA is imported only inside `CudaRuntime.__init__` (and functions it calls): importing this module needs
+nothing but numpy. Every driver call goes through PyCUDA, which raises on any error code; kernel launches
+are asynchronous, so a failing kernel surfaces at the next synchronisation -- set COLI_CUDA_SYNC=1 to
+synchronise after every launch and get the failing kernel's name.
+
+Ordering rule: everything (kernels, async copies, pool reuse) is on the one compute stream, so a device
+buffer dropped by Python and handed out again by the pool is only reused by work queued after the last
+use. The copy lanes of the next part add streams; they hand over with events.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from coli.errors import ColiError
+
+MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "indexer", "norm", "rope", "router")
+
+
+class CudaUnavailable(ColiError):
+    """PyCUDA is missing or there is no usable CUDA device."""
+
+
+class CudaError(ColiError):
+    """A CUDA operation failed (names the kernel or copy)."""
+
+
+def kernels_dir() -> Path:
+    """The folder holding the kernel sources (package data `coli.kernels`, the repo's `cuda/`)."""
+    try:
+        from importlib.resources import files
+        p = Path(str(files("coli.kernels").joinpath("coli_common.cuh")))
+        if p.is_file():
+            return p.parent
+    except (ImportError, ModuleNotFoundError, TypeError, ValueError):
+        pass
+    import coli
+    p = Path(coli.__file__).resolve().parent.parent / "cuda"
+    if (p / "coli_common.cuh").is_file():
+        return p
+    raise CudaUnavailable("kernel sources not found: package data coli.kernels (cuda/*.cu) is missing "
+                          "(reinstall colistream)")
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(kernels_dir().glob("*.cu"))
+
+
+class DeviceArray:
+    """A dense row-major array in device memory (float32 unless said otherwise). Views share `owner`."""
+
+    __slots__ = ("ptr", "shape", "dtype", "owner")
+
+    def __init__(self, ptr: int, shape: Sequence[int], dtype: Any = np.float32, owner: Any = None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.owner = owner
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, *shape) -> "DeviceArray":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = list(shape)
+        if -1 in shape:
+            i = shape.index(-1)
+            rest = int(np.prod([s for j, s in enumerate(shape) if j != i], dtype=np.int64))
+            shape[i] = self.size // max(rest, 1)
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            raise ValueError(f"cannot reshape a device array of shape {self.shape} into {tuple(shape)}")
+        return DeviceArray(self.ptr, shape, self.dtype, self.owner)
+
+    def row_view(self, start: int, n: int) -> "DeviceArray":
+        """Rows [start, start+n) along the first axis (contiguous)."""
+        row = self.nbytes // max(self.shape[0], 1) if self.shape else self.dtype.itemsize
+        return DeviceArray(self.ptr + start * row, (n,) + self.shape[1:], self.dtype, self.owner)
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
+
+
+class _Staging:
+    """A ring of pinned host buffers for small asynchronous uploads; a slot is reused only after the
+    copy that last read it has finished (its event)."""
+
+    def __init__(self, drv, slots: int = 16, slot_bytes: int = 1 << 20):
+        self.drv = drv
+        self.slot_bytes = slot_bytes
+        self.bufs = [drv.pagelocked_empty(slot_bytes, np.uint8) for _ in range(slots)]
+        self.events: list[Any] = [None] * slots
+        self.i = 0
+
+    def put(self, host: np.ndarray, dst: int, stream) -> None:
+        raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        n = raw.nbytes
+        if n == 0:
+            return
+        if n > self.slot_bytes:
+            stream.synchronize()
+            self.drv.memcpy_htod(dst, raw)
+            return
+        i = self.i
+        self.i = (i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        else:
+            self.events[i] = self.drv.Event()
+        buf = self.bufs[i]
+        buf[:n] = raw
+        self.drv.memcpy_htod_async(dst, buf[:n], stream)
+        self.events[i].record(stream)
+
+
+class CudaRuntime:
+    """Context, stream, pool, kernels. One per process and device: use `get_runtime()`."""
+
+    def __init__(self, device: int = 0):
+        try:
+            import pycuda.driver as drv
+            from pycuda.tools import DeviceMemoryPool
+        except ImportError as e:
+            raise CudaUnavailable(f"PyCUDA is not installed ({e}); pip install 'colistream[gpu]'") from None
+        try:
+            drv.init()
+            n = drv.Device.count()
+        except drv.Error as e:
+            raise CudaUnavailable(f"the CUDA driver did not initialise: {e}") from None
+        if n == 0 or not 0 <= device < n:
+            raise CudaUnavailable(f"no CUDA device {device} ({n} device(s) found)")
+        self.drv = drv
+        self.device = drv.Device(device)
+        self.ctx = self.device.retain_primary_context()
+        self.ctx.push()
+        a = drv.device_attribute
+        self.name = self.device.name()
+        self.cc = self.device.compute_capability()
+        self.sm_count = self.device.get_attribute(a.MULTIPROCESSOR_COUNT)
+        self.smem_optin = self.device.get_attribute(a.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.smem_per_sm = self.device.get_attribute(a.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        self.threads_per_sm = self.device.get_attribute(a.MAX_THREADS_PER_MULTIPROCESSOR)
+        self.regs_per_sm = self.device.get_attribute(a.MAX_REGISTERS_PER_MULTIPROCESSOR)
+        self.stream = drv.Stream()
+        self.pool = DeviceMemoryPool()
+        self.staging = _Staging(drv)
+        self.sync_debug = os.environ.get("COLI_CUDA_SYNC", "") == "1"
+        self._modules: dict[str, Any] = {}
+        self._fns: dict[tuple[str, str], Any] = {}
+        self._smem_set: dict[int, int] = {}
+        self.launches = 0
+
+    # ---- kernels ------------------------------------------------------------------------------------
+    def module(self, name: str):
+        if name not in self._modules:
+            from pycuda.compiler import SourceModule
+            d = kernels_dir()
+            src = (d / f"{name}.cu").read_text()
+            try:
+                self._modules[name] = SourceModule(src, no_extern_c=True, include_dirs=[str(d)],
+                                                   options=["-std=c++17"])
+            except Exception as e:
+                raise CudaError(f"compiling cuda/{name}.cu for sm_{self.cc[0]}{self.cc[1]} failed: {e}") from None
+        return self._modules[name]
+
+    def function(self, module: str, name: str, argtypes: str):
+        key = (module, name)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self.module(module).get_function(name)
+            fn.prepare(argtypes)
+            fn.coli_name = name
+            self._fns[key] = fn
+        return fn
+
+    def _fn_attr(self, fn, name: str, default: int = 0) -> int:
+        a = getattr(self.drv.function_attribute, name, None)
+        return int(fn.get_attribute(a)) if a is not None else default
+
+    def allow_smem(self, fn, nbytes: int) -> bool:
+        """Let fn use nbytes of dynamic shared memory (raising the 48 KiB default); False if it cannot."""
+        static = self._fn_attr(fn, "SHARED_SIZE_BYTES")
+        if nbytes + static > self.smem_optin:
+            return False
+        if nbytes > 48 * 1024 and self._smem_set.get(id(fn), 0) < nbytes:
+            fn.set_attribute(self.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+            self._smem_set[id(fn)] = nbytes
+        return True
+
+    def resident_blocks(self, fn, threads: int, smem: int = 0) -> int:
+        """How many blocks of fn fit on the whole device at once (for persistent grids)."""
+        regs = max(self._fn_attr(fn, "NUM_REGS", 128), 1)
+        static = self._fn_attr(fn, "SHARED_SIZE_BYTES")
+        warps = -(-threads // 32)
+        regs_warp = -(-regs * 32 // 256) * 256
+        by_regs = self.regs_per_sm // (regs_warp * warps)
+        by_threads = self.threads_per_sm // threads
+        by_smem = self.smem_per_sm // (smem + static + 1024) if smem + static else 32
+        return self.sm_count * max(1, min(by_regs, by_threads, by_smem, 32))
+
+    def launch(self, fn, grid: tuple[int, ...], block: int, *args, smem: int = 0) -> None:
+        g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
+        if min(g) <= 0:
+            return
+        try:
+            fn.prepared_async_call(g, (int(block), 1, 1), self.stream, *args, shared_size=int(smem))
+            self.launches += 1
+            if self.sync_debug:
+                self.stream.synchronize()
+        except self.drv.Error as e:
+            raise CudaError(f"kernel {fn.coli_name} (grid {g}, block {block}, smem {smem}): {e}") from None
+
+    # ---- memory -------------------------------------------------------------------------------------
+    def alloc(self, nbytes: int):
+        try:
+            return self.pool.allocate(max(int(nbytes), 16))
+        except self.drv.Error as e:
+            raise CudaError(f"device allocation of {nbytes} bytes failed: {e}") from None
+
+    def empty(self, shape: Sequence[int], dtype: Any = np.float32) -> DeviceArray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        a = self.alloc(nbytes)
+        return DeviceArray(int(a), shape, dtype, a)
+
+    def to_device(self, host: np.ndarray, dtype: Any = None) -> DeviceArray:
+        """Synchronous upload (load time): the host array can be reused at once."""
+        h = np.ascontiguousarray(host, dtype=dtype or host.dtype)
+        d = self.empty(h.shape, h.dtype)
+        if h.nbytes:
+            self.stream.synchronize()
+            self.drv.memcpy_htod(d.ptr, h)
+        return d
+
+    def to_device_async(self, host: np.ndarray, dtype: Any = None) -> DeviceArray:
+        """Upload through pinned staging, ordered on the compute stream (per-step tables, ids, masks)."""
+        h = np.ascontiguousarray(host, dtype=dtype or host.dtype)
+        d = self.empty(h.shape, h.dtype)
+        self.staging.put(h, d.ptr, self.stream)
+        return d
+
+    def upload_bytes(self, raw: np.ndarray, dst: int) -> None:
+        h = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        if h.nbytes:
+            self.stream.synchronize()
+            self.drv.memcpy_htod(dst, h)
+
+    def to_host(self, x: DeviceArray) -> np.ndarray:
+        out = np.empty(x.shape, x.dtype)
+        if out.nbytes:
+            self.synchronize()
+            self.drv.memcpy_dtoh(out, x.ptr)
+        return out
+
+    def zero(self, dst: int, nbytes: int) -> None:
+        """Zero nbytes (a multiple of 4) at dst, ordered on the compute stream."""
+        if nbytes:
+            self.drv.memset_d32_async(int(dst), 0, int(nbytes) // 4, self.stream)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            self.drv.memcpy_dtod_async(int(dst), int(src), int(nbytes), self.stream)
+
+    def synchronize(self) -> None:
+        try:
+            self.stream.synchronize()
+        except self.drv.Error as e:
+            raise CudaError(f"a kernel or copy on the compute stream failed: {e} "
+                            f"(run with COLI_CUDA_SYNC=1 to name it)") from None
+
+    def event(self):
+        return self.drv.Event()
+
+
+_runtimes: dict[int, CudaRuntime] = {}
+_lock = threading.Lock()
+
+
+def get_runtime(device: int = 0) -> CudaRuntime:
+    with _lock:
+        if device not in _runtimes:
+            _runtimes[device] = CudaRuntime(device)
+        return _runtimes[device]
