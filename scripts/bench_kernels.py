@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""GPU kernel benchmark at GLM-5's shapes (needs PyCUDA and a CUDA device).
+
+    python scripts/bench_kernels.py [--iters 20] [--sets 24] [--json-out FILE]
+
+Measures, in one run:
+  1. the device-to-device copy bandwidth (cuMemcpyDtoDAsync of 1 GiB, bytes read + written counted): the
+     ceiling of any weight-streaming kernel on this device;
+  2. the fused MoE decode: one launch of gate/up for 8 experts (2048 x 6144 int4, group 64, each record in
+     the container's tile format) and one launch of down (6144 x 2048) with the weighted sum; achieved HBM
+     bandwidth = bytes of the stored matrices read (+ the small vectors) / kernel time, as a fraction of (1).
+     Records rotate over --sets distinct groups of 8 (> 2 GB) so the 60 MB L2 never holds a previous launch's
+     weights; the target is >= 60 % of the copy bandwidth;
+  3. the other main kernels at GLM-5 shapes (dense GEMV, lm_head, MLA attention, indexer, router, norms, rope,
+     prefill GEMMs) with their times and, for weight-streaming ones, bandwidth.
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+F32 = np.float32
+H, IM, K, V = 6144, 2048, 8, 154880
+
+
+def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
+    """Tile bytes of a random stored matrix (random codes + fp16 scales, like a converted checkpoint)."""
+    from coli.container.format import MatrixLayout
+    from coli.container.quant import encode_matrix
+    lay = MatrixLayout.make(rows, cols, fmt, group, tile_kb)
+    if fmt == "int4":
+        data = rng.integers(0, 256, (rows, lay.row_data_bytes), dtype=np.uint8) | np.uint8(0x11)
+        sc = rng.uniform(0.2, 1.0, (rows, lay.n_groups)) * 0.05 / 7
+    elif fmt == "int8":
+        data = rng.integers(-127, 128, (rows, lay.row_data_bytes), dtype=np.int8).view(np.uint8)
+        sc = rng.uniform(0.2, 1.0, (rows, 1)) * 0.05 / 127
+    else:
+        w = (rng.standard_normal((rows, cols)) * 0.02).astype(F32)
+        from coli.container.quant import quantize
+        data, meta = quantize(w, fmt, group)
+        return encode_matrix(lay, data, meta), lay
+    meta = np.ascontiguousarray(sc.astype(np.float16)).view(np.uint8).reshape(rows, -1)
+    return encode_matrix(lay, data, meta), lay
+
+
+class Timer:
+    def __init__(self, rt):
+        self.rt = rt
+
+    def per_call_us(self, fn, iters: int, reps: int = 5, warmup: int = 3) -> float:
+        """Median over `reps` of (time of `iters` back-to-back calls) / iters, timed with CUDA events."""
+        for _ in range(warmup):
+            fn(0)
+        self.rt.synchronize()
+        out = []
+        for r in range(reps):
+            a, b = self.rt.event(), self.rt.event()
+            a.record(self.rt.stream)
+            for i in range(iters):
+                fn(r * iters + i)
+            b.record(self.rt.stream)
+            b.synchronize()
+            out.append(b.time_since(a) * 1e3 / iters)
+        return float(np.median(out))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sets", type=int, default=24, help="distinct groups of 8 experts the decode rotates over")
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args()
+
+    from coli.container.format import RecordLayout
+    from coli.container.quant import decode_matrix
+    from coli.model.backend import cos_sin_table
+    from coli.model.cuda_backend import CudaBackend, DeviceMask
+    from coli.model.cuda_weights import DeviceRecord, HeadView, QWeight
+
+    gb = CudaBackend()
+    rt = gb.rt
+    tm = Timer(rt)
+    rng = np.random.default_rng(0)
+    rows: list[dict] = []
+    res: dict = {"device": rt.name, "sm": f"{rt.cc[0]}{rt.cc[1]}", "sms": rt.sm_count}
+
+    def add(name, us, nbytes=None, note=""):
+        r = {"kernel": name, "us": round(us, 2)}
+        if nbytes:
+            r["GBps"] = round(nbytes / us / 1e3, 1)
+        if note:
+            r["note"] = note
+        rows.append(r)
+        return r
+
+    # ---- 1. device-to-device copy -----------------------------------------------------------------------
+    n = 1 << 30
+    src, dst = rt.alloc(n), rt.alloc(n)
+    rt.copy(int(src), int(dst), n)   # touch
+    copy_us = tm.per_call_us(lambda i: rt.copy(int(dst), int(src), n), 10)
+    copy_bw = 2 * n / copy_us / 1e3   # GB/s, read + write
+    res["d2d_copy_GBps"] = round(copy_bw, 1)
+    add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
+    del src, dst
+
+    # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64 ----------------------------------------------
+    lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    n_distinct = 4
+    host_recs = []
+    for _ in range(n_distinct):
+        buf = np.zeros(lay.nbytes, np.uint8)
+        for m in lay.matrices:
+            b, _ = random_matrix_bytes(m.rows, m.cols, "int4", 64, rng)
+            buf[m.offset:m.end] = b
+        host_recs.append(buf)
+    nrec = a.sets * K
+    pool = rt.alloc(nrec * lay.nbytes)
+    for i in range(nrec):
+        rt.upload_bytes(host_recs[i % n_distinct], int(pool) + i * lay.nbytes)
+    tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
+              for s in range(a.sets)]
+    x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
+    wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
+    h = gb.empty((K, IM))
+    y = gb.empty((1, H))
+
+    def gateup(i):
+        assert gb._moe_decode_launch("int4", tables[i % a.sets].ptr, 0, lay.gate, lay.up.offset - lay.gate.offset,
+                                     K, x.ptr, h.ptr, gate_off=lay.gate.offset)
+
+    def down(i):
+        assert gb._moe_down_launch("int4", tables[i % a.sets].ptr, 0, lay.down, lay.down.offset, K, wts.ptr, h.ptr,
+                                   y.ptr, 0)
+
+    # correctness of the benchmarked launches against numpy (set 0: records 0..7 = host_recs[k % 4])
+    gateup(0)
+    down(0)
+    hh, yy = rt.to_host(h), rt.to_host(y)[0]
+    xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
+    want_y = np.zeros(H, np.float64)
+    for k in range(K):
+        rec = host_recs[k % n_distinct]
+        G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
+        g, u = G @ xs, U @ xs
+        hk = g / (1 + np.exp(-g)) * u
+        assert np.linalg.norm(hh[k] - hk) <= 1e-5 * np.linalg.norm(hk), "gate/up kernel is wrong"
+        want_y += w_h[k] * (D @ hk.astype(F32))
+    assert np.linalg.norm(yy - want_y) <= 1e-5 * np.linalg.norm(want_y), "down kernel is wrong"
+
+    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
+    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
+    gu_us = tm.per_call_us(gateup, a.iters)
+    dn_us = tm.per_call_us(down, a.iters)
+    both_us = tm.per_call_us(lambda i: (gateup(i), down(i)), a.iters)
+    r1 = add("moe_gateup_int4  8 x (2 x 2048 x 6144) g64", gu_us, gu_bytes)
+    r2 = add("moe_down_int4    8 x 6144 x 2048 g64", dn_us, dn_bytes)
+    r3 = add("moe decode layer (gate/up + down)", both_us, gu_bytes + dn_bytes)
+    res.update(moe_gateup_us=r1["us"], moe_down_us=r2["us"], moe_layer_us=r3["us"],
+               moe_gateup_GBps=r1["GBps"], moe_down_GBps=r2["GBps"], moe_layer_GBps=r3["GBps"],
+               moe_gateup_frac=round(r1["GBps"] / copy_bw, 3), moe_down_frac=round(r2["GBps"] / copy_bw, 3),
+               moe_layer_frac=round(r3["GBps"] / copy_bw, 3), moe_bytes_per_layer=gu_bytes + dn_bytes)
+    for r in (r1, r2, r3):
+        r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
+
+    # the whole moe() op (host: table upload, grouping; device: the same two launches)
+    recs = {e: DeviceRecord(int(pool) + e * lay.nbytes, lay) for e in range(nrec)}
+    routes = [np.array([[s * K + k for k in range(K)]], np.int64) for s in range(a.sets)]
+    wh = rng.uniform(0.1, 0.5, (1, K)).astype(F32)
+
+    def moe_op(i):
+        ids = routes[i % a.sets]
+        gb.moe(x, ids, wh, ((int(e), recs[int(e)]) for e in ids[0]))
+    t0 = time.perf_counter()
+    for i in range(50):
+        moe_op(i)
+    rt.synchronize()
+    add("moe() op, one token (host + device)", (time.perf_counter() - t0) / 50 * 1e6, gu_bytes + dn_bytes,
+        "wall clock incl. Python")
+    del pool
+
+    # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
+    def qw(rows_, cols_, fmt, group=64):
+        b, l = random_matrix_bytes(rows_, cols_, fmt, group, rng)
+        from coli.model.cuda_weights import upload_stored
+        return upload_stored(rt, b, l, (rows_, cols_), "bench")
+
+    x1 = gb.upload(rng.standard_normal((1, H)).astype(F32))
+    for name, (r_, c_, fmt) in {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
+                                "q_b_proj": (16384, 2048, "int4"), "o_proj": (H, 16384, "int4"),
+                                "shared gate (int4)": (2048, H, "int4"), "router (f32)": (256, H, "f32")}.items():
+        w = qw(r_, c_, fmt)
+        xin = gb.upload(rng.standard_normal((1, c_)).astype(F32))
+        us = tm.per_call_us(lambda i: gb.linear(xin, w), a.iters)
+        add(f"gemv {name} {r_}x{c_} {fmt}", us, w.nbytes + 4 * (c_ + r_))
+    lm = qw(V, H, "int4")
+    us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
+    add(f"lm_head gemv {V}x{H} int4", us, lm.nbytes)
+    logits = gb.linear(x1, lm)
+    us = tm.per_call_us(lambda i: gb.argmax(logits), 5)
+    add("argmax over 154880 (incl. D2H of the index)", us)
+    del lm
+    sg, su, sd = qw(2048, H, "int4"), qw(2048, H, "int4"), qw(H, 2048, "int4")
+    us = tm.per_call_us(lambda i: gb.swiglu(x1, sg, su, sd), a.iters)
+    add("shared expert swiglu (fused, 2 launches)", us, sg.nbytes + su.nbytes + sd.nbytes)
+
+    nh, dn, dr, dv, L = 64, 192, 64, 256, 512
+    kvb = qw(nh * (dn + dv), L, "int8")
+    w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
+    for T in (2048, 16384):
+        lat = gb.upload(rng.standard_normal((T, L)).astype(F32))
+        kpe = gb.upload(rng.standard_normal((T, dr)).astype(F32))
+        q = gb.upload(rng.standard_normal((1, nh, dn + dr)).astype(F32))
+        mask = DeviceMask(1, T, T - 1)
+        us = tm.per_call_us(lambda i: gb.mla_attend(q, lat, kpe, w_kb, w_vb, mask, 1 / 16), a.iters)
+        add(f"mla_attend decode T={T} (dense) int8 kv_b", us, kvb.nbytes + 4 * T * (L + dr))
+        ih, ihd = 32, 128
+        iq = gb.upload(rng.standard_normal((1, ih, ihd)).astype(F32))
+        kid = gb.upload(rng.standard_normal((T, ihd)).astype(F32))
+        hw = gb.upload(rng.standard_normal((1, ih)).astype(F32))
+        pos = np.array([T - 1])
+        us = tm.per_call_us(lambda i: gb.indexer_select(iq, kid, hw, pos, 2048), a.iters)
+        add(f"indexer scores + top-2048 decode T={T}", us, 4 * T * ihd)
+        m = gb.indexer_select(iq, kid, hw, pos, 2048)
+        us = tm.per_call_us(lambda i: gb.mla_attend(q, lat, kpe, w_kb, w_vb, m, 1 / 16), a.iters)
+        add(f"mla_attend decode T={T} top-2048", us, kvb.nbytes + 4 * 2048 * (L + dr))
+    rw = qw(256, H, "f32")
+    bias = gb.upload(rng.standard_normal(256).astype(F32) * 0.01)
+    t0 = time.perf_counter()
+    for i in range(50):
+        gb.route(x1, rw, bias, 1, 1, 8, True, 2.5)
+    add("route (gemv + top-8 + D2H sync)", (time.perf_counter() - t0) / 50 * 1e6, None, "wall clock incl. sync")
+    nw = gb.upload(np.ones(H, F32))
+    us = tm.per_call_us(lambda i: gb.rms_norm(x1, nw, 1e-5), a.iters)
+    add("rmsnorm 1 x 6144", us)
+    qq = gb.upload(rng.standard_normal((1, nh, dn + dr)).astype(F32))
+    cos, sin = cos_sin_table([100], dr, 1e6)
+    us = tm.per_call_us(lambda i: gb.rope(qq, cos, sin, dn), a.iters)
+    add("rope q 64 heads", us)
+    qa = qw(2048, H, "int4")
+    for S in (64, 512):
+        xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
+        us = tm.per_call_us(lambda i: gb.linear(xs_, qa), 5)
+        add(f"gemm prefill S={S} 2048x6144 int4", us, None, f"{2 * S * 2048 * H / us / 1e6:.2f} TFLOP/s")
+    # grouped MoE prefill: 64 tokens over 32 experts
+    E = 32
+    plist = rt.alloc(E * lay.nbytes)
+    for e in range(E):
+        rt.upload_bytes(host_recs[e % n_distinct], int(plist) + e * lay.nbytes)
+    precs = {e: DeviceRecord(int(plist) + e * lay.nbytes, lay) for e in range(E)}
+    S = 64
+    xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
+    want = sorted(set(ids.ravel().tolist()))
+    us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, precs[e]) for e in want)), 3)
+    add(f"moe prefill S={S}, {E} experts int4 (grouped GEMM)", us, None,
+        f"{2 * S * K * 3 * IM * H / us / 1e6:.2f} TFLOP/s")
+
+    # ---- report ------------------------------------------------------------------------------------------------
+    res["kernels"] = rows
+    w = max(len(r["kernel"]) for r in rows)
+    print(f"\nGPU kernels on {rt.name} (sm_{res['sm']}, {rt.sm_count} SMs)")
+    print(f"{'kernel':<{w}}  {'us':>10}  {'GB/s':>8}  {'of copy':>7}  note")
+    for r in rows:
+        print(f"{r['kernel']:<{w}}  {r['us']:>10.2f}  {r.get('GBps', ''):>8}  {r.get('of_copy', ''):>7}  "
+              f"{r.get('note', '')}")
+    print(f"\nfused MoE decode (8 experts int4 g64, gate/up + down): {res['moe_layer_GBps']} GB/s = "
+          f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
+    line = json.dumps(res)
+    if a.json_out:
+        a.json_out.write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
