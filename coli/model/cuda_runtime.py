@@ -14,6 +14,7 @@ use. The copy lanes of the next part add streams; they hand over with events.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from pathlib import Path
@@ -154,6 +155,9 @@ class CudaRuntime:
         self.device = drv.Device(device)
         self.ctx = self.device.retain_primary_context()
         self.ctx.push()
+        # PyCUDA aborts the interpreter at exit if a context is still on the stack: pop ours first
+        # (atexit runs handlers in reverse order, so this runs before PyCUDA's own cleanup).
+        atexit.register(self._pop_context)
         a = drv.device_attribute
         self.name = self.device.name()
         self.cc = self.device.compute_capability()
@@ -290,6 +294,14 @@ class CudaRuntime:
 
     def event(self):
         return self.drv.Event()
+
+    def _pop_context(self) -> None:
+        try:
+            self.stream.synchronize()
+            self.pool.stop_holding()
+            self.ctx.pop()
+        except Exception:  # at interpreter exit there is nobody left to tell
+            pass
 
 
 _runtimes: dict[int, CudaRuntime] = {}
