@@ -47,6 +47,13 @@ class WeightExperts:
 # (coli.trace.RoutingRecorder). With expert top-p on, pruned slots have idx -1 and weight 0.
 RoutingHook = Callable[[int, np.ndarray, np.ndarray], None]
 
+# Called with (layer, h, mlp_side) at every layer once its router has run and before its routed experts
+# are asked for (coli.pilot: router lookahead). h [S, H] is the residual stream after the layer's attention
+# add, before its MLP (the input of its post_attention_layernorm); mlp_side [S, H] is the shared expert's
+# output on a MoE layer, the dense MLP's output on a dense one. Values are unchanged by it: only the
+# shared expert is computed before the routed experts instead of after.
+PilotHook = Callable[[int, Array, Array], None]
+
 
 @dataclass
 class AttentionWeights:
@@ -135,6 +142,7 @@ class GlmMoeDsaModel:
         self.final_norm = backend.upload(weights.dense("model.norm.weight"))          # [H]
         self.lm_head = self.embed if c.tie_word_embeddings else backend.weight(weights, "lm_head.weight")
         self.routing_hook: RoutingHook | None = None
+        self.pilot_hook: PilotHook | None = None
         # Expert top-p pruning (approximate, off = None = exact): routed experts of a token beyond the
         # fewest that carry this share of its routing weight are dropped (idx -1). See prune_topp.
         self.topp: float | None = None
@@ -176,7 +184,7 @@ class GlmMoeDsaModel:
             a, allowed = self._attention(i, lw.attn, x, positions, cos, sin, cache, start, allowed)
             h = b.add(h, a)
             x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)           # [S, H]
-            h = b.add(h, self._mlp(i, lw, x2))
+            h = b.add(h, self._mlp(i, lw, x2, h))
         cache.length = start + S
 
         if not all_logits:
@@ -215,16 +223,24 @@ class GlmMoeDsaModel:
         o = b.mla_attend(q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale)  # [S, nh*dv]
         return b.linear(o, w.o), allowed
 
-    def _mlp(self, i, lw: LayerWeights, x2):
+    def _mlp(self, i, lw: LayerWeights, x2, h):
         c, b = self.config, self.backend
         if lw.router is None:
-            return b.swiglu(x2, lw.mlp_gate, lw.mlp_up, lw.mlp_down)
+            dense = b.swiglu(x2, lw.mlp_gate, lw.mlp_up, lw.mlp_down)
+            if self.pilot_hook is not None:
+                self.pilot_hook(i, h, dense)
+            return dense
         kw = {} if self.topp is None else {"topp": self.topp}
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor, **kw)   # [S, K], [S, K]; -1 = pruned
         if self.routing_hook is not None:
             self.routing_hook(i, idx, wts)
         wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
+        shared = None
+        if self.pilot_hook is not None:
+            shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+            self.pilot_hook(i, h, shared)
         routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
-        shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        if shared is None:
+            shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
         return b.add(routed, shared)
