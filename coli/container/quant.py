@@ -321,9 +321,14 @@ def decode_tile(buf: np.ndarray, lay: MatrixLayout, t: int) -> np.ndarray:
 
 
 def decode_matrix(buf: np.ndarray, lay: MatrixLayout) -> np.ndarray:
-    """Dequantise a whole matrix from its bytes (buf starts at the matrix start). float32 [rows, cols]."""
+    """Dequantise a whole matrix from its bytes (buf starts at the matrix start). float32 [rows, cols].
+
+    Lossless f32 stored as plain row-major data comes back as a zero-copy view of `buf` (read-only if buf
+    is): the executor computes straight from the RAM tier's shared-memory slot, no copy out of it."""
     if buf.shape[0] < lay.nbytes:
         raise ValueError(f"buffer of {buf.shape[0]} bytes is shorter than the matrix ({lay.nbytes} bytes)")
+    if lay.fmt == "f32" and lay.contiguous:
+        return buf[:lay.rows * lay.cols * 4].view("<f4").reshape(lay.rows, lay.cols)
     out = np.empty((lay.rows, lay.cols), F32)
     r, T = lay.rows_per_tile, lay.n_tiles
     full = T if lay.rows % r == 0 else T - 1
