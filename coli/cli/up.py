@@ -30,13 +30,16 @@ def up(
     record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
                                                   help="Append every token's routed experts and weights to FILE "
                                                        "(docs/traces.md; read it with `coli sim --trace FILE`)."),
+    pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
+                              help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
+                                   "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
     gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
     ok = False
     try:
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing)
+            record_routing, pilot)
         ok = True
     finally:  # foreground: the run has stopped; detached: only if the run did not come up
         if gateway is not None and (not detach or not ok) and gateway.poll() is None:
@@ -73,24 +76,31 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
 
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None):
+        record_routing=None, pilot="off"):
+    from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
+    try:
+        ahead = parse_pilot(pilot)
+    except ValueError as e:
+        raise ColiError(str(e)) from None
     if model is not None and not model.is_dir():
         raise ColiError(f"--model {model}: no such directory")
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing)
+                       record_routing, ahead)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
-                      log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None)
+                      log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
+                      pilot=ahead)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
     run_supervisor(opts, say)
 
 
-def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None):
+def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
+            pilot=0):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
@@ -100,6 +110,8 @@ def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_
         args += ["--model", str(model.resolve())]
     if record_routing is not None:
         args += ["--record-routing", str(record_routing.resolve())]
+    if pilot:
+        args += ["--pilot", str(pilot)]
     base = default_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     out_path = base / f"{name}.up.log"

@@ -34,9 +34,32 @@ class RamTierExperts:
         self.idle = idle  # called while waiting: checks control messages and parent death, may raise
         self.log = log
         self._ids = itertools.count(1)
-        self.stats = {"expert_requests": 0, "experts_served": 0, "wait_s": 0.0, "stale_grants": 0}
+        self.stats = {"expert_requests": 0, "experts_served": 0, "wait_s": 0.0, "stale_grants": 0,
+                      "pilot_predicted": 0, "pilot_hits": 0, "prefetch_requests": 0}
+        self._queued: list[tuple[int, list[int]]] = []   # pilot predictions not yet sent
+        self._predicted: dict[int, set[int]] = {}       # layer -> predicted experts, until it is asked for
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """The pilot's guess of `layer`'s experts: sent to the RAM tier as a prefetch (demand=False; no
+        answer comes back, nothing waits on it) right after the next demand request goes out, so the
+        layer being computed is asked for first."""
+        if ids:
+            self._queued.append((layer, list(ids)))
+            self._predicted[layer] = set(ids)
+            self.stats["pilot_predicted"] += len(ids)
+
+    def _send_prefetches(self) -> None:
+        for layer, ids in self._queued:
+            send(self.sock, ExpertRequest(next(self._ids), layer, ids, False))
+            self.stats["prefetch_requests"] += 1
+        self._queued.clear()
 
     def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        guess = self._predicted.pop(layer, None)
+        if guess:
+            self.stats["pilot_hits"] += len(guess.intersection(ids))
+        if not ids:
+            self._send_prefetches()
         for c0 in range(0, len(ids), self.max_lease):
             yield from self._chunk(layer, ids[c0:c0 + self.max_lease])
 
@@ -44,6 +67,8 @@ class RamTierExperts:
         rid = next(self._ids)
         send(self.sock, ExpertRequest(rid, layer, chunk, True))
         self.stats["expert_requests"] += 1
+        if self._queued:
+            self._send_prefetches()
         remaining = set(chunk)
         while remaining:
             t0 = time.perf_counter()

@@ -41,7 +41,7 @@ class StopRequested(Exception):
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
-                  record_routing: str | None = None) -> None:
+                  record_routing: str | None = None, pilot: int = 0) -> None:
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -98,6 +98,9 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         from coli.trace import RoutingRecorder
         recorder = RoutingRecorder.for_model(record_routing, cfg, meta={"source": "coli up", "run": run_name})
         model.routing_hook = recorder
+    if pilot > 0:  # router lookahead: layer l+pilot's predicted experts go to the RAM tier as prefetches
+        from coli.pilot import Pilot
+        model.pilot_hook = Pilot(model, pilot, "shared", sink=lambda t, ids, idx: experts.prefetch(t, ids))
     manifest = (Path(container_dir) / MANIFEST_NAME).read_bytes()
     sessions = SessionStore(cfg, model.new_cache, Path(sessions_dir or Path(container_dir) / "sessions"),
                             model_fingerprint(cfg, manifest))
@@ -105,7 +108,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0}
     ticker = Ticker(0.5)
     t_start = time.time()
-    log.info("started", device=backend.name, load_s=round(time.perf_counter() - t_load, 3), slots=arena.n_slots)
+    log.info("started", device=backend.name, load_s=round(time.perf_counter() - t_load, 3), slots=arena.n_slots,
+             pilot=pilot)
 
     def send_stats() -> None:
         if state["supervisor"] is None:

@@ -52,6 +52,7 @@ class RunOptions:
     log_level: str = "info"
     run_base: str | None = None
     record_routing: str | None = None
+    pilot: int = 0  # router lookahead: prefetch layer l+pilot's predicted experts (0 = off)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class Supervisor:
             "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
                                        o.queue_depth, o.log_level)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
-                                         str(sessions_dir(container)), o.record_routing)),
+                                         str(sessions_dir(container)), o.record_routing, o.pilot)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
