@@ -43,7 +43,9 @@ def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
 
     if prompt is not None and prompt_ids is not None:
         raise ColiError("give at most one of --prompt and --prompt-ids")
-    sampling = temperature is not None or top_p != 1.0 or top_k != 0
+    if temperature is not None and temperature < 0:
+        raise ColiError(f"--temperature must be >= 0 (got {temperature}; 0 means greedy)")
+    sampling = bool(temperature) or top_p != 1.0 or top_k != 0  # temperature 0 means greedy, as in the OpenAI API
     if greedy and sampling:
         raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
     kw = dict(greedy=not sampling, temperature=temperature or 1.0, top_p=top_p, top_k=top_k, seed=seed,

@@ -47,7 +47,10 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
 
     if (prompt is None) == (prompt_ids is None):
         raise ColiError("give exactly one of --prompt or --prompt-ids")
-    sampling_requested = temperature is not None or top_p != 1.0 or top_k != 0
+    if temperature is not None and temperature < 0:
+        raise ColiError(f"--temperature must be >= 0 (got {temperature}; 0 means greedy)")
+    # temperature 0 means greedy, as in the OpenAI API
+    sampling_requested = bool(temperature) or top_p != 1.0 or top_k != 0
     if greedy and sampling_requested:
         raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
     params = SamplingParams(greedy=not sampling_requested, temperature=temperature or 1.0, top_p=top_p,
