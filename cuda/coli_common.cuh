@@ -223,6 +223,111 @@ __device__ inline void warp_rows_dot(const u8 *const *data, const u8 *const *met
     }
 }
 
+// ---- second version of the decode GEMV inner loop (moe_gateup_<fmt>, moe_down_<fmt>) ------------------------
+
+// Row r's data/metadata as byte offsets from the matrix start (qmat_row without a base).
+__device__ inline void qmat_row_off(const QMat &m, int r, long long &doff, long long &moff) {
+    int t = r / m.rpt;
+    int i = r - t * m.rpt;
+    long long tile = (long long)t * m.tile_bytes;
+    int n = min(m.rpt, m.rows - t * m.rpt);
+    moff = tile + (long long)i * m.row_meta;
+    doff = tile + align16(n * m.row_meta) + (long long)i * m.row_data;
+}
+
+// Hint: bring [p, p + bytes) into L2 (widened to 16-byte boundaries, which stay inside a tile's padded
+// sections). sm_90+: one bulk prefetch by the copy engine; older: one prefetch per 128-byte line.
+__device__ inline void l2_prefetch(const u8 *p, int bytes) {
+    if (bytes <= 0) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned long long a = reinterpret_cast<unsigned long long>(p) & ~15ull;
+    unsigned long long e = (reinterpret_cast<unsigned long long>(p) + bytes + 15ull) & ~15ull;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((unsigned)(e - a)));
+#else
+    for (int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#endif
+}
+
+// fp16 scale read through the read-only path (independent of the weights: issued with them).
+__device__ inline float ld_half_nc(const u8 *p) {
+    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short *>(p))));
+}
+
+// 2^23's bit pattern in a register the compiler cannot fold (runtime_nonneg >= 0, so the shift adds nothing):
+// with the nibble mask AND this constant as immediates, (w & mask) | M compiles to two LOP3s; with M in a
+// register, to one.
+__device__ inline uint32_t opaque_magic(int runtime_nonneg) { return 0x4b000000u | ((uint32_t)runtime_nonneg >> 31); }
+
+// chunk_dot with fewer integer instructions for int4 (M = opaque_magic(...)): nibble q of a 32-bit word is column 8i+q; nibbles
+// q = 0..3 are taken IN PLACE (bits 4q..4q+3 OR-ed into 2^23's mantissa: 2^23 + nib * 16^q), nibbles 4..7
+// the same way from the word shifted right by 16. One LOP3 per weight + one shift per word (instead of a
+// byte permute per byte and a LOP3 per weight). Each position q has its own accumulator holding 16^q x the
+// plain partial sum (scaling by a power of two is exact), and they are combined once per chunk. Other formats:
+// chunk_dot.
+template <int FMT>
+__device__ inline float chunk_dot2(const uint4 &w, const float *xv, uint32_t M) {
+    if (FMT != FMT_INT4) return chunk_dot<FMT>(w, xv);
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t lo = ws[i], hi = ws[i] >> 16;
+        a0 = fmaf(__uint_as_float((lo & 0x000fu) | M) - 8388616.0f, xv[8 * i + 0], a0);  // nib - 8
+        a1 = fmaf(__uint_as_float((lo & 0x00f0u) | M) - 8388736.0f, xv[8 * i + 1], a1);  // 16 (nib - 8)
+        a2 = fmaf(__uint_as_float((lo & 0x0f00u) | M) - 8390656.0f, xv[8 * i + 2], a2);  // 256 (nib - 8)
+        a3 = fmaf(__uint_as_float((lo & 0xf000u) | M) - 8421376.0f, xv[8 * i + 3], a3);  // 4096 (nib - 8)
+        a0 = fmaf(__uint_as_float((hi & 0x000fu) | M) - 8388616.0f, xv[8 * i + 4], a0);
+        a1 = fmaf(__uint_as_float((hi & 0x00f0u) | M) - 8388736.0f, xv[8 * i + 5], a1);
+        a2 = fmaf(__uint_as_float((hi & 0x0f00u) | M) - 8390656.0f, xv[8 * i + 6], a2);
+        a3 = fmaf(__uint_as_float((hi & 0xf000u) | M) - 8421376.0f, xv[8 * i + 7], a3);
+    }
+    return fmaf(a3, 1.f / 4096.f, fmaf(a2, 1.f / 256.f, fmaf(a1, 0.0625f, a0)));
+}
+
+// NR rows against the same staged x, U chunks per lane per row loaded (with their int4 group scales) before any
+// is used: NR * U * 16 bytes per lane in flight. gshift = log2(group / 32) (int4). Every lane gets the totals.
+template <int FMT, int NR, int U>
+__device__ inline void warp_rows_dot2(const u8 *const *data, const u8 *const *meta, int nchunks, int gshift,
+                                      const float *xs, int lane, float *out) {
+    constexpr int V = Chunk<FMT>::VALS;
+    const uint32_t M = opaque_magic(gshift);
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    for (int c0 = lane; c0 < nchunks; c0 += 32 * U) {
+        uint4 w[NR][U];
+        float sc[NR][U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                if (c < nchunks) {
+                    w[r][u] = ld_stream(data[r] + 16 * (long long)c);
+                    sc[r][u] = FMT == FMT_INT4 ? ld_half_nc(meta[r] + 2 * (c >> gshift)) : 1.f;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+            if (c < nchunks) {
+                float xv[V];
+                load_x<FMT>(xs, c, xv);
+#pragma unroll
+                for (int r = 0; r < NR; r++) acc[r] = fmaf(sc[r][u], chunk_dot2<FMT>(w[r][u], xv, M), acc[r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        float a = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        out[r] = a * row_scale<FMT>(meta[r]);
+    }
+}
+
 __device__ inline float silu_f(float g) { return __fdiv_rn(g, __fadd_rn(1.f, expf(-g))); }
 
 __device__ inline float warp_sum(float v) {

@@ -47,7 +47,7 @@ __device__ void gemv_body(QMat W, int wrow0, int wz, int N, const float *x, long
     }
 COLI_FOR_FORMATS(GEMV_KERNEL)
 
-// ---- moe_gateup_<fmt> -------------------------------------------------------------------------------
+// ---- moe_gateup (first version: moe_gateup_int4_v1) -------------------------------------------------------------------------------
 // For the K routed experts of one token: h[k][j] = silu(gate_k[j] . x) * (up_k[j] . x)
 //   table: [K] device pointers to the experts' records (or NULL: every k uses `base`, for a dense SwiGLU)
 //   gate/up matrices at byte offsets gate_off/up_off inside a record, both [rows=Im, cols=H] with the
@@ -81,15 +81,14 @@ __device__ void moe_gateup_body(const u8 *const *table, const u8 *base, long lon
     }
 }
 
-#define MOE_GATEUP_KERNEL(NAME, FMT)                                                                          \
-    extern "C" __global__ void moe_gateup_##NAME(const u8 *const *table, const u8 *base, long long gate_off,  \
-                                                 long long up_off, int rows, int cols, int group, int rpt,    \
-                                                 long long tile_bytes, int K, const float *x, float *h) {     \
-        moe_gateup_body<FMT>(table, base, gate_off, up_off, rows, cols, group, rpt, tile_bytes, K, x, h);     \
-    }
-COLI_FOR_FORMATS(MOE_GATEUP_KERNEL)
+// First version, kept for the benchmark's old-vs-new comparison (int4 only): moe_gateup_int4_v1.
+extern "C" __global__ void moe_gateup_int4_v1(const u8 *const *table, const u8 *base, long long gate_off,
+                                              long long up_off, int rows, int cols, int group, int rpt,
+                                              long long tile_bytes, int K, const float *x, float *h) {
+    moe_gateup_body<FMT_INT4>(table, base, gate_off, up_off, rows, cols, group, rpt, tile_bytes, K, x, h);
+}
 
-// ---- moe_down_<fmt> ---------------------------------------------------------------------------------
+// ---- moe_down (first version: moe_down_int4_v1) ---------------------------------------------------------------------------------
 // y[o] (+)= sum_k wts[k] * (down_k[o] . h[k])      o < rows (= H), K <= 8 (the host splits larger K into launches that accumulate)
 //   down matrices [rows=H, cols=Im] at byte offset down_off in each record (table as above),
 //   wts [K] fp32 (routing weights; 1.0 for a dense SwiGLU), h [K, Im] fp32, y [H] fp32;
@@ -162,12 +161,217 @@ __device__ void moe_down_body(const u8 *const *table, const u8 *base, long long 
     }
 }
 
-#define MOE_DOWN_KERNEL(NAME, FMT)                                                                            \
-    extern "C" __global__ void moe_down_##NAME(const u8 *const *table, const u8 *base, long long down_off,    \
-                                               int rows, int cols, int group, int rpt, long long tile_bytes,  \
-                                               int K, const float *wts, const float *h, float *y,             \
-                                               int accumulate) {                                              \
-        moe_down_body<FMT>(table, base, down_off, rows, cols, group, rpt, tile_bytes, K, wts, h, y,           \
-                           accumulate);                                                                       \
+// First version, kept for the benchmark's old-vs-new comparison (int4 only): moe_down_int4_v1.
+extern "C" __global__ void moe_down_int4_v1(const u8 *const *table, const u8 *base, long long down_off, int rows,
+                                            int cols, int group, int rpt, long long tile_bytes, int K,
+                                            const float *wts, const float *h, float *y, int accumulate) {
+    moe_down_body<FMT_INT4>(table, base, down_off, rows, cols, group, rpt, tile_bytes, K, wts, h, y, accumulate);
+}
+
+// ==== second version: moe_gateup_<fmt>, moe_down_<fmt> (the ones the backend launches) ====================
+// What changed from the first version (kept above as *_int4_v1 for the benchmark), for memory-level parallelism
+// and fewer instructions per weight:
+//   * the int4 group scales are loaded WITH the weights (read-only path), not on the compute path; the group
+//     index is a shift (group is 32/64/128), not a division;
+//   * int4 nibbles are converted in place (chunk_dot2: one LOP3 per weight, no byte permutes);
+//   * the next work item's rows are prefetched into L2 by the copy engine while the current one is computed, so
+//     the register loads hit L2 and HBM always has the following rows in flight;
+//   * work items are split into one contiguous range per block (every SM gets the same number +-1), not dealt
+//     round-robin over a grid that leaves some SMs with one round more than others;
+//   * the record table (and down's routing weights) sit in shared memory.
+// Both need K <= MOE_MAXK experts per launch (the host splits larger K; the table is then read from global).
+
+#ifndef MOE_DN_EPS
+#define MOE_DN_EPS 2
+#endif
+#ifndef MOE_DN_LB
+#define MOE_DN_LB 512
+#endif
+template <int FMT> struct MoeCfg {
+    static constexpr int GU_U = FMT == FMT_INT4 ? 6 : 4;   // chunks per lane per row in one batch (gate/up)
+    static constexpr int DN_U = 2;                           // the same for down, per expert
+    static constexpr int DN_EPS = MOE_DN_EPS;                // experts per step (down)
+};
+
+__device__ inline int group_shift(int group) { return __ffs(group) - 6; }   // log2(group / 32): 32/64/128 -> 0/1/2
+
+// ---- moe_gateup_<fmt> -------------------------------------------------------------------------------------
+// Same arguments and result as moe_gateup_int4_v1: h[k][j] = silu(gate_k[j] . x) * (up_k[j] . x), h [K, Im].
+//   grid (<= resident blocks), block 512 (256..1024, multiple of 32), dynamic smem = padded H * 4 bytes.
+//   Block b computes work items [b * n / grid, (b + 1) * n / grid) of n = K * rows, item t = (k = t / rows,
+//   j = t % rows): one warp, gate row j and up row j of expert k (two rows, one x read); U chunks per lane per
+//   row in flight (int4 GLM-5: 6, the whole 3 KiB row), the next item's rows prefetched into L2.
+template <int FMT>
+__device__ void moe_gateup2_body(const u8 *const *table, const u8 *base, long long gate_off, long long up_off,
+                                 int rows, int cols, int group, int rpt, long long tile_bytes, int K,
+                                 const float *x, float *h) {
+    extern __shared__ float4 smem4[];
+    float *xs = reinterpret_cast<float *>(smem4);
+    __shared__ const u8 *tab[MOE_MAXK];
+    constexpr int U = MoeCfg<FMT>::GU_U;
+    const QMat proto = make_qmat<FMT>(nullptr, rows, cols, group, rpt, tile_bytes);
+    const int nchunks = proto.row_data / 16;
+    const int gshift = group_shift(group);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int ntask = K * rows;
+    const int lo = (int)((long long)blockIdx.x * ntask / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * ntask / gridDim.x);
+    // lanes 0..3 prefetch item t's gate data, up data, gate meta, up meta
+    auto prefetch = [&](int t) {
+        if (lane < 4 && t < hi) {
+            int k = t / rows, j = t - k * rows;
+            long long doff, moff;
+            qmat_row_off(proto, j, doff, moff);
+            const u8 *m = (table ? table[k] : base) + ((lane & 1) ? up_off : gate_off);
+            if (lane < 2) l2_prefetch(m + doff, proto.row_data);
+            else l2_prefetch(m + moff, proto.row_meta);
+        }
+    };
+    prefetch(lo + warp);                      // first item: in flight while x is staged
+    if (threadIdx.x < MOE_MAXK) tab[threadIdx.x] = (table && (int)threadIdx.x < K) ? table[threadIdx.x] : base;
+    stage_x<FMT>(xs, x, cols, nchunks * Chunk<FMT>::VALS);
+    __syncthreads();
+    for (int t = lo + warp; t < hi; t += nw) {
+        prefetch(t + nw);
+        const int k = t / rows, j = t - k * rows;
+        const u8 *rec = k < MOE_MAXK ? tab[k] : table[k];
+        long long doff, moff;
+        qmat_row_off(proto, j, doff, moff);
+        const u8 *d[2] = {rec + gate_off + doff, rec + up_off + doff};
+        const u8 *m[2] = {rec + gate_off + moff, rec + up_off + moff};
+        float out[2];
+        warp_rows_dot2<FMT, 2, U>(d, m, nchunks, gshift, xs, lane, out);
+        if (lane == 0) h[t] = __fmul_rn(silu_f(out[0]), out[1]);
     }
-COLI_FOR_FORMATS(MOE_DOWN_KERNEL)
+}
+
+#define MOE_GATEUP2_KERNEL(NAME, FMT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(512) moe_gateup_##NAME(                                      \
+        const u8 *const *table, const u8 *base, long long gate_off, long long up_off, int rows, int cols,     \
+        int group, int rpt, long long tile_bytes, int K, const float *x, float *h) {                          \
+        moe_gateup2_body<FMT>(table, base, gate_off, up_off, rows, cols, group, rpt, tile_bytes, K, x, h);    \
+    }
+COLI_FOR_FORMATS(MOE_GATEUP2_KERNEL)
+
+// ---- moe_down_<fmt> ---------------------------------------------------------------------------------------
+// Same arguments and result as moe_down_int4_v1: y[o] (+)= sum_k wts[k] * (down_k[o] . h[k]), K <= 8.
+//   grid (<= resident blocks), block 512 (256..512, multiple of 32: __launch_bounds__(512), 109 registers for
+//   int4; 768 would cap them at 80 and spill), dynamic smem = K * padded Im * 4.
+//   Block b computes row pairs [b * n / grid, (b + 1) * n / grid), n = ceil(rows / 2); a warp's item is output
+//   rows (o, o + 1) over all K experts, EPS = 2 experts per step: 2 experts x 2 rows x DN_U chunks per lane loaded
+//   (with their scales) before use, experts k + 2, k + 3 (or the next item's first two) prefetched into L2. Each
+//   lane sums expert k's partial, scales it by wts[k] (x the int8 row scale) and adds it in registers: no
+//   atomics, no second pass, deterministic.
+#define MOE_DN_PD 2       // experts prefetched ahead
+template <int FMT>
+__device__ void moe_down2_body(const u8 *const *table, const u8 *base, long long down_off, int rows, int cols,
+                               int group, int rpt, long long tile_bytes, int K, const float *wts, const float *h,
+                               float *y, int accumulate) {
+    extern __shared__ float4 smem4[];
+    float *hs = reinterpret_cast<float *>(smem4);
+    __shared__ const u8 *tab[MOE_MAXK];
+    __shared__ float ws[MOE_MAXK];
+    constexpr int V = Chunk<FMT>::VALS, U = MoeCfg<FMT>::DN_U, EPS = MoeCfg<FMT>::DN_EPS;
+    const QMat proto = make_qmat<FMT>(nullptr, rows, cols, group, rpt, tile_bytes);
+    const int nchunks = proto.row_data / 16;
+    const int npad = nchunks * V;
+    const int gshift = group_shift(group);
+    const uint32_t M = opaque_magic(gshift);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int npairs = (rows + 1) / 2;
+    const int lo = (int)((long long)blockIdx.x * npairs / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * npairs / gridDim.x);
+    // Prefetch experts e0 .. e0 + EPS - 1 of item t (an expert index >= K continues into item t + nw):
+    // lane 4i + q, i < EPS: q = 0/1 data of row o/o+1, q = 2/3 their metadata.
+    auto prefetch = [&](int t, int e0) {
+        if (lane < 4 * EPS) {
+            int e = e0 + (lane >> 2), q = lane & 3;
+            if (e >= K) { e -= K; t += nw; }
+            if (t < hi && e < K) {
+                const int o = min(2 * t + (q & 1), rows - 1);
+                long long doff, moff;
+                qmat_row_off(proto, o, doff, moff);
+                const u8 *m = (table ? table[e] : base) + down_off;
+                if (q < 2) l2_prefetch(m + doff, proto.row_data);
+                else l2_prefetch(m + moff, proto.row_meta);
+            }
+        }
+    };
+    for (int e = 0; e < MOE_DN_PD; e += EPS) prefetch(lo + warp, e);
+    if (threadIdx.x < MOE_MAXK) {
+        tab[threadIdx.x] = (table && (int)threadIdx.x < K) ? table[threadIdx.x] : base;
+        ws[threadIdx.x] = (int)threadIdx.x < K ? wts[threadIdx.x] : 0.f;
+    }
+    for (int k = 0; k < K; k++) stage_x<FMT>(hs + k * npad, h + (long long)k * cols, cols, npad);
+    __syncthreads();
+    for (int t = lo + warp; t < hi; t += nw) {
+        const int o0 = 2 * t, o1 = min(2 * t + 1, rows - 1);
+        long long doff[2], moff[2];
+        qmat_row_off(proto, o0, doff[0], moff[0]);
+        qmat_row_off(proto, o1, doff[1], moff[1]);
+        float acc[2] = {0.f, 0.f};
+        for (int k = 0; k < K; k += EPS) {
+            prefetch(t, k + MOE_DN_PD);
+            const int ne = min(EPS, K - k);
+            const u8 *d[EPS][2], *m[EPS][2];
+#pragma unroll
+            for (int e = 0; e < EPS; e++) {
+                const u8 *rec = (e < ne ? tab[k + e] : tab[k]) + down_off;
+#pragma unroll
+                for (int r = 0; r < 2; r++) { d[e][r] = rec + doff[r]; m[e][r] = rec + moff[r]; }
+            }
+            float part[EPS][2];
+#pragma unroll
+            for (int e = 0; e < EPS; e++) part[e][0] = part[e][1] = 0.f;
+            for (int c0 = lane; c0 < nchunks; c0 += 32 * U) {
+                uint4 w[EPS][2][U];
+                float sc[EPS][2][U];
+#pragma unroll
+                for (int e = 0; e < EPS; e++)
+#pragma unroll
+                    for (int u = 0; u < U; u++)
+#pragma unroll
+                        for (int r = 0; r < 2; r++) {
+                            const int c = c0 + 32 * u;
+                            if (e < ne && c < nchunks) {
+                                w[e][r][u] = ld_stream(d[e][r] + 16 * (long long)c);
+                                sc[e][r][u] = FMT == FMT_INT4 ? ld_half_nc(m[e][r] + 2 * (c >> gshift)) : 1.f;
+                            }
+                        }
+#pragma unroll
+                for (int e = 0; e < EPS; e++)
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const int c = c0 + 32 * u;
+                        if (e < ne && c < nchunks) {
+                            float xv[V];
+                            load_x<FMT>(hs + (k + e) * npad, c, xv);
+#pragma unroll
+                            for (int r = 0; r < 2; r++)
+                                part[e][r] = fmaf(sc[e][r][u], chunk_dot2<FMT>(w[e][r][u], xv, M), part[e][r]);
+                        }
+                    }
+            }
+#pragma unroll
+            for (int e = 0; e < EPS; e++)
+                if (e < ne)
+#pragma unroll
+                    for (int r = 0; r < 2; r++)
+                        acc[r] = fmaf(ws[k + e] * row_scale<FMT>(m[e][r]), part[e][r], acc[r]);
+        }
+        const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]);
+        if (lane == 0) {
+            y[o0] = accumulate ? y[o0] + s0 : s0;
+            if (2 * t + 1 < rows) y[o0 + 1] = accumulate ? y[o0 + 1] + s1 : s1;
+        }
+    }
+}
+
+#define MOE_DOWN2_KERNEL(NAME, FMT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(MOE_DN_LB) moe_down_##NAME(                                        \
+        const u8 *const *table, const u8 *base, long long down_off, int rows, int cols, int group, int rpt,   \
+        long long tile_bytes, int K, const float *wts, const float *h, float *y, int accumulate) {            \
+        moe_down2_body<FMT>(table, base, down_off, rows, cols, group, rpt, tile_bytes, K, wts, h, y,          \
+                            accumulate);                                                                      \
+    }
+COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)

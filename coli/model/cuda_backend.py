@@ -19,6 +19,7 @@ with the routing-weighted sum; prefill is a grouped GEMM per expert over the tok
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -60,13 +61,19 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("gemm", f"gemm_nn_{f}")] = "Pqqi" + QM + "iiiiPqq"
         s[("gemm", f"moe_gateup_gemm_{f}")] = "PqqiiiiqPPPP"
         s[("gemm", f"moe_down_gemm_{f}")] = "PqiiiiqPPPPPiP"
+    # the first version of the fused MoE decode, kept for scripts/bench_kernels.py's old-vs-new comparison
+    s[("gemv", "moe_gateup_int4_v1")] = s[("gemv", "moe_gateup_int4")]
+    s[("gemv", "moe_down_int4_v1")] = s[("gemv", "moe_down_int4")]
     return s
 
 
 SIGNATURES = _signatures()
 GEMV_THREADS = 256
 MOE_THREADS = 512
-MOE_MAXK = 8         # experts per moe_down launch (MOE_MAXK in gemv.cu)
+MOE_MAXK = 8         # experts per moe_gateup / moe_down launch (MOE_MAXK in gemv.cu)
+# Fused MoE decode kernels: "v2" (moe_gateup_<fmt>, moe_down_<fmt>) or "v1" (the first version, int4 only:
+# *_int4_v1; other formats always take v2). COLI_MOE_KERNELS=v1 selects the old ones.
+MOE_KERNELS = os.environ.get("COLI_MOE_KERNELS", "v2")
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
@@ -105,6 +112,7 @@ class CudaBackend:
         self._cs: tuple | None = None         # (cos host, sin host, cos dev, sin dev)
         self._route: tuple | None = None      # (idx host, idx dev, w dev) of the last route()
         self._one = self.rt.to_device(np.ones(MOE_MAXK, F32))
+        self.moe_kernels = MOE_KERNELS       # "v2" or "v1" (see MOE_KERNELS)
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -407,8 +415,14 @@ class CudaBackend:
                     raise RuntimeError("MoE decode kernels do not fit this device's shared memory")
                 first = False
 
-    def _moe_decode_launch(self, fmt, table, base, lay, up_off, K, x, h, gate_off: int = 0) -> bool:
-        fn = self._fn("gemv", f"moe_gateup_{fmt}")
+    def _moe_suffix(self, fmt: str, version: str | None, group: int) -> str:
+        # v2 finds an int4 group's scale by a shift: groups 32/64/128 (others, if a container ever has them: v1)
+        v1 = (version or self.moe_kernels) == "v1" or group not in (32, 64, 128)
+        return "_v1" if fmt == "int4" and v1 else ""
+
+    def _moe_decode_launch(self, fmt, table, base, lay, up_off, K, x, h, gate_off: int = 0,
+                           version: str | None = None) -> bool:
+        fn = self._fn("gemv", f"moe_gateup_{fmt}{self._moe_suffix(fmt, version, lay.group)}")
         smem = lay.row_data_bytes // 16 * _chunk_vals(fmt) * 4
         if not self.rt.allow_smem(fn, smem):
             return False
@@ -418,8 +432,9 @@ class CudaBackend:
                        lay.group or 32, lay.rows_per_tile, lay.tile_bytes, K, x, h, smem=smem)
         return True
 
-    def _moe_down_launch(self, fmt, table, base, lay, down_off, K, wts, h, y, accumulate) -> bool:
-        fn = self._fn("gemv", f"moe_down_{fmt}")
+    def _moe_down_launch(self, fmt, table, base, lay, down_off, K, wts, h, y, accumulate,
+                         version: str | None = None) -> bool:
+        fn = self._fn("gemv", f"moe_down_{fmt}{self._moe_suffix(fmt, version, lay.group)}")
         smem = K * (lay.row_data_bytes // 16 * _chunk_vals(fmt)) * 4
         if not self.rt.allow_smem(fn, smem):
             return False
