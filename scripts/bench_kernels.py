@@ -75,15 +75,148 @@ class Timer:
         return float(np.median(out))
 
 
+def run_moe_compare(a) -> dict:
+    """Run moe_compare in a child process (timeout 100 s); its JSON, or {"error": ...}."""
+    import os
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--moe-compare", path, "--iters", str(a.iters),
+           "--sets", str(a.sets)]
+    try:
+        p = subprocess.run(cmd, timeout=100, capture_output=True, text=True)
+        sys.stdout.write(p.stdout)
+        sys.stdout.write(p.stderr[-3000:])
+        err = None if p.returncode == 0 else f"child exit {p.returncode}"
+    except subprocess.TimeoutExpired:
+        err = "child timed out (100 s)"
+    try:
+        out = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        out = {}
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if err:
+        out["error"] = err
+        for ver in ("v1", "v2"):     # a version without a verdict when the child died did not finish
+            out.setdefault(ver, {"ok": False, "error": err})
+            if "ok" not in out[ver]:
+                out[ver].update(ok=False, error=err)
+    return out
+
+
+def moe_compare(a, path: Path) -> int:
+    """Child process: the fused MoE decode at GLM-5's expert shape (int4 g64, K = 8), first version (v1) then the
+    second (v2), each checked against numpy and timed (gate/up, down, both); results written to `path` after each
+    step, so that a fault or hang in v2 still leaves v1's numbers."""
+    from coli.container.format import RecordLayout
+    from coli.container.quant import decode_matrix
+    from coli.model.cuda_backend import CudaBackend
+
+    gb = CudaBackend()
+    rt = gb.rt
+    tm = Timer(rt)
+    rng = np.random.default_rng(0)
+    out: dict = {}
+
+    def save():
+        path.write_text(json.dumps(out))
+
+    n = 1 << 30
+    src, dst = rt.alloc(n), rt.alloc(n)
+    rt.copy(int(src), int(dst), n)
+    copy_us = tm.per_call_us(lambda i: rt.copy(int(dst), int(src), n), 10)
+    out["d2d_copy_GBps"] = round(2 * n / copy_us / 1e3, 1)
+    del src, dst
+    save()
+
+    lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    n_distinct = 4
+    host_recs = []
+    for _ in range(n_distinct):
+        buf = np.zeros(lay.nbytes, np.uint8)
+        for m in lay.matrices:
+            b, _ = random_matrix_bytes(m.rows, m.cols, "int4", 64, rng)
+            buf[m.offset:m.end] = b
+        host_recs.append(buf)
+    nrec = a.sets * K
+    pool = rt.alloc(nrec * lay.nbytes)
+    for i in range(nrec):
+        rt.upload_bytes(host_recs[i % n_distinct], int(pool) + i * lay.nbytes)
+    tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
+              for s in range(a.sets)]
+    x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
+    wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
+    h = gb.empty((K, IM))
+    y = gb.empty((1, H))
+    xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
+    want_h, want_y = [], np.zeros(H, np.float64)
+    for k in range(K):
+        rec = host_recs[k % n_distinct]
+        G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
+        g, u = G.astype(np.float64) @ xs, U.astype(np.float64) @ xs
+        hk = g / (1 + np.exp(-g)) * u
+        want_h.append(hk)
+        want_y += w_h[k] * (D.astype(np.float64) @ hk.astype(F32))
+    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
+    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
+    out.update(gu_bytes=gu_bytes, dn_bytes=dn_bytes)
+
+    for ver in ("v1", "v2"):
+        r = out[ver] = {}
+        save()
+        try:
+            def gateup(i, ver=ver):
+                assert gb._moe_decode_launch("int4", tables[i % a.sets].ptr, 0, lay.gate,
+                                             lay.up.offset - lay.gate.offset, K, x.ptr, h.ptr,
+                                             gate_off=lay.gate.offset, version=ver)
+
+            def down(i, ver=ver):
+                assert gb._moe_down_launch("int4", tables[i % a.sets].ptr, 0, lay.down, lay.down.offset, K, wts.ptr,
+                                           h.ptr, y.ptr, 0, version=ver)
+            # poison the outputs, run set 0 (records 0..7 = host_recs[k % 4]), compare with numpy in float64
+            rt.upload_bytes(np.full(K * IM * 4, 0xFF, np.uint8), h.ptr)
+            rt.upload_bytes(np.full(H * 4, 0xFF, np.uint8), y.ptr)
+            gateup(0)
+            rt.synchronize()
+            hh = rt.to_host(h)
+            r["gateup_rel_err"] = float(max(np.linalg.norm(hh[k] - want_h[k]) / np.linalg.norm(want_h[k])
+                                            for k in range(K)))
+            down(0)
+            rt.synchronize()
+            yy = rt.to_host(y)[0]
+            r["down_rel_err"] = float(np.linalg.norm(yy - want_y) / np.linalg.norm(want_y))
+            r["ok"] = bool(np.isfinite(hh).all() and np.isfinite(yy).all() and r["gateup_rel_err"] < 1e-5
+                           and r["down_rel_err"] < 1e-5)
+            save()
+            r["gateup_us"] = round(tm.per_call_us(gateup, a.iters), 2)
+            r["down_us"] = round(tm.per_call_us(down, a.iters), 2)
+            r["layer_us"] = round(tm.per_call_us(lambda i: (gateup(i), down(i)), a.iters), 2)
+            r["layer_us_repeat"] = round(tm.per_call_us(lambda i: (gateup(i), down(i)), a.iters), 2)
+            for key, nb in (("gateup", gu_bytes), ("down", dn_bytes), ("layer", gu_bytes + dn_bytes)):
+                r[f"{key}_frac"] = round(nb / r[f"{key}_us"] / 1e3 / out["d2d_copy_GBps"], 3)
+        except Exception as e:      # noqa: BLE001 -- report and keep what was measured
+            r.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        save()
+        print(f"moe {ver}: {json.dumps(r)}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sets", type=int, default=24, help="distinct groups of 8 experts the decode rotates over")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
     a = ap.parse_args()
+    if a.moe_compare:
+        return moe_compare(a, a.moe_compare)
 
     from coli.container.format import RecordLayout
-    from coli.container.quant import decode_matrix
     from coli.model.backend import cos_sin_table
     from coli.model.cuda_backend import CudaBackend, DeviceMask
     from coli.model.cuda_weights import DeviceRecord, HeadView, QWeight
@@ -114,8 +247,40 @@ def main() -> int:
     add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
     del src, dst
 
-    # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64 ----------------------------------------------
+    # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: old (v1) vs new (v2) kernels -----------------
+    # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
+    # rest of this benchmark down with it; if v2 fails there, this process falls back to v1 for what follows.
+    cmp_res = run_moe_compare(a)
+    res["moe_compare"] = cmp_res
+    v2ok = cmp_res.get("v2", {}).get("ok", False)
+    if not v2ok:
+        gb.moe_kernels = "v1"
+        print(f"!! moe v2 kernels failed in the comparison ({cmp_res.get('v2', {}).get('error', cmp_res.get('error'))});"
+              " the rest of this benchmark uses v1", flush=True)
+    best = cmp_res.get("v2" if v2ok else "v1", {})
     lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
+    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
+    for ver in ("v1", "v2"):
+        v = cmp_res.get(ver, {})
+        tag = f"{ver}{'' if v.get('ok') else ' FAILED'}"
+        for key, label, nb in (("gateup_us", "moe_gateup_int4  8 x (2 x 2048 x 6144) g64", gu_bytes),
+                               ("down_us", "moe_down_int4    8 x 6144 x 2048 g64", dn_bytes),
+                               ("layer_us", "moe decode layer (gate/up + down)", gu_bytes + dn_bytes)):
+            if v.get(key):
+                r = add(f"{label} [{tag}]", v[key], nb)
+                r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
+    if best.get("layer_us"):
+        res.update(moe_kernels="v2" if v2ok else "v1",
+                   moe_gateup_us=best["gateup_us"], moe_down_us=best["down_us"], moe_layer_us=best["layer_us"],
+                   moe_gateup_GBps=round(gu_bytes / best["gateup_us"] / 1e3, 1),
+                   moe_down_GBps=round(dn_bytes / best["down_us"] / 1e3, 1),
+                   moe_layer_GBps=round((gu_bytes + dn_bytes) / best["layer_us"] / 1e3, 1),
+                   moe_bytes_per_layer=gu_bytes + dn_bytes)
+        for k in ("gateup", "down", "layer"):
+            res[f"moe_{k}_frac"] = round(res[f"moe_{k}_GBps"] / copy_bw, 3)
+
+    # records for the moe() op below (the kernels the backend now launches)
     n_distinct = 4
     host_recs = []
     for _ in range(n_distinct):
@@ -128,50 +293,7 @@ def main() -> int:
     pool = rt.alloc(nrec * lay.nbytes)
     for i in range(nrec):
         rt.upload_bytes(host_recs[i % n_distinct], int(pool) + i * lay.nbytes)
-    tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
-              for s in range(a.sets)]
     x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
-    wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
-    h = gb.empty((K, IM))
-    y = gb.empty((1, H))
-
-    def gateup(i):
-        assert gb._moe_decode_launch("int4", tables[i % a.sets].ptr, 0, lay.gate, lay.up.offset - lay.gate.offset,
-                                     K, x.ptr, h.ptr, gate_off=lay.gate.offset)
-
-    def down(i):
-        assert gb._moe_down_launch("int4", tables[i % a.sets].ptr, 0, lay.down, lay.down.offset, K, wts.ptr, h.ptr,
-                                   y.ptr, 0)
-
-    # correctness of the benchmarked launches against numpy (set 0: records 0..7 = host_recs[k % 4])
-    gateup(0)
-    down(0)
-    hh, yy = rt.to_host(h), rt.to_host(y)[0]
-    xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
-    want_y = np.zeros(H, np.float64)
-    for k in range(K):
-        rec = host_recs[k % n_distinct]
-        G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
-        g, u = G @ xs, U @ xs
-        hk = g / (1 + np.exp(-g)) * u
-        assert np.linalg.norm(hh[k] - hk) <= 1e-5 * np.linalg.norm(hk), "gate/up kernel is wrong"
-        want_y += w_h[k] * (D @ hk.astype(F32))
-    assert np.linalg.norm(yy - want_y) <= 1e-5 * np.linalg.norm(want_y), "down kernel is wrong"
-
-    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
-    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
-    gu_us = tm.per_call_us(gateup, a.iters)
-    dn_us = tm.per_call_us(down, a.iters)
-    both_us = tm.per_call_us(lambda i: (gateup(i), down(i)), a.iters)
-    r1 = add("moe_gateup_int4  8 x (2 x 2048 x 6144) g64", gu_us, gu_bytes)
-    r2 = add("moe_down_int4    8 x 6144 x 2048 g64", dn_us, dn_bytes)
-    r3 = add("moe decode layer (gate/up + down)", both_us, gu_bytes + dn_bytes)
-    res.update(moe_gateup_us=r1["us"], moe_down_us=r2["us"], moe_layer_us=r3["us"],
-               moe_gateup_GBps=r1["GBps"], moe_down_GBps=r2["GBps"], moe_layer_GBps=r3["GBps"],
-               moe_gateup_frac=round(r1["GBps"] / copy_bw, 3), moe_down_frac=round(r2["GBps"] / copy_bw, 3),
-               moe_layer_frac=round(r3["GBps"] / copy_bw, 3), moe_bytes_per_layer=gu_bytes + dn_bytes)
-    for r in (r1, r2, r3):
-        r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
 
     # the whole moe() op (host: table upload, grouping; device: the same two launches)
     recs = {e: DeviceRecord(int(pool) + e * lay.nbytes, lay) for e in range(nrec)}
@@ -275,8 +397,25 @@ def main() -> int:
     for r in rows:
         print(f"{r['kernel']:<{w}}  {r['us']:>10.2f}  {r.get('GBps', ''):>8}  {r.get('of_copy', ''):>7}  "
               f"{r.get('note', '')}")
-    print(f"\nfused MoE decode (8 experts int4 g64, gate/up + down): {res['moe_layer_GBps']} GB/s = "
-          f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
+    cmp_res = res.get("moe_compare", {})
+    print(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), old (v1) vs new (v2) kernels, same run "
+          f"(child's copy {cmp_res.get('d2d_copy_GBps')} GB/s; target: layer >= 60% of the copy, <= ~63 us):")
+    for ver in ("v1", "v2"):
+        v = cmp_res.get(ver, {})
+        if v.get("layer_us"):
+            print(f"  {ver}: gate/up {v['gateup_us']:.1f} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']:.1f} us "
+                  f"({100 * v['down_frac']:.1f}%), layer {v['layer_us']:.1f} us ({100 * v['layer_frac']:.1f}%; "
+                  f"repeat {v['layer_us_repeat']:.1f} us)  rel err h {v.get('gateup_rel_err', float('nan')):.1e} "
+                  f"y {v.get('down_rel_err', float('nan')):.1e}  {'ok' if v.get('ok') else 'WRONG'}")
+        else:
+            print(f"  {ver}: FAILED {v.get('error', '')} {json.dumps(v)[:300]}")
+    v1, v2 = cmp_res.get("v1", {}), cmp_res.get("v2", {})
+    if v1.get("layer_us") and v2.get("layer_us"):
+        print(f"  speed-up v2/v1: gate/up {v1['gateup_us'] / v2['gateup_us']:.2f}x, down "
+              f"{v1['down_us'] / v2['down_us']:.2f}x, layer {v1['layer_us'] / v2['layer_us']:.2f}x")
+    if "moe_layer_GBps" in res:
+        print(f"fused MoE decode ({res['moe_kernels']}, gate/up + down): {res['moe_layer_GBps']} GB/s = "
+              f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
     line = json.dumps(res)
     if a.json_out:
         a.json_out.write_text(line + "\n")
