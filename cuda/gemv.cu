@@ -197,7 +197,8 @@ __device__ inline int group_shift(int group) { return __ffs(group) - 6; }   // l
 
 // ---- moe_gateup_<fmt> -------------------------------------------------------------------------------------
 // Same arguments and result as moe_gateup_int4_v1: h[k][j] = silu(gate_k[j] . x) * (up_k[j] . x), h [K, Im].
-//   grid (<= resident blocks), block 512 (256..1024, multiple of 32), dynamic smem = padded H * 4 bytes.
+//   grid (<= resident blocks), block 512 (256..512, multiple of 32: __launch_bounds__(512), 127 registers for
+//   int4), dynamic smem = padded H * 4 bytes.
 //   Block b computes work items [b * n / grid, (b + 1) * n / grid) of n = K * rows, item t = (k = t / rows,
 //   j = t % rows): one warp, gate row j and up row j of expert k (two rows, one x read); U chunks per lane per
 //   row in flight (int4 GLM-5: 6, the whole 3 KiB row), the next item's rows prefetched into L2.
@@ -255,7 +256,7 @@ COLI_FOR_FORMATS(MOE_GATEUP2_KERNEL)
 
 // ---- moe_down_<fmt> ---------------------------------------------------------------------------------------
 // Same arguments and result as moe_down_int4_v1: y[o] (+)= sum_k wts[k] * (down_k[o] . h[k]), K <= 8.
-//   grid (<= resident blocks), block 512 (256..512, multiple of 32: __launch_bounds__(512), 109 registers for
+//   grid (<= resident blocks), block 512 (256..512, multiple of 32: __launch_bounds__(512), 113 registers for
 //   int4; 768 would cap them at 80 and spill), dynamic smem = K * padded Im * 4.
 //   Block b computes row pairs [b * n / grid, (b + 1) * n / grid), n = ceil(rows / 2); a warp's item is output
 //   rows (o, o + 1) over all K experts, EPS = 2 experts per step: 2 experts x 2 rows x DN_U chunks per lane loaded

@@ -34,6 +34,34 @@ def test_int4_nibbles_from_the_mantissa_of_2_pow_23():
     assert F32(16 * -8) * F32(0.0625) == F32(-8)
 
 
+def test_int4_nibbles_in_place_chunk_dot2():
+    """chunk_dot2 (moe kernels, second version): nibble q of a word (bits 4q..4q+3) is column 8i+q; q = 0..3 are
+    OR-ed into 2^23's mantissa in place, giving 16^q * (nib - 8) after subtracting 2^23 + 8 * 16^q; q = 4..7 the
+    same from the word shifted right by 16. Exhaustive over every 16-bit half, and a chunk's dot against the
+    plain formula (column 2j = low nibble of byte j)."""
+    M = np.uint32(0x4B000000)
+    bias = [F32(8388616.0), F32(8388736.0), F32(8390656.0), F32(8421376.0)]
+    half = np.arange(1 << 16, dtype=np.uint32)
+    for q in range(4):
+        got = _f((half & np.uint32(0xF << (4 * q))) | M) - bias[q]
+        np.testing.assert_array_equal(got, F32(16 ** q) * (((half >> (4 * q)) & 15).astype(F32) - 8))
+    rng = np.random.default_rng(1)
+    chunk = rng.integers(0, 256, 16, dtype=np.uint8)             # 16 bytes = 32 int4 weights
+    words = chunk.view(np.uint32)
+    x = rng.standard_normal(32).astype(F32)
+    a = np.zeros(4, np.float64)
+    for i, w in enumerate(words):
+        for q in range(8):
+            part = w if q < 4 else w >> np.uint32(16)
+            v = _f((part & np.uint32(0xF << (4 * (q % 4)))) | M) - bias[q % 4]
+            a[q % 4] += float(v) * float(x[8 * i + q])
+    got = a[0] + a[1] / 16 + a[2] / 256 + a[3] / 4096
+    plain = np.empty(32, np.float64)
+    plain[0::2] = (chunk & 15).astype(np.float64) - 8
+    plain[1::2] = (chunk >> 4).astype(np.float64) - 8
+    assert abs(got - plain @ x.astype(np.float64)) <= 1e-9 * np.abs(plain * x).sum()
+
+
 def test_int8_codes_from_the_mantissa_of_2_pow_23():
     b = np.arange(256, dtype=np.uint32)
     v = _f((b | 0x4B000000) ^ 0x80) - F32(8388736.0)

@@ -113,3 +113,26 @@ def test_moe_with_pruned_slots(gb, rng, S):
     got = gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in wanted)))
     keep = idx[:, :-1]
     assert rel_err(got, moe_reference(x, keep, w[:, :-1], mats)) < TOL
+
+
+@pytest.mark.parametrize("K,S_experts", [(8, 8), (3, 5)])
+def test_moe_decode_v2_kernels_match_v1_and_numpy(gb, rng, K, S_experts):
+    """The second version of the fused decode (moe_gateup_int4 / moe_down_int4, the default) and the first
+    (*_int4_v1, kept for the benchmark) at GLM-5's expert shape: both against numpy, and an odd K (a step of
+    moe_down's expert pairs with one expert)."""
+    H, Im = 6144, 2048
+    recs, mats = _experts(gb, H, Im, "int4", 64, S_experts, rng)
+    x = rand(rng, 1, H)
+    idx = rng.choice(S_experts, K, replace=False)[None].astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (1, K)).astype(F32)
+    want = moe_reference(x, idx, w, mats)
+    saved = gb.moe_kernels
+    try:
+        for ver in ("v1", "v2"):
+            gb.moe_kernels = ver
+            got = gb.to_host(gb.moe(gb.upload(x), idx, w, ((int(e), recs[int(e)]) for e in idx[0])))
+            err = rel_err(got, want)
+            report("moe_version", version=ver, K=K, rel_err=err)
+            assert err < TOL, ver
+    finally:
+        gb.moe_kernels = saved
