@@ -154,3 +154,18 @@ def greet(sock, peer: bytes, hello, stage: str, info: dict, log) -> bool:
     send(sock, make_hello(stage), peer=peer)
     send(sock, Ready(stage, info), peer=peer)
     return True
+
+
+def send_stats(sock, supervisor: bytes, stage: str, counters: dict) -> None:
+    """Periodic counters to the supervisor; dropped (never blocking the stage) if its queue is full."""
+    import time
+
+    import zmq
+
+    from coli.protocol.messages import Stats
+    from coli.protocol.sockets import send
+
+    try:
+        send(sock, Stats(stage, time.time(), counters), peer=supervisor, flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass

@@ -20,10 +20,10 @@ from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
 from coli.protocol.arena import Arena
 from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, Error, GenerateRequest, Hello,
-                                    Shutdown, Stats, Token)
+                                    Shutdown, Token)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, send
-from coli.stages.common import drain_router, greet, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.executor.experts import ExpertUnavailable, RamTierExperts
 from coli.stages.executor.sessions import SessionError, SessionStore, model_fingerprint
 from coli.stages.ramtier.core import ResidencyTable
@@ -111,15 +111,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     log.info("started", device=backend.name, load_s=round(time.perf_counter() - t_load, 3), slots=arena.n_slots,
              pilot=pilot)
 
-    def send_stats() -> None:
+    def publish_stats() -> None:
         if state["supervisor"] is None:
             return
         c = dict(counters)
         c.update(experts.stats, uptime_s=time.time() - t_start)
-        try:
-            send(sock, Stats(STAGE, time.time(), c), peer=state["supervisor"], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        send_stats(sock, state["supervisor"], STAGE, c)
 
     def serve(peer: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
@@ -158,7 +155,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 counters["tokens"] += 1
                 pump(0)
                 if ticker.due():
-                    send_stats()
+                    publish_stats()
             reason = gen.stats.finish_reason
         except Cancelled:
             reason = "cancelled"
@@ -194,7 +191,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             except Cancelled:
                 continue
             if ticker.due():
-                send_stats()
+                publish_stats()
             while inbox and not state["stop"]:
                 peer, req = inbox.pop(0)
                 try:

@@ -20,10 +20,10 @@ from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
 from coli.protocol.handshake import make_hello
 from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, Hello, ReadDone,
-                                    ReadRequest, Shutdown, SlotRef, Stats)
+                                    ReadRequest, Shutdown, SlotRef)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, send
-from coli.stages.common import drain_router, greet, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
 
 STAGE = "ramtier"
@@ -175,10 +175,7 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                 c.update(resident=core.resident_count(), slots=arena.n_slots, pins=len(pins),
                          resident_bytes=core.resident_count() * record_len, read_bytes=read_bytes,
                          hit_rate=(c["hits"] / demand) if demand else 0.0, uptime_s=time.time() - t_start)
-                try:
-                    send(sock, Stats(STAGE, time.time(), c), peer=supervisor, flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                send_stats(sock, supervisor, STAGE, c)
     finally:
         try:
             save_usage(cdir, core.usage)

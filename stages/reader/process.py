@@ -2,7 +2,7 @@
 container into arena slots on a bounded thread pool, and answers ReadDone when each lands.
 
 Sockets: binds `reader` (ROUTER). Peers: the supervisor (control: Hello/Shutdown, we answer Hello,
-Ready, Stats) and the RAM tier (ReadRequest -> ReadDone)."""
+Ready) and the RAM tier (ReadRequest -> ReadDone)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import zmq
 
 from coli.protocol.arena import Arena
-from coli.protocol.messages import Hello, ReadDone, ReadRequest, Shutdown, Stats
+from coli.protocol.messages import Hello, ReadDone, ReadRequest, Shutdown
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, send
-from coli.stages.common import drain_router, greet, orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.reader.core import FileTable, RecordError, read_record
 from coli.stages.faults import Faults
 
@@ -131,10 +131,7 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
                 stats["queue_depth"] = inflight + len(pending)
                 stats["direct_fallbacks"] = len(files.fallbacks)
                 stats["uptime_s"] = time.time() - t_start
-                try:
-                    send(sock, Stats(STAGE, time.time(), dict(stats)), peer=supervisor, flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                send_stats(sock, supervisor, STAGE, dict(stats))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         files.close()
