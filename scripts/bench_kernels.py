@@ -75,6 +75,22 @@ class Timer:
         return float(np.median(out))
 
 
+def record_pool(rt, lay, nrec, rng, n_distinct=4):
+    """nrec expert records (random int4 bytes, n_distinct different ones repeated so several input sets don't sit
+    in L2 together) in one device allocation -> (the distinct host records, device base address, nrec)."""
+    host_recs = []
+    for _ in range(n_distinct):
+        buf = np.zeros(lay.nbytes, np.uint8)
+        for m in lay.matrices:
+            b, _ = random_matrix_bytes(m.rows, m.cols, "int4", 64, rng)
+            buf[m.offset:m.end] = b
+        host_recs.append(buf)
+    pool = rt.alloc(nrec * lay.nbytes)
+    for i in range(nrec):
+        rt.upload_bytes(host_recs[i % n_distinct], int(pool) + i * lay.nbytes)
+    return host_recs, pool, nrec
+
+
 def run_moe_compare(a) -> dict:
     """Run moe_compare in a child process (timeout 100 s); its JSON, or {"error": ...}."""
     import os
@@ -135,18 +151,7 @@ def moe_compare(a, path: Path) -> int:
     save()
 
     lay = RecordLayout.make(H, IM, "int4", 64, 512)
-    n_distinct = 4
-    host_recs = []
-    for _ in range(n_distinct):
-        buf = np.zeros(lay.nbytes, np.uint8)
-        for m in lay.matrices:
-            b, _ = random_matrix_bytes(m.rows, m.cols, "int4", 64, rng)
-            buf[m.offset:m.end] = b
-        host_recs.append(buf)
-    nrec = a.sets * K
-    pool = rt.alloc(nrec * lay.nbytes)
-    for i in range(nrec):
-        rt.upload_bytes(host_recs[i % n_distinct], int(pool) + i * lay.nbytes)
+    host_recs, pool, nrec = record_pool(rt, lay, a.sets * K, rng)
     tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
               for s in range(a.sets)]
     x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
@@ -156,7 +161,7 @@ def moe_compare(a, path: Path) -> int:
     xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
     want_h, want_y = [], np.zeros(H, np.float64)
     for k in range(K):
-        rec = host_recs[k % n_distinct]
+        rec = host_recs[k % len(host_recs)]
         G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
         g, u = G.astype(np.float64) @ xs, U.astype(np.float64) @ xs
         hk = g / (1 + np.exp(-g)) * u
@@ -281,18 +286,7 @@ def main() -> int:
             res[f"moe_{k}_frac"] = round(res[f"moe_{k}_GBps"] / copy_bw, 3)
 
     # records for the moe() op below (the kernels the backend now launches)
-    n_distinct = 4
-    host_recs = []
-    for _ in range(n_distinct):
-        buf = np.zeros(lay.nbytes, np.uint8)
-        for m in lay.matrices:
-            b, _ = random_matrix_bytes(m.rows, m.cols, "int4", 64, rng)
-            buf[m.offset:m.end] = b
-        host_recs.append(buf)
-    nrec = a.sets * K
-    pool = rt.alloc(nrec * lay.nbytes)
-    for i in range(nrec):
-        rt.upload_bytes(host_recs[i % n_distinct], int(pool) + i * lay.nbytes)
+    host_recs, pool, nrec = record_pool(rt, lay, a.sets * K, rng)
     x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
 
     # the whole moe() op (host: table upload, grouping; device: the same two launches)
@@ -378,7 +372,7 @@ def main() -> int:
     E = 32
     plist = rt.alloc(E * lay.nbytes)
     for e in range(E):
-        rt.upload_bytes(host_recs[e % n_distinct], int(plist) + e * lay.nbytes)
+        rt.upload_bytes(host_recs[e % len(host_recs)], int(plist) + e * lay.nbytes)
     precs = {e: DeviceRecord(int(plist) + e * lay.nbytes, lay) for e in range(E)}
     S = 64
     xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coli.cli.common import clean_errors, parse_ids
+from coli.cli.common import clean_errors, parse_ids, sampling_from_options
 from coli.errors import ColiError
 
 
@@ -43,12 +43,8 @@ def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
 
     if prompt is not None and prompt_ids is not None:
         raise ColiError("give at most one of --prompt and --prompt-ids")
-    if temperature is not None and temperature < 0:
-        raise ColiError(f"--temperature must be >= 0 (got {temperature}; 0 means greedy)")
-    sampling = bool(temperature) or top_p != 1.0 or top_k != 0  # temperature 0 means greedy, as in the OpenAI API
-    if greedy and sampling:
-        raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
-    kw = dict(greedy=not sampling, temperature=temperature or 1.0, top_p=top_p, top_k=top_k, seed=seed,
+    sp = sampling_from_options(greedy, temperature, top_p, top_k, seed)
+    kw = dict(greedy=sp.greedy, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
               ignore_eos=ignore_eos, session=session, new_session=session is not None)
     with Client(name) as client:
         container = client.info.get("container")

@@ -46,5 +46,20 @@ def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+def sampling_from_options(greedy: bool, temperature: float | None, top_p: float, top_k: int, seed: int | None):
+    """The CLI's sampling options as SamplingParams: greedy unless a sampling option is given; temperature 0
+    means greedy (as in the OpenAI API); --greedy with a sampling option is a contradiction."""
+    from coli.model.sampling import SamplingParams
+
+    if temperature is not None and temperature < 0:
+        raise ColiError(f"--temperature must be >= 0 (got {temperature}; 0 means greedy)")
+    sampling = bool(temperature) or top_p != 1.0 or top_k != 0
+    if greedy and sampling:
+        raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
+    params = SamplingParams(greedy=not sampling, temperature=temperature or 1.0, top_p=top_p, top_k=top_k, seed=seed)
+    params.validate()
+    return params
+
+
 def stderr_note(message: str) -> None:
     print(message, file=sys.stderr)

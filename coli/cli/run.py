@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coli.cli.common import clean_errors, parse_ids, stderr_note
+from coli.cli.common import clean_errors, parse_ids, sampling_from_options, stderr_note
 from coli.errors import ColiError
 
 
@@ -42,20 +42,11 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
          record_routing=None, topp=None):
     from coli.generate import Generation
     from coli.loader import load_model
-    from coli.model.sampling import SamplingParams
     from coli.tokenizer import StreamDecoder, load_tokenizer
 
     if (prompt is None) == (prompt_ids is None):
         raise ColiError("give exactly one of --prompt or --prompt-ids")
-    if temperature is not None and temperature < 0:
-        raise ColiError(f"--temperature must be >= 0 (got {temperature}; 0 means greedy)")
-    # temperature 0 means greedy, as in the OpenAI API
-    sampling_requested = bool(temperature) or top_p != 1.0 or top_k != 0
-    if greedy and sampling_requested:
-        raise ColiError("--greedy cannot be combined with --temperature/--top-p/--top-k")
-    params = SamplingParams(greedy=not sampling_requested, temperature=temperature or 1.0, top_p=top_p,
-                            top_k=top_k, seed=seed)
-    params.validate()
+    params = sampling_from_options(greedy, temperature, top_p, top_k, seed)
 
     tok = load_tokenizer(model)
     if prompt is not None:
