@@ -54,6 +54,12 @@ RoutingHook = Callable[[int, np.ndarray, np.ndarray], None]
 # shared expert is computed before the routed experts instead of after.
 PilotHook = Callable[[int, Array, Array], None]
 
+# Called with (layer, n_rows) at every MoE layer right after its router has run; returning (idx [S, K] int64,
+# weights [S, K] float32) replaces the router's choice for those S rows (None keeps it). The router still runs,
+# so its cost is paid and timed as in a real run; routing_hook sees the replacement. Benchmarks replay a stored
+# trace this way (coli.bench.trace_router.TraceRouting).
+RouteOverride = Callable[[int, int], "tuple[np.ndarray, np.ndarray] | None"]
+
 
 @dataclass
 class AttentionWeights:
@@ -143,6 +149,7 @@ class GlmMoeDsaModel:
         self.lm_head = self.embed if c.tie_word_embeddings else backend.weight(weights, "lm_head.weight")
         self.routing_hook: RoutingHook | None = None
         self.pilot_hook: PilotHook | None = None
+        self.route_override: RouteOverride | None = None
         # Expert top-p pruning (approximate, off = None = exact): routed experts of a token beyond the
         # fewest that carry this share of its routing weight are dropped (idx -1). See prune_topp.
         self.topp: float | None = None
@@ -233,6 +240,10 @@ class GlmMoeDsaModel:
         kw = {} if self.topp is None else {"topp": self.topp}
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor, **kw)   # [S, K], [S, K]; -1 = pruned
+        if self.route_override is not None:
+            forced = self.route_override(i, int(idx.shape[0]))
+            if forced is not None:
+                idx, wts = forced                                        # [S, K] int64, [S, K] float32
         if self.routing_hook is not None:
             self.routing_hook(i, idx, wts)
         wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
