@@ -1,0 +1,94 @@
+"""`coli bench`: benchmarks on GLM-5-shaped slices. `make-slice` writes one; the streaming scenarios (`stream`,
+timing the GPU engine over a slice) will be a second command of this sub-app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from coli.cli.common import clean_errors, stderr_note
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks on GLM-5-shaped slices (docs/performance.md).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+MAKE_SLICE_HELP = """Write a GLM-5-shaped slice: a ColiStream container with GLM-5's real dimensions (hidden 6144, 256 experts of 3 x 2048 x 6144, top-8, the real MLA/indexer shapes, a shared expert) and random weights, for L MoE layers (first_k_dense_replace = 0).
+
+Every expert record has the real size (20,054,016 B at int4 g64), so a layer's experts weigh 5.13 GB; the dense core adds about 4 GB at bf16 with the real vocabulary (--vocab shrinks it). The size is printed and the free space checked before anything is written.
+
+The slice stores its routing (--trace) as DIR/bench_trace.trace, a routing trace in the coli.trace format; coli.bench.trace_router.TraceRouting makes a model route by it. The container passes coli verify and opens with ContainerReader like a converted one. It is written to DIR.tmp and renamed to DIR once complete.
+"""
+
+
+@bench_app.command("make-slice", help=MAKE_SLICE_HELP)
+def make_slice(
+    dir: Path = typer.Argument(..., help="Container directory to create (must not exist or be empty, unless "
+                                         "--force)."),
+    layers: int = typer.Option(2, "--layers", "-l", help="MoE layers in the slice (1..255); ~5.13 GB each at int4 "
+                                                         "g64."),
+    experts: Optional[int] = typer.Option(None, "--experts", help="Routed experts per layer (default: the "
+                                                                  "preset's, 256 for glm5)."),
+    fmt: str = typer.Option("int4", "--format", help="Routed expert format: int4 | int8 | int2 | bf16 | f32."),
+    group: int = typer.Option(64, "--group", help="Inputs per scale group for int4/int2: 32 | 64 | 128."),
+    dense_fmt: str = typer.Option("bf16", "--dense-format", help="Dense core format: int4 | int8 | int2 | bf16 | "
+                                                                 "f32 (norms, routers, biases and the indexer's "
+                                                                 "weights_proj stay f32)."),
+    trace: str = typer.Option("glm52", "--trace", help="Routing to store: uniform | glm52 (synthetic, "
+                                                       "coli.traces_synth) | FILE (a recorded routing trace, "
+                                                       "mapped onto the slice's layers)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens of the stored trace (default 256 for "
+                                                                "uniform/glm52, every token of FILE)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the weights and the synthetic trace (same options, "
+                                                      "same bytes)."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="Shrink the vocabulary to N (default: the real "
+                                                              "one, 154880 for glm5); recorded in the manifest "
+                                                              "and config.json."),
+    tile_kb: int = typer.Option(512, "--tile-kb", help="Tile size in KiB, as coli convert."),
+    preset: str = typer.Option("glm5", "--preset", help="Dimensions: glm5 (the real model) | tiny (the test "
+                                                        "model; a slice in milliseconds)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty DIR (removed only once the new slice "
+                                                      "is complete)."),
+    threads: int = typer.Option(2, "--threads", min=1, help="Worker threads making records."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+) -> None:
+    _make_slice(dir, layers, experts, fmt, group, dense_fmt, trace, tokens, seed, vocab, tile_kb, preset, force,
+                threads, no_progress)
+
+
+@clean_errors
+def _make_slice(dir, layers, experts, fmt, group, dense_fmt, trace, tokens, seed, vocab, tile_kb, preset, force,
+                threads, no_progress):
+    from coli.bench.slice import SliceOptions, check_destination, human_bytes, plan_slice, write_slice
+
+    opts = SliceOptions(layers=layers, experts=experts, fmt=fmt, group=group, dense_fmt=dense_fmt, tile_kb=tile_kb,
+                        trace=trace, tokens=tokens, seed=seed, vocab=vocab, preset=preset)
+    sp = plan_slice(opts)
+    stderr_note(sp.describe())
+    check_destination(dir, force, sp)
+    if no_progress:
+        result = write_slice(dir, sp, force=force, report=stderr_note, threads=threads)
+    else:
+        from rich.console import Console
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+        console = Console(stderr=True)
+        with Progress(TextColumn("writing slice"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=console) as bar:
+            task = bar.add_task("slice", total=sp.total_bytes)
+            result = write_slice(dir, sp, force=force, report=lambda m: console.print(m), threads=threads,
+                                 progress=lambda d, t: bar.update(task, completed=d, total=t))
+    meta = sp.trace_meta
+    stderr_note(f"{result.dir}: slice complete, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
+                f"({human_bytes(result.bytes / max(result.seconds, 1e-9))}/s); routing trace {meta['trace']} "
+                f"({meta['tokens']} tokens) in {result.dir / 'bench_trace.trace'}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
