@@ -39,6 +39,11 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                 ("", "evictions", f"{m.get('evictions', 0)}")]
     e = snap.get("executor")
     if e:
+        if "vram_slots" in e:
+            out += [("VRAM cache", "hit rate", _pct(e.get("vram_hit_rate", 0.0))),
+                    ("", "slots used", f"{e.get('vram_resident', 0)}/{e.get('vram_slots', 0)}"),
+                    ("", "evictions", f"{e.get('evictions', 0)}"),
+                    ("speculative lane", "busy", _pct(e.get("spec_busy", 0.0)))]
         out += [("PCIe copy lanes", "busy", _pct(e.get("copy_busy", 0.0))),
                 ("SMs", "busy", _pct(e.get("sm_busy", 0.0))),
                 ("CPU fallbacks", "experts", f"{e.get('cpu_fallbacks', 0)}"),

@@ -309,6 +309,11 @@ class Arena:
         offset = self.slot_offset(ref.slot) + ref.offset
         return np.frombuffer(self._buf, dtype=np.uint8, count=ref.nbytes, offset=offset)
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the whole mapping, header included (what cuMemHostRegister pins from address())."""
+        return HEADER_BYTES + self.slot_bytes * self.n_slots
+
     def address(self) -> int:
         """Base address of the mapping (for cuMemHostRegister). A raw pointer escapes close()'s checks:
         unregister it before close()."""

@@ -13,6 +13,7 @@ KNOWN = {
     "copy_error",    # GPU: an H2D copy fails
     "kernel_error",  # GPU: a kernel launch fails
     "oversize",      # GPU: a record is treated as larger than a VRAM slot
+    "gpu_lost",      # GPU: the context is lost (a fatal driver error): the executor demotes the run to the CPU
     "start_crash_reader", "start_crash_ramtier", "start_crash_executor",  # a stage dies during start-up
 }
 

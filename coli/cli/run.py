@@ -26,6 +26,12 @@ def run(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     device: str = typer.Option("cpu", "--device", help="cpu (numpy) | gpu | auto."),
+    vram_gb: Optional[float] = typer.Option(None, "--vram-gb", min=0.0, help="GPU: stream routed experts through a VRAM "
+                                            "cache sized from this budget (default: every expert resident)."),
+    vram_slots: Optional[int] = typer.Option(None, "--vram-slots", min=1, help="GPU: exactly this many VRAM expert slots."),
+    vram_policy: str = typer.Option("freq", "--vram-policy", help="VRAM slot replacement: freq | lru | rdf | lfu."),
+    stream_tile_kb: int = typer.Option(1024, "--stream-tile-kb", min=4, help="GPU: H2D copy tile size in KiB."),
+    max_context: int = typer.Option(4096, "--max-context", min=16, help="KV positions the VRAM budget reserves."),
     record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
                                                   help="Append every MoE routing decision to this trace file (docs/traces.md)."),
     topp: Optional[float] = typer.Option(None, "--topp", "--expert-topp", min=0.0, max=1.0, metavar="P",
@@ -33,13 +39,16 @@ def run(
                                               "carrying routing weight share >= P (not --top-p sampling). Off = exact."),
 ) -> None:
     """Generate from a model in this process and print the result."""
+    from coli.loader import GpuOptions
+    gpu = GpuOptions(vram_gb=vram_gb, vram_slots=vram_slots, max_context=max_context, policy=vram_policy,
+                     tile_kb=stream_tile_kb)
     _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
-         record_routing, topp)
+         record_routing, topp, gpu)
 
 
 @clean_errors
 def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
-         record_routing=None, topp=None):
+         record_routing=None, topp=None, gpu=None):
     from coli.generate import Generation
     from coli.loader import load_model
     from coli.tokenizer import StreamDecoder, load_tokenizer
@@ -57,7 +66,7 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
             raise ColiError("the prompt encodes to no tokens")
     else:
         ids = parse_ids(prompt_ids)
-    lm, config = load_model(model, device, report=stderr_note)
+    lm, config = load_model(model, device, report=stderr_note, gpu=gpu)
     bad = [i for i in ids if i >= config.vocab_size]
     if bad:
         raise ColiError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
@@ -86,11 +95,18 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     finally:
         if recorder is not None:
             recorder.close()
+    vstats = None
+    if hasattr(lm.experts, "snapshot"):      # the VRAM expert cache: land every copy, read its counters
+        lm.experts.finish()
+        vstats = lm.experts.snapshot()
+        lm.experts.close()
     if as_json:
         out = {"tokens": tokens, "finish_reason": gen.stats.finish_reason, "prompt_tokens": len(ids),
                "stats": gen.stats.to_dict()}
         if topp is not None:
             out["approximate"] = {"expert_topp": topp}
+        if vstats is not None:
+            out["vram"] = vstats
         if tok is not None:
             out["text"] = tok.decode(tokens)
         print(json.dumps(out))
@@ -102,6 +118,9 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
         s = gen.stats
         stderr_note(f"[{s.new_tokens} tokens, finish: {s.finish_reason}, prefill {s.prefill_s:.3f} s, "
                     f"decode {s.decode_tps:.1f} tok/s]")
+        if vstats is not None:
+            stderr_note(f"[VRAM cache: {vstats['hits']} hits, {vstats['misses']} misses, {vstats['evictions']} evictions, "
+                        f"{vstats['cpu_fallbacks']} CPU fallbacks, copy lane busy {100 * vstats['copy_busy']:.0f}%]")
 
 
 def register(app: typer.Typer) -> None:

@@ -30,6 +30,13 @@ def up(
     record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
                                                   help="Append every token's routed experts and weights to FILE "
                                                        "(docs/traces.md; read it with `coli sim --trace FILE`)."),
+    vram_gb: Optional[float] = typer.Option(None, "--vram-gb", min=0.0,
+                                            help="GPU: budget for the dense core, KV cache, workspaces and the VRAM "
+                                                 "expert slots, in GB (default: every expert resident in VRAM)."),
+    vram_slots: Optional[int] = typer.Option(None, "--vram-slots", min=1, help="GPU: exactly this many VRAM expert slots."),
+    vram_policy: str = typer.Option("freq", "--vram-policy", help="VRAM slot replacement: freq | lru | rdf | lfu."),
+    stream_tile_kb: int = typer.Option(1024, "--stream-tile-kb", min=4, help="GPU: H2D copy tile size in KiB."),
+    max_context: int = typer.Option(4096, "--max-context", min=16, help="KV positions the VRAM budget reserves."),
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
@@ -38,8 +45,10 @@ def up(
     gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
     ok = False
     try:
+        gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
+               "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot)
+            record_routing, pilot, gpu)
         ok = True
     finally:  # foreground: the run has stopped; detached: only if the run did not come up
         if gateway is not None and (not detach or not ok) and gateway.poll() is None:
@@ -76,7 +85,7 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
 
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None, pilot="off"):
+        record_routing=None, pilot="off", gpu=None):
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
@@ -88,11 +97,11 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         raise ColiError(f"--model {model}: no such directory")
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead)
+                       record_routing, ahead, gpu)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
-                      pilot=ahead)
+                      pilot=ahead, gpu=dict(gpu or {}))
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -100,7 +109,7 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0):
+            pilot=0, gpu=None):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
@@ -112,6 +121,9 @@ def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_
         args += ["--record-routing", str(record_routing.resolve())]
     if pilot:
         args += ["--pilot", str(pilot)]
+    for k, v in (gpu or {}).items():
+        if v is not None:
+            args += [{"policy": "--vram-policy", "tile_kb": "--stream-tile-kb"}.get(k, "--" + k.replace("_", "-")), str(v)]
     base = default_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     out_path = base / f"{name}.up.log"

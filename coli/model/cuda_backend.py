@@ -25,9 +25,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from coli.model.cuda_runtime import CudaRuntime, DeviceArray, get_runtime
+from coli.model.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
 from coli.model.cuda_weights import (
-    DeviceRecord, HeadView, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
+    FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
 )
 from coli.weights import ExpertWeights
 
@@ -112,6 +112,11 @@ class CudaBackend:
         self._cs: tuple | None = None         # (cos host, sin host, cos dev, sin dev)
         self._route: tuple | None = None      # (idx host, idx dev, w dev) of the last route()
         self._one = self.rt.to_device(np.ones(MOE_MAXK, F32))
+        self.faults = None                   # coli.stages.faults.Faults: injects kernel_error (tests, drills)
+        self.on_kernel_error = None          # called with (error, expert ids) when a MoE batch falls back
+        self.kernel_fallbacks = 0            # MoE batches computed on the CPU because their kernels failed
+        self.cpu_experts = 0                 # experts computed on the CPU (fallbacks of every kind)
+        self.busy = None                     # coli.gpu.busy.BusyClock: marks on the compute stream (SM busy)
         self.moe_kernels = MOE_KERNELS       # "v2" or "v1" (see MOE_KERNELS)
 
     # ---- kernels ---------------------------------------------------------------------------------------
@@ -126,6 +131,8 @@ class CudaBackend:
         return self.rt.to_device(np.asarray(host, F32), F32)
 
     def to_host(self, x: DeviceArray) -> np.ndarray:
+        if self.busy is not None:
+            self.busy.mark("end")
         return self.rt.to_host(x)
 
     def empty(self, shape: tuple[int, ...]) -> DeviceArray:
@@ -157,6 +164,8 @@ class CudaBackend:
 
     # ---- element-wise / normalisation ----------------------------------------------------------------------
     def embed(self, table: QWeight, ids: np.ndarray) -> DeviceArray:
+        if self.busy is not None:
+            self.busy.mark("start")
         ids = np.asarray(ids, np.int64)
         S = int(ids.shape[0])
         out = self.empty((S, table.cols))
@@ -345,6 +354,8 @@ class CudaBackend:
         smem = (2 * E + 2 * n_group) * 4
         self.rt.launch(fn, (S,), 256, logits.ptr, bias.ptr, E, n_group, topk_group, top_k, int(norm_topk_prob),
                        F32(scaling), idx_d.ptr, w_d.ptr, smem=smem)
+        if self.busy is not None:
+            self.busy.mark("route")
         idx = self.rt.to_host(idx_d).astype(np.int64)
         w = self.rt.to_host(w_d)
         if topp is not None:          # approximate expert top-p pruning, on the host like the numpy backend
@@ -353,44 +364,117 @@ class CudaBackend:
         self._route = (idx, idx_d, w_d)
         return idx, w
 
-    def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[tuple[int, Any]]) -> DeviceArray:
+    def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:
+        """Routed sum [S, H]. `experts` yields (id, handle) pairs -- DeviceRecord (computed here), ExpertWeights
+        (uploaded on the spot), HostExpert (computed on the CPU at once) -- and FLUSH markers: at a FLUSH
+        a one-token step launches the records it holds (the source's next expert is still on its way), so
+        the fused kernels run in up to a few batches that accumulate into one output. A kernel that fails
+        to launch (or an injected kernel_error) falls back to the CPU for that batch's experts."""
         S, H = x.shape
-        K = idx.shape[1]
-        recs: dict[int, DeviceRecord] = {}
-        for e, h in experts:
+        st = _MoeStep(x, idx, weights)
+        for item in experts:
+            if item is FLUSH:
+                if S == 1 and st.pending:
+                    self._moe_batch(st)
+                continue
+            e, h = item
+            e = int(e)
             if isinstance(h, ExpertWeights):
                 h = upload_host_expert(self.rt, h)     # copied before the source recycles its memory
-            elif not isinstance(h, DeviceRecord):
-                raise TypeError(f"expert {e}: the CUDA backend takes DeviceRecord or ExpertWeights, not {type(h)}")
-            if h.ready is not None:
-                self.rt.stream.wait_for_event(h.ready)
-            recs[int(e)] = h
-        missing = {e for e in np.unique(idx).tolist() if e >= 0} - set(recs)   # -1: a pruned slot
+            if isinstance(h, HostExpert):
+                self._moe_host(st, e, h.weights)
+                self.cpu_experts += 1
+            elif isinstance(h, DeviceRecord):
+                st.pending[e] = h
+            else:
+                raise TypeError(f"expert {e}: the CUDA backend takes DeviceRecord, HostExpert or ExpertWeights, "
+                                f"not {type(h)}")
+            st.seen.add(e)
+        missing = {e for e in np.unique(idx).tolist() if e >= 0} - st.seen   # -1: a pruned slot
         if missing:
             raise ValueError(f"the expert source did not yield expert(s) {sorted(missing)}")
-        if not recs:                                    # every slot pruned: nothing routed
-            return self.upload(np.zeros((S, H), F32))
-        groups: dict[Any, list[int]] = {}
-        for e, r in recs.items():
-            groups.setdefault(r.layout, []).append(e)
-        out = self.empty((S, H))
-        if S == 1 and all(self._decode_ok(lay) for lay in groups):
-            self._moe_decode(x, idx, weights, recs, groups, out)
-        else:
-            self._moe_prefill(x, idx, weights, recs, groups, out)
+        if st.pending:
+            self._moe_batch(st)
+        out = st.out
+        if st.host_sum is not None:
+            hs = self.upload(st.host_sum)
+            out = hs if out is None else self.add(out, hs)
+        if out is None:                                    # every slot pruned: nothing routed
+            out = self.upload(np.zeros((S, H), F32))
+        return out
+
+    def _moe_batch(self, st: "_MoeStep") -> None:
+        """Launch the fused MoE kernels for the records in st.pending (accumulating into st.out)."""
+        recs, st.pending = st.pending, {}
+        S, H = st.x.shape
+        try:
+            if self.faults is not None and self.faults.hit("kernel_error"):
+                raise CudaError(f"injected kernel_error (MoE batch of {len(recs)} experts)")
+            groups: dict[Any, list[int]] = {}
+            for e, r in recs.items():
+                groups.setdefault(r.layout, []).append(e)
+            first = st.out is None
+            out = self.empty((S, H)) if first else st.out
+            if S == 1 and all(self._decode_ok(lay) for lay in groups):
+                self._moe_decode(st.x, st.idx, st.weights, recs, groups, out, accumulate=not first)
+            else:
+                for r in recs.values():
+                    self._wait(r.ready)
+                    self._wait(r.ready_down)
+                if self.busy is not None:
+                    self.busy.mark("moe_start")
+                self._moe_prefill(st.x, st.idx, st.weights, recs, groups, out, accumulate=not first)
+            st.out = out
+            if self.busy is not None:
+                self.busy.mark("moe_end")
+        except CudaError as err:
+            # the kernels did not run: compute these experts on the CPU from their host copies
+            self.kernel_fallbacks += 1
+            if self.on_kernel_error is not None:
+                self.on_kernel_error(err, sorted(recs))
+            for e, r in recs.items():
+                ew = r.fetch_host() if r.fetch_host is not None else self._record_to_host(r)
+                self._moe_host(st, e, ew)
+                self.cpu_experts += 1
         consumed = [r for r in recs.values() if r.on_consumed is not None]
         if consumed:
             ev = self.rt.event()
             ev.record(self.rt.stream)
             for r in consumed:
                 r.on_consumed(ev)
-        return out
+
+    def _moe_host(self, st: "_MoeStep", e: int, ew: ExpertWeights) -> None:
+        """Expert e on the CPU (numpy, fp32, the numpy backend's formula) for the rows routed to it."""
+        from coli.model.numpy_backend import expert_ffn
+        if st.x_host is None:
+            st.x_host = self.rt.to_host(st.x)                                     # [S, H]
+            st.host_sum = np.zeros_like(st.x_host)
+        rows, slot = np.nonzero(st.idx == e)
+        y = expert_ffn(st.x_host[rows], ew.gate, ew.up, ew.down)                  # [n, H]
+        st.host_sum[rows] += y * np.asarray(st.weights, F32)[rows, slot][:, None]
+
+    def _record_to_host(self, r: DeviceRecord) -> ExpertWeights:
+        from coli.container.reader import decode_expert_record
+        raw = np.empty(r.layout.nbytes, np.uint8)
+        self.rt.synchronize()
+        self.rt.drv.memcpy_dtoh(raw, r.ptr)
+        return decode_expert_record(raw, r.layout)
+
+    def _wait(self, ev: Any) -> None:
+        """Make the compute stream wait for an event (PyCUDA Event or raw driver handle)."""
+        if ev is None:
+            return
+        if isinstance(ev, int):
+            from coli.gpu.driver import get_driver
+            get_driver().stream_wait(int(self.rt.stream.handle), ev)
+        else:
+            self.rt.stream.wait_for_event(ev)
 
     def _decode_ok(self, lay) -> bool:
         return all(vec_ok(m) for m in lay.matrices) and lay.gate.fmt == lay.up.fmt == lay.down.fmt
 
-    def _moe_decode(self, x, idx, weights, recs, groups, out) -> None:
-        first = True
+    def _moe_decode(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
+        first = not accumulate
         route_w = None
         if self._route is not None and self._route[0] is idx:
             route_w = self._route[2]
@@ -399,7 +483,8 @@ class CudaBackend:
             slots = [k for k in range(idx.shape[1]) if int(idx[0, k]) in mem]
             for c0 in range(0, len(slots), MOE_MAXK):
                 ks = slots[c0:c0 + MOE_MAXK]
-                table = self.rt.to_device_async(np.array([recs[int(idx[0, k])].ptr for k in ks], np.uint64))
+                rs = [recs[int(idx[0, k])] for k in ks]
+                table = self.rt.to_device_async(np.array([r.ptr for r in rs], np.uint64))
                 if route_w is not None and ks == list(range(idx.shape[1])):
                     wts = route_w.ptr
                 else:
@@ -407,8 +492,14 @@ class CudaBackend:
                     wts = wts_d.ptr
                 Im = lay.gate.rows
                 h = self.empty((len(ks), Im))
+                for r in rs:                 # gate/up may start while the down parts are still on the bus
+                    self._wait(r.ready)
+                if self.busy is not None and c0 == 0:
+                    self.busy.mark("moe_start")
                 ok = self._moe_decode_launch(lay.gate.fmt, table.ptr, 0, lay.gate, lay.up.offset - lay.gate.offset,
                                              len(ks), x.ptr, h.ptr, gate_off=lay.gate.offset)
+                for r in rs:
+                    self._wait(r.ready_down)
                 ok = ok and self._moe_down_launch(lay.down.fmt, table.ptr, 0, lay.down, lay.down.offset, len(ks),
                                                   wts, h.ptr, out.ptr, 0 if first else 1)
                 if not ok:
@@ -444,7 +535,7 @@ class CudaBackend:
                        lay.rows_per_tile, lay.tile_bytes, K, wts, h, y, accumulate, smem=smem)
         return True
 
-    def _moe_prefill(self, x, idx, weights, recs, groups, out) -> None:
+    def _moe_prefill(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
         S, H = x.shape
         K = idx.shape[1]
         lay0 = next(iter(groups))
@@ -458,11 +549,12 @@ class CudaBackend:
             ii = idx[s0:s0 + n]
             wi = np.asarray(weights[s0:s0 + n], F32)
             Y = self.empty((n, K, H))
-            if (ii < 0).any():          # pruned slots (expert top-p) add nothing: their rows of Y stay zero
+            if (ii < 0).any() or len(recs) < len(set(ii[ii >= 0].tolist())):
+                # pruned slots (expert top-p), or experts of another batch: their rows of Y stay zero
                 self.rt.zero(Y.ptr, Y.nbytes)
             for lay, members in groups.items():
                 self._moe_prefill_group(xi, ii, wi, recs, lay, members, Y)
-            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, 0)
+            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
     def _moe_prefill_group(self, x, idx, weights, recs, lay, members, Y) -> None:
         n, K = idx.shape
@@ -506,7 +598,27 @@ class CudaBackend:
         out = self.rt.empty((S,), np.int32)
         self.rt.launch(self._fn("argmax", "argmax_partial"), (G, S), 1024, x.ptr, V, pv.ptr, pi.ptr)
         self.rt.launch(self._fn("argmax", "argmax_final"), (S,), 1024, pv.ptr, pi.ptr, G, out.ptr)
+        if self.busy is not None:
+            self.busy.mark("end")
         return self.rt.to_host(out).astype(np.int64)
+
+
+@dataclass
+class _MoeStep:
+    """One MoE call's state across its batches."""
+
+    x: DeviceArray                      # [S, H]
+    idx: np.ndarray                     # [S, K]
+    weights: np.ndarray                 # [S, K]
+    pending: dict = None                # expert id -> DeviceRecord, not launched yet
+    seen: set = None
+    out: DeviceArray | None = None      # [S, H] once a batch ran
+    x_host: np.ndarray | None = None    # [S, H], fetched for the first CPU expert
+    host_sum: np.ndarray | None = None  # [S, H] the CPU experts' weighted sum
+
+    def __post_init__(self):
+        self.pending = {} if self.pending is None else self.pending
+        self.seen = set() if self.seen is None else self.seen
 
 
 def _chunk_vals(fmt: str) -> int:

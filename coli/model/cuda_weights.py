@@ -130,13 +130,30 @@ def upload_weight(rt: CudaRuntime, src: Any, name: str) -> QWeight:
 # ---- expert records ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DeviceRecord:
-    """One routed expert's record in device memory (see the module docstring)."""
+    """One routed expert's record in device memory (see the module docstring). Events are PyCUDA Events or
+    raw driver handles (ints, coli.gpu.driver)."""
 
     ptr: int
     layout: RecordLayout
-    ready: Any = None                                   # CUDA event to wait for before reading, or None
+    ready: Any = None                                   # event before reading gate/up (a copy lane's), or None
     on_consumed: Callable[[Any], None] | None = None    # gets an event recorded after the last reader
     owner: Any = None
+    ready_down: Any = None                              # event before reading down (None: `ready` covers it)
+    fetch_host: Callable[[], ExpertWeights] | None = None  # the record's host copy, for a CPU fallback
+
+
+@dataclass(frozen=True)
+class HostExpert:
+    """An expert the GPU could not take (oversize record, no slot, failed copy, stale source): the backend
+    computes it on the CPU from these host matrices, at once (the memory may be recycled after)."""
+
+    weights: ExpertWeights
+    reason: str
+
+
+# Yielded by an expert source between experts when its next expert will take a while (a disk read): the
+# backend launches what it holds now, so VRAM hits compute while the misses are still on their way.
+FLUSH = None
 
 
 def host_record_layout(hidden: int, inter: int) -> RecordLayout:

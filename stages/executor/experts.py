@@ -15,7 +15,7 @@ from coli.container.format import RecordLayout
 from coli.container.reader import decode_expert_record
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
-from coli.protocol.messages import ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest
+from coli.protocol.messages import ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, SlotRef
 from coli.protocol.sockets import recv, send
 from coli.stages.ramtier.core import ResidencyTable
 from coli.weights import ExpertWeights
@@ -64,6 +64,26 @@ class RamTierExperts:
             yield from self._chunk(layer, ids[c0:c0 + self.max_lease])
 
     def _chunk(self, layer: int, chunk: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for item in self.grants(layer, chunk):
+            if item is None:
+                continue
+            e, ref = item
+            try:
+                buf = self.arena.ref_array(ref)
+                weights = decode_expert_record(buf, self.layout)
+                del buf
+                yield e, weights
+            finally:
+                self.release(ref)
+
+    def grants(self, layer: int, ids: list[int]) -> Iterator[tuple[int, SlotRef] | None]:
+        """Leases on the arena slots holding `layer`'s experts `ids`, as (expert, SlotRef), in arrival order
+        (RAM hits first, then misses as their reads land), in chunks of at most max_lease; None before a
+        wait (the consumer may compute what it holds). The consumer gives each lease back with release()."""
+        for c0 in range(0, len(ids), self.max_lease):
+            yield from self._grant_chunk(layer, ids[c0:c0 + self.max_lease])
+
+    def _grant_chunk(self, layer: int, chunk: list[int]) -> Iterator[tuple[int, SlotRef] | None]:
         rid = next(self._ids)
         send(self.sock, ExpertRequest(rid, layer, chunk, True))
         self.stats["expert_requests"] += 1
@@ -71,25 +91,26 @@ class RamTierExperts:
             self._send_prefetches()
         remaining = set(chunk)
         while remaining:
+            if not self.sock.poll(0):
+                yield None
             t0 = time.perf_counter()
             msg = self._next_answer(rid)
             self.stats["wait_s"] += time.perf_counter() - t0
             if isinstance(msg, ExpertFailed):
                 raise ExpertUnavailable(f"layer {msg.layer} expert(s) {msg.experts}: {msg.reason}")
-            for e, ref in zip(msg.experts, msg.slots):
+            for i, (e, ref) in enumerate(zip(msg.experts, msg.slots)):
                 key = layer * self.E + e
-                try:
-                    buf = self.arena.ref_array(ref)
-                    weights = decode_expert_record(buf, self.layout)
-                    del buf
-                    # the slot is leased: its generation cannot move while we hold it
-                    if not self.table.still_valid(key, ref.slot, ref.generation):
-                        raise RuntimeError(f"slot {ref.slot} of layer {layer} expert {e} was recycled while leased")
-                    self.stats["experts_served"] += 1
-                    remaining.discard(e)
-                    yield e, weights
-                finally:
-                    send(self.sock, ExpertRelease([ref]))
+                # the slot is leased: its generation cannot move while we hold it
+                if not self.table.still_valid(key, ref.slot, ref.generation):
+                    for r in msg.slots[i:]:
+                        self.release(r)
+                    raise ExpertUnavailable(f"slot {ref.slot} of layer {layer} expert {e} was recycled while leased")
+                self.stats["experts_served"] += 1
+                remaining.discard(e)
+                yield e, ref
+
+    def release(self, ref: SlotRef) -> None:
+        send(self.sock, ExpertRelease([ref]))
 
     def _next_answer(self, rid: int):
         while True:

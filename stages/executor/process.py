@@ -26,6 +26,7 @@ from coli.protocol.sockets import make_socket, send
 from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.executor.experts import ExpertUnavailable, RamTierExperts
 from coli.stages.executor.sessions import SessionError, SessionStore, model_fingerprint
+from coli.stages.faults import Faults
 from coli.stages.ramtier.core import ResidencyTable
 
 STAGE = "executor"
@@ -41,7 +42,7 @@ class StopRequested(Exception):
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
-                  record_routing: str | None = None, pilot: int = 0) -> None:
+                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None) -> None:
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -56,13 +57,16 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     sock = make_socket(ctx, zmq.ROUTER, rd.endpoint(STAGE), bind=True)
     ram = make_socket(ctx, zmq.DEALER, rd.endpoint("ramtier"), bind=False, identity=STAGE.encode())
     ps = parent_sentinel()
-    state = {"supervisor": None, "current": None, "stop": False}
+    state = {"supervisor": None, "current": None, "stop": False, "backend": None, "vram": None, "gpu_name": None,
+             "model": None, "vx": None}
     inbox: list[tuple[bytes, object]] = []
 
     def handle(peer: bytes, msg) -> None:
         if isinstance(msg, Hello):
-            info = {"device": backend.name, "layers": cfg.num_hidden_layers,
+            info = {"device": state["backend"].name, "layers": cfg.num_hidden_layers,
                     "load_s": round(time.perf_counter() - t_load, 3)}
+            if state["vram"]:
+                info.update(vram=state["vram"], gpu_name=state["gpu_name"])
             if greet(sock, peer, msg, STAGE, info, log):
                 state["supervisor"] = peer
         elif isinstance(msg, Cancel):
@@ -90,32 +94,70 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             handle(peer, msg)
 
     backend = make_backend(device)
+    state["backend"] = backend
     experts = RamTierExperts(ram, arena, table, weights.record_layout, cfg.n_routed_experts, arena.n_slots,
                              idle=pump, log=log)
-    model = GlmMoeDsaModel(cfg, weights, backend, experts=experts)
+    faults = Faults.from_env()
+    vx = None
+    if backend.name == "cuda":
+        model, vx = _gpu_model(cfg, weights, backend, experts, arena, table, gpu or {}, faults, log, state)
+    else:
+        model = GlmMoeDsaModel(cfg, weights, backend, experts=experts)
+    state["model"], state["vx"] = model, vx
     recorder = None
     if record_routing:
         from coli.trace import RoutingRecorder
         recorder = RoutingRecorder.for_model(record_routing, cfg, meta={"source": "coli up", "run": run_name})
-        model.routing_hook = recorder
-    if pilot > 0:  # router lookahead: layer l+pilot's predicted experts go to the RAM tier as prefetches
-        from coli.pilot import Pilot
-        model.pilot_hook = Pilot(model, pilot, "shared", sink=lambda t, ids, idx: experts.prefetch(t, ids))
+
+    def attach_hooks(m) -> None:
+        m.routing_hook = recorder
+        if pilot > 0:  # router lookahead: layer l+pilot's predicted experts go to the VRAM/RAM prefetch
+            from coli.pilot import Pilot
+            sink = state["vx"].prefetch if state["vx"] is not None else experts.prefetch
+            m.pilot_hook = Pilot(m, pilot, "shared", sink=lambda t, ids, idx: sink(t, ids))
+
+    attach_hooks(model)
+
+    def demote(err: Exception) -> None:
+        """The GPU is gone: continue on the CPU (numpy backend over the RAM tier), with a clear log line."""
+        log.error("gpu_lost_demoting_to_cpu", error=str(err),
+                  note="the run continues on the CPU; restart it to use the GPU again")
+        old = state["vx"]
+        state["vx"] = None
+        if old is not None:
+            try:
+                old.close()
+            except Exception:
+                pass
+        from coli.model.numpy_backend import NumpyBackend
+        nb = NumpyBackend()
+        state["backend"] = nb
+        m = GlmMoeDsaModel(cfg, weights, nb, experts=experts)
+        attach_hooks(m)
+        state["model"] = m
+        if sessions.live:     # their caches lived on the GPU; what was saved to disk stays loadable
+            log.warning("sessions_dropped_on_demotion", sessions=list(sessions.live))
+            sessions.live.clear()
+        counters["demoted"] = 1
+
     manifest = (Path(container_dir) / MANIFEST_NAME).read_bytes()
-    sessions = SessionStore(cfg, model.new_cache, Path(sessions_dir or Path(container_dir) / "sessions"),
+    sessions = SessionStore(cfg, lambda *a, **k: state["model"].new_cache(*a, **k), Path(sessions_dir or Path(container_dir) / "sessions"),
                             model_fingerprint(cfg, manifest))
     counters = {"requests": 0, "tokens": 0, "cancelled": 0, "failed": 0, "decode_s": 0.0, "prefill_s": 0.0,
-                "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0}
+                "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0,
+                "demoted": 0}
     ticker = Ticker(0.5)
     t_start = time.time()
     log.info("started", device=backend.name, load_s=round(time.perf_counter() - t_load, 3), slots=arena.n_slots,
-             pilot=pilot)
+             pilot=pilot, vram=state["vram"])
 
     def publish_stats() -> None:
         if state["supervisor"] is None:
             return
         c = dict(counters)
         c.update(experts.stats, uptime_s=time.time() - t_start)
+        if state["vx"] is not None:
+            c.update(state["vx"].snapshot())
         send_stats(sock, state["supervisor"], STAGE, c)
 
     def serve(peer: bytes, req: GenerateRequest) -> None:
@@ -142,33 +184,57 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         state["current"] = rid
         counters["requests"] += 1
         t0 = time.perf_counter()
-        gen = Generation(model, new_ids, req.max_tokens, params, eos_ids=cfg.eos_token_ids,
-                         ignore_eos=req.ignore_eos, cache=cache)
         n = 0
         out_tokens: list[int] = []
         reason = "length"
-        try:
-            for i, tok in enumerate(gen):
-                send(sock, Token(rid, int(tok), i), peer=peer)
-                out_tokens.append(int(tok))
-                n = i + 1
-                counters["tokens"] += 1
-                pump(0)
-                if ticker.due():
-                    publish_stats()
-            reason = gen.stats.finish_reason
-        except Cancelled:
-            reason = "cancelled"
-            counters["cancelled"] += 1
-        except ExpertUnavailable as e:
-            counters["failed"] += 1
-            log.error("expert_unavailable", request_id=rid, error=str(e))
-            send(sock, Error(ERROR_INTERNAL, f"expert unavailable: {e}", rid), peer=peer)
-            return
-        finally:
-            state["current"] = None
-            if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
-                sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
+        attempt = 0
+        while True:
+            gen = Generation(state["model"], new_ids, req.max_tokens, params, eos_ids=cfg.eos_token_ids,
+                             ignore_eos=req.ignore_eos, cache=cache)
+            try:
+                for i, tok in enumerate(gen):
+                    if i < n:            # a retry after demotion: these were sent already
+                        if int(tok) != out_tokens[i]:
+                            log.warning("demoted_retry_diverged", request_id=rid, position=i)
+                        continue
+                    send(sock, Token(rid, int(tok), i), peer=peer)
+                    out_tokens.append(int(tok))
+                    n = i + 1
+                    counters["tokens"] += 1
+                    pump(0)
+                    if ticker.due():
+                        publish_stats()
+                reason = gen.stats.finish_reason
+                break
+            except Cancelled:
+                reason = "cancelled"
+                counters["cancelled"] += 1
+                break
+            except ExpertUnavailable as e:
+                counters["failed"] += 1
+                log.error("expert_unavailable", request_id=rid, error=str(e))
+                send(sock, Error(ERROR_INTERNAL, f"expert unavailable: {e}", rid), peer=peer)
+                state["current"] = None
+                if sess is not None:
+                    sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
+                return
+            except Exception as e:
+                if attempt > 0 or state["vx"] is None or not _gpu_fatal(e):
+                    raise
+                attempt += 1
+                demote(e)
+                if sess is not None:      # the session's cache lived on the GPU: take it up again on the CPU
+                    sess = sessions.get(req.session, create=True)
+                    new_ids = sess.reuse(list(req.prompt_ids))
+                    cache = sess.cache
+                else:
+                    cache = None
+            finally:
+                if state["vx"] is not None:
+                    state["vx"].finish()      # every copy landed: the RAM tier's leases go back
+        state["current"] = None
+        if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
+            sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
         dt = time.perf_counter() - t0
         counters["prefill_s"] += gen.stats.prefill_s
         counters["decode_s"] += gen.stats.decode_s
@@ -217,3 +283,41 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             except Exception as e:
                 log.warning("arena_close", error=str(e))
         log.info("stopped", **{k: v for k, v in counters.items() if isinstance(v, int)})
+
+
+def _gpu_fatal(e: Exception) -> bool:
+    """Whether an error means the CUDA context is gone (the run must leave the GPU)."""
+    from coli.gpu.driver import DriverError
+    from coli.gpu.vram_experts import GpuLost
+    if isinstance(e, GpuLost) or (isinstance(e, DriverError) and e.fatal):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in ("illegal address", "context is destroyed", "launch failed", "unspecified launch",
+                                   "device-side assert", "gpu lost", "cuda_error_unknown"))
+
+
+def _gpu_model(cfg, weights, backend, experts, arena, table, gpu: dict, faults, log, state):
+    """The model on the CUDA backend with the VRAM expert cache over the RAM tier's arena. -> (model, source)."""
+    from coli.gpu.setup import build_vram_experts
+    from coli.model.forward import GlmMoeDsaModel
+    from coli.stages.executor.gpu_host import ArenaHostTier
+
+    class _Unset:
+        def stream(self, layer, ids):
+            raise RuntimeError("the VRAM expert cache is not set up yet")
+
+    model = GlmMoeDsaModel(cfg, weights, backend, experts=_Unset())
+    backend.faults = faults if faults.rates else None
+    host = ArenaHostTier(experts, arena, table, cfg.n_routed_experts)
+    vram_gb, slots = gpu.get("vram_gb"), gpu.get("vram_slots")
+    if vram_gb is None and slots is None:       # no budget given: what the device has free, less a margin
+        free, _total = backend.rt.drv.mem_get_info()
+        vram_gb = (backend.rt.pool.active_bytes + 0.9 * free) / 1e9
+    vx, plan = build_vram_experts(model, host, cfg, weights.record_layout, vram_gb=vram_gb, slots=slots,
+                                  max_context=int(gpu.get("max_context") or 4096), policy=gpu.get("policy") or "freq",
+                                  tile_bytes=int(gpu.get("tile_kb") or 1024) * 1024,
+                                  faults=faults if faults.rates else None, log=log)
+    state["vram"] = plan["line"]
+    state["gpu_name"] = backend.rt.name
+    log.info("vram_pool", **{k: v for k, v in plan.items() if k != "line"}, line=plan["line"])
+    return model, vx

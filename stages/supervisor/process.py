@@ -53,6 +53,7 @@ class RunOptions:
     run_base: str | None = None
     record_routing: str | None = None
     pilot: int = 0  # router lookahead: prefetch layer l+pilot's predicted experts (0 = off)
+    gpu: dict = field(default_factory=dict)  # coli.loader.GpuOptions fields: vram_gb, vram_slots, policy, ...
 
 
 @dataclass
@@ -143,9 +144,9 @@ class Supervisor:
         from coli.model_store import resolve_container
 
         o, rd = self.opts, self.rd
-        if o.device not in ("auto", "cpu"):
-            raise StartupError(f"--device {o.device}: the GPU stage is not available in this build; use --device cpu")
-        device = "cpu"
+        if o.device not in ("auto", "cpu", "gpu"):
+            raise StartupError(f"--device {o.device!r} is not known (use auto, cpu or gpu)")
+        device = o.device          # the executor resolves auto (a GPU when PyCUDA and a device are there)
         container = resolve_container(o.model, report=self.say)
         view = ContainerReader(container, cache_dense=False)
         cfg, slot_bytes = view.config, view.record_layout.nbytes
@@ -184,7 +185,7 @@ class Supervisor:
             "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
                                        o.queue_depth, o.log_level)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
-                                         str(sessions_dir(container)), o.record_routing, o.pilot)),
+                                         str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu))),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
@@ -200,6 +201,12 @@ class Supervisor:
             self.stages[name] = StageProc(name, p, sock)
         self._write_state("starting")
         self._handshake()
+        ex = self.stages["executor"].info
+        if ex.get("device"):
+            self.model_info["device"] = ex["device"]
+        if ex.get("vram"):
+            self.model_info["vram"] = ex["vram"]
+            self.say(f"executor on {ex.get('gpu_name', 'the GPU')}: {ex['vram']}")
         self._write_state("ready")
         self.say(f"run {o.name!r} is up: {', '.join(f'{s.name} pid {s.proc.pid}' for s in self.stages.values())}")
         self.log.info("ready", **{f"{n}_pid": s.proc.pid for n, s in self.stages.items()})

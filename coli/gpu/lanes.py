@@ -1,0 +1,192 @@
+"""Copy lanes: H2D copies of expert records from pinned host memory into VRAM slots, in tiles, each lane
+its own CUDA stream driven by its own worker thread.
+
+    demand lane       copies what the current layer needs, whole records back to back, tile by tile, with
+                      two events per record: after the gate/up part (the fused gate/up kernel may start)
+                      and after the down part.
+    speculative lane  copies predicted records (the pilot's guesses) ONE TILE AT A TIME and only while the
+                      demand lane is idle (nothing queued, its stream drained): a demand copy that arrives
+                      finds at most one speculative tile on the bus ahead of it, so speculation delays a
+                      demand by at most one tile transfer.
+
+The main (compute) thread submits `CopyJob`s and waits on the host only until a job is *submitted* (its
+events recorded: a few microseconds), never for the bytes; the compute stream waits on the job's events
+on the device. A slot being overwritten may still be read by kernels queued earlier: a job carries the
+slot's last "consumed" event, and the lane's stream waits on it before the first tile.
+
+Timing: every job records start/end events on its lane; `LaneClock` turns finished jobs into busy seconds
+(the `coli stats` copy-lane busy fractions).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from coli.gpu.driver import Driver, DriverError, EventPool, handle_of
+
+DEFAULT_TILE_BYTES = 1 << 20     # --stream-tile-kb 1024 (docs/gpu.md: chosen from the tile-size sweep)
+
+
+@dataclass(eq=False)
+class CopyJob:
+    """Copy `nbytes` from host `src` to device `dst` in tiles; bytes [0, split) are gate/up, [split, n) down."""
+
+    key: int
+    dst: int
+    src: int
+    nbytes: int
+    split: int
+    tile: int
+    wait_event: Any = None          # the slot's previous readers (event); the lane waits for it on the device
+    inject_error: bool = False      # fault injection: the copy fails as if the driver had refused it
+    ev_gateup: int = 0              # recorded after the last gate/up tile
+    ev_done: int = 0                # recorded after the last tile
+    ev_start: int = 0
+    submitted: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+    cancelled: bool = False         # speculative jobs only: skip the rest (a demand took the key over)
+    started: bool = False
+    t_queued: float = 0.0
+    tiles_done: int = 0
+
+    @property
+    def n_tiles(self) -> int:
+        return max(1, -(-self.nbytes // self.tile))
+
+
+class CopyLane:
+    """One stream + one worker thread. `speculative=True` gives the one-tile-at-a-time, demand-yields policy;
+    `demand` is then the lane it yields to."""
+
+    def __init__(self, drv: Driver, ctx: int, events: EventPool, name: str, *, speculative: bool = False,
+                 demand: "CopyLane | None" = None, on_error: Callable[[CopyJob, Exception], None] | None = None):
+        self.drv, self.ctx, self.events, self.name = drv, ctx, events, name
+        self.speculative = speculative
+        self.demand = demand
+        self.on_error = on_error
+        self.stream = drv.stream_create()
+        self._q: deque[CopyJob] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.jobs_done = 0
+        self.bytes_done = 0
+        self.yield_waits = 0           # speculative tiles that waited for the demand lane to go idle
+        self._thread = threading.Thread(target=self._loop, name=f"coli-{name}-lane", daemon=True)
+        self._thread.start()
+
+    # ---- main thread ----------------------------------------------------------------------------------
+    def submit(self, job: CopyJob) -> CopyJob:
+        job.ev_start = self.events.get()
+        job.ev_gateup = self.events.get()
+        job.ev_done = self.events.get()
+        job.t_queued = time.perf_counter()
+        with self._cv:
+            self._q.append(job)
+            self._cv.notify()
+        return job
+
+    def busy(self) -> bool:
+        """Work queued or in flight on this lane (a host-side view plus a stream query)."""
+        with self._cv:
+            if self._q:
+                return True
+        return not self.drv.stream_idle(self.stream)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+        try:
+            self.drv.stream_sync(self.stream)
+            self.drv.stream_destroy(self.stream)
+        except DriverError:
+            pass
+
+    # ---- worker thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        self.drv.set_context(self.ctx)       # the primary context, current in this thread too
+        while True:
+            with self._cv:
+                while not self._q and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self._q.popleft()
+            if job.cancelled:
+                job.submitted.set()
+                continue
+            try:
+                if job.inject_error:
+                    raise DriverError(f"injected copy_error (H2D copy of {job.nbytes} bytes to 0x{job.dst:x})", 1)
+                if self.speculative:
+                    self._run_trickle(job)
+                else:
+                    self._run_whole(job)
+            except Exception as e:     # noqa: BLE001 -- reported to the owner of the job, never lost
+                job.error = e
+                if self.on_error is not None:
+                    self.on_error(job, e)
+            finally:
+                job.submitted.set()
+
+    def _begin(self, job: CopyJob) -> None:
+        job.started = True
+        if job.wait_event is not None:
+            self.drv.stream_wait(self.stream, handle_of(job.wait_event))
+        self.drv.event_record(job.ev_start, self.stream)
+
+    def _tile(self, job: CopyJob, off: int, n: int) -> None:
+        self.drv.copy_htod_async(job.dst + off, job.src + off, n, self.stream)
+        job.tiles_done += 1
+
+    def _tiles(self, job: CopyJob, lo: int, hi: int):
+        off = lo
+        while off < hi:
+            n = min(job.tile, hi - off)
+            yield off, n
+            off += n
+
+    def _run_whole(self, job: CopyJob) -> None:
+        """Demand: every tile at once (the DMA engine runs them back to back), two events."""
+        self._begin(job)
+        for off, n in self._tiles(job, 0, job.split):
+            self._tile(job, off, n)
+        self.drv.event_record(job.ev_gateup, self.stream)
+        for off, n in self._tiles(job, job.split, job.nbytes):
+            self._tile(job, off, n)
+        self.drv.event_record(job.ev_done, self.stream)
+        self.jobs_done += 1
+        self.bytes_done += job.nbytes
+
+    def _run_trickle(self, job: CopyJob) -> None:
+        """Speculative: one tile in flight at a time, each only while the demand lane is idle. The events are
+        recorded at the end; the job's `submitted` is set only then (a demand that wants this key meanwhile
+        cancels the rest, see VramExperts)."""
+        self._begin(job)
+        tile_ev = self.events.get()
+        try:
+            for lo, hi, mark in ((0, job.split, job.ev_gateup), (job.split, job.nbytes, job.ev_done)):
+                for off, n in self._tiles(job, lo, hi):
+                    if job.cancelled:
+                        break
+                    waited = False
+                    while self.demand is not None and self.demand.busy():
+                        waited = True
+                        time.sleep(20e-6)
+                        if self._stop:
+                            return
+                    self.yield_waits += waited
+                    self._tile(job, off, n)
+                    self.drv.event_record(tile_ev, self.stream)
+                    self.drv.event_sync(tile_ev)
+                self.drv.event_record(mark, self.stream)
+        finally:
+            self.events.put(tile_ev)
+        if not job.cancelled:
+            self.jobs_done += 1
+            self.bytes_done += job.nbytes

@@ -1,0 +1,400 @@
+"""The VRAM execution cache as an expert source for the CUDA backend: a pool of expert slots in one device
+allocation, filled from pinned host memory by the copy lanes (coli.gpu.lanes), with every expert the GPU
+cannot take computed on the CPU instead (never an error, never a wrong token).
+
+Per MoE layer step (`stream(layer, ids)`), two-phase:
+  1. VRAM hits are yielded at once (with the events of a copy still in flight, if any);
+  2. misses are asked of the host tier in one batch; each is copied as soon as its host record is there
+     (RAM-resident ones at once, disk misses when their read lands). Between the phases, and whenever the
+     next host record will take a while, a FLUSH marker lets the backend launch what it holds.
+
+Fallbacks to the CPU (counted per kind in `fallbacks`, logged once per kind): `oversize` (record larger
+than a slot), `no_slot` (every slot pinned, even after launching what is held), `copy_error` (the H2D copy
+failed), `kernel_error` (the MoE kernels failed to launch; the backend computes that batch on the CPU). A
+speculative copy whose unleased host slot was recycled meanwhile fails its generation check and is copied
+again on demand (`stale_copies`); a demand copy holds a lease, so its check cannot fail (`eviction_races`
+counts it if it ever does, and the slot is dropped).
+A fatal driver error (context lost) is raised as `GpuLost` for the owner to demote the run to the CPU.
+
+Host tiers implement `HostTier` (below): the RAM tier's shared-memory arena in the stage runtime
+(stages/executor/gpu_host.py), or pinned read buffers over a container for `coli run`
+(coli/gpu/host_records.py).
+
+Keys: key = layer * E + expert. Slot s lives at base + s * slot_bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+
+from coli.container.format import RecordLayout, align
+from coli.container.reader import decode_expert_record
+from coli.errors import ColiError
+from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
+from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
+from coli.model.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
+from coli.vram.pool import SlotPool
+from coli.weights import ExpertWeights
+
+SLOT_ALIGN = 4096
+FALLBACK_KINDS = ("oversize", "no_slot", "copy_error", "kernel_error")
+
+
+class GpuLost(ColiError):
+    """The CUDA context is gone (a fatal driver error): the run must continue on the CPU."""
+
+
+@dataclass(eq=False)
+class HostRecord:
+    """An expert record readable at host address `addr` (registered/pinned memory); `array` is the same
+    bytes as uint8 [nbytes]. `token` is the tier's own handle (lease, generation)."""
+
+    layer: int
+    expert: int
+    addr: int
+    nbytes: int
+    array: np.ndarray
+    token: Any = None
+
+
+class HostTier(Protocol):
+    def grants(self, layer: int, ids: list[int]) -> Iterator[HostRecord | None]: ...
+    # each id once, in arrival order; None when the next will take a while (a disk read)
+    def release(self, rec: HostRecord) -> None: ...
+    def probe(self, layer: int, expert: int) -> HostRecord | None: ...   # resident now? no lease taken
+    def still_valid(self, rec: HostRecord) -> bool: ...                   # not recycled since grant/probe
+    def prefetch(self, layer: int, ids: list[int]) -> None: ...           # warm the host tier (no answer)
+    def pinned_ranges(self) -> list[tuple[int, int]]: ...                 # (addr, nbytes) to register
+    def reclaim_hook(self, fn: Callable[[], None]) -> None: ...           # called while the tier waits
+
+
+class VramExperts:
+    def __init__(self, backend, host: HostTier, layout: RecordLayout, n_layers: int, n_experts: int, top_k: int,
+                 n_slots: int, *, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES, faults=None,
+                 log=None, register: bool = True, slot_bytes: int | None = None):
+        for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
+            check_format(m.fmt, f"routed experts ({part})")
+        self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
+        self.E, self.K = n_experts, top_k
+        self.faults, self.log = faults, log
+        self.drv = get_driver()
+        self.ctx = self.drv.current_context()
+        # a slot holds one record of the container's layout (slot_bytes overrides it: tests of oversize records)
+        self.slot_bytes = align(layout.nbytes if slot_bytes is None else slot_bytes, SLOT_ALIGN)
+        self.tile = max(4096, int(tile_bytes))
+        self.split = layout.down.offset            # gate/up bytes come first in a record
+        self.n_slots = int(n_slots)
+        self.pool = SlotPool(self.n_slots, self.slot_bytes, policy, n_keys=n_layers * n_experts,
+                             staging=min(top_k, max(1, self.n_slots // 2)))
+        self._mem = self.rt.alloc(self.n_slots * self.slot_bytes)
+        self.base = int(self._mem)
+        self.events = EventPool(self.drv)
+        self.demand = CopyLane(self.drv, self.ctx, self.events, "demand")
+        self.spec = CopyLane(self.drv, self.ctx, self.events, "speculative", speculative=True, demand=self.demand)
+        self.slot_job: list[CopyJob | None] = [None] * self.n_slots      # the copy that filled the slot
+        self.slot_src: list[HostRecord | None] = [None] * self.n_slots   # its source (speculative: unleased)
+        # one driver event per slot, recorded on the compute stream after the kernels that last read it; a copy
+        # into the slot waits for it on its lane (None until the slot is first read)
+        self._consumed_ev = [self.drv.event_create(timing=False) for _ in range(self.n_slots)]
+        self.slot_consumed: list[int | None] = [None] * self.n_slots
+        self._compute_stream = handle_of(self.rt.stream)
+        self._pending: list[tuple[CopyJob, HostRecord | None, int]] = []  # copies whose source is held
+        self._spec_jobs: dict[int, CopyJob] = {}                          # slot -> speculative job in flight
+        self._registered: list[int] = []
+        self.fallbacks = {k: 0 for k in FALLBACK_KINDS}
+        self._logged: set[str] = set()
+        self.stats = {"copies": 0, "copy_bytes": 0, "demand_copy_s": 0.0, "spec_copies": 0, "spec_bytes": 0,
+                      "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0}
+        self.delays_us: list[float] = []            # demand delay: copy queued -> last tile done (device)
+        self.t0 = time.perf_counter()
+        host.reclaim_hook(lambda: self._reap(wait=True))
+        backend.on_kernel_error = self._on_kernel_error
+        from coli.gpu.busy import BusyClock
+        self.busy = BusyClock(self.drv, handle_of(self.rt.stream))
+        backend.busy = self.busy
+        self._last = (time.perf_counter(), 0.0, 0.0, 0.0)   # (t, demand copy s, spec copy s, SM busy s)
+        if register:
+            for addr, n in host.pinned_ranges():
+                self.drv.host_register(addr, n)
+                self._registered.append(addr)
+
+    # ---- the expert source ------------------------------------------------------------------------------
+    def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
+        try:
+            yield from self._stream(layer, ids)
+        except DriverError as e:
+            if e.fatal:
+                raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
+            raise
+
+    def _stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
+        if self.faults is not None and self.faults.hit("gpu_lost"):
+            raise GpuLost("injected gpu_lost (a fatal driver error, as if the context were lost)")
+        self._reap()
+        self.pool.begin_step()
+        self.stats["steps"] += 1
+        misses: list[int] = []
+        hits = 0
+        for e in ids:
+            s = self._demand_hit(layer * self.E + e)
+            if s is None:
+                misses.append(e)
+            else:
+                hits += 1
+                yield e, self._device_record(layer, e, s)
+        if not misses:
+            return
+        if hits:
+            yield FLUSH
+        for rec in self.host.grants(layer, misses):
+            if rec is None:
+                yield FLUSH
+                continue
+            h = self._load(layer, rec)
+            if h is FLUSH:                       # no free slot until the held records are launched
+                yield FLUSH
+                h = self._load(layer, rec, retry=True)
+            yield rec.expert, h
+            if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
+                self.host.release(rec)
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane, the others
+        to the host tier's prefetch."""
+        cold: list[int] = []
+        for e in ids:
+            key = layer * self.E + e
+            if self.pool.slot_of(key) is not None:
+                continue
+            rec = self.host.probe(layer, e)
+            if rec is None:
+                cold.append(e)
+                continue
+            if rec.nbytes > self.slot_bytes:
+                continue
+            s = self.pool.acquire(key, speculative=True)
+            if s is None:
+                continue
+            job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
+                          wait_event=self.slot_consumed[s])
+            self.slot_job[s], self.slot_src[s] = job, rec
+            self._spec_jobs[s] = job
+            self.spec.submit(job)
+        if cold:
+            self.host.prefetch(layer, cold)
+
+    # ---- hits -----------------------------------------------------------------------------------------------
+    def _demand_hit(self, key: int) -> int | None:
+        s = self.pool.lookup(key)                # pins s when it holds key (READY or still loading)
+        if s is None:
+            return None
+        job = self._spec_jobs.pop(s, None)
+        if job is None or self._finish_spec(s, job, demanded=True):
+            return s
+        self.pool.release(s)                     # the lookup's pin; the slot was dropped
+        return None
+
+    def _finish_spec(self, s: int, job: CopyJob, demanded: bool) -> bool:
+        """A speculative copy into s is over (or, when demanded, is made to end now): True when the slot holds
+        the key's bytes -- every tile landed and the unleased host source was not recycled meanwhile. Drops
+        the speculative pin either way."""
+        if demanded and not job.submitted.is_set():
+            job.cancelled = True                 # stop the trickle; its in-flight tile finishes
+            self.stats["spec_cancelled"] += 1
+            job.submitted.wait()
+        complete = job.error is None and job.tiles_done == job.n_tiles
+        if complete:
+            self.drv.event_sync(job.ev_done)
+            self._account(job, speculative=True)
+        src = self.slot_src[s]
+        ok = complete and src is not None and self.host.still_valid(src)
+        if complete and not ok:            # detected by the generation check: the demand copies it again
+            self.stats["stale_copies"] += 1
+            if "stale_copy" not in self._logged and self.log is not None:
+                self._logged.add("stale_copy")
+                self.log.warning("stale_copy", key=job.key, note="the host slot was recycled under a speculative "
+                                 "copy; discarded and copied again on demand (logged once; counted in stats)")
+        if not complete:
+            self._free_events(job)
+        self.slot_job[s], self.slot_src[s] = None, None
+        if ok:
+            self.pool.loaded(s)
+        else:
+            self.pool.invalidate(s)
+        self.pool.release(s)
+        return ok
+
+    def _device_record(self, layer: int, e: int, s: int) -> DeviceRecord:
+        job = self.slot_job[s]
+        ready = job.ev_gateup if job is not None else None
+        ready_down = job.ev_done if job is not None else None
+
+        def consumed(_ev, s=s):
+            # called right after the kernels reading s were queued: mark that point on the compute stream
+            self.drv.event_record(self._consumed_ev[s], self._compute_stream)
+            self.slot_consumed[s] = self._consumed_ev[s]      # a later copy into s waits for it on its lane
+            self.pool.release(s)
+
+        return DeviceRecord(self.base + s * self.slot_bytes, self.layout, ready=ready, ready_down=ready_down,
+                            on_consumed=consumed, fetch_host=lambda: self._fetch_host(layer, e))
+
+    # ---- misses ---------------------------------------------------------------------------------------------
+    def _load(self, layer: int, rec: HostRecord, retry: bool = False) -> Any:
+        key = layer * self.E + rec.expert
+        if rec.nbytes > self.slot_bytes or (self.faults is not None and self.faults.hit("oversize")):
+            self._fallback_note("oversize", f"layer {layer} expert {rec.expert}: record of {rec.nbytes} bytes, "
+                                            f"slots of {self.slot_bytes}")
+            return self._host_expert(rec, "oversize")
+        if retry:
+            self._reap(wait=True)                # slots whose copies are still loading cannot be handed out
+        s = self.pool.acquire(key)
+        if s is None:
+            if not retry:
+                return FLUSH
+            self._fallback_note("no_slot", f"layer {layer} expert {rec.expert}: every VRAM slot is in use")
+            return self._host_expert(rec, "no_slot")
+        inject = self.faults is not None and self.faults.hit("copy_error")
+        job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
+                      wait_event=self.slot_consumed[s], inject_error=inject)
+        self.demand.submit(job)
+        job.submitted.wait()
+        if job.error is not None:
+            if isinstance(job.error, DriverError) and job.error.fatal:
+                raise job.error
+            self._free_events(job)
+            self.pool.invalidate(s)
+            self.pool.release(s)
+            self._fallback_note("copy_error", f"layer {layer} expert {rec.expert}: {job.error}")
+            return self._host_expert(rec, "copy_error")
+        self.slot_job[s] = job
+        self._pending.append((job, rec, s))
+        return self._device_record(layer, rec.expert, s)
+
+    def _host_expert(self, rec: HostRecord, reason: str) -> HostExpert:
+        return HostExpert(decode_expert_record(rec.array, self.layout), reason)
+
+    def _fetch_host(self, layer: int, e: int) -> ExpertWeights:
+        """The record's host copy, asked of the host tier again (a kernel fallback after the copy's source
+        was released); copied out so the tier's slot can go back at once."""
+        self._reap(wait=True)
+        for rec in self.host.grants(layer, [e]):
+            if rec is None:
+                continue
+            try:
+                w = decode_expert_record(rec.array, self.layout)
+                return ExpertWeights(np.array(w.gate), np.array(w.up), np.array(w.down))
+            finally:
+                self.host.release(rec)
+        raise ColiError(f"layer {layer} expert {e}: the host tier did not provide the record")
+
+    # ---- completions ----------------------------------------------------------------------------------------
+    def _reap(self, wait: bool = False) -> None:
+        """Finish copies whose bytes have landed: generation check, slot READY, host lease back, busy time."""
+        for s, job in list(self._spec_jobs.items()):
+            if job.submitted.is_set() and (job.error is not None or job.cancelled or not job.ev_done
+                                           or self.drv.event_done(job.ev_done)):
+                del self._spec_jobs[s]
+                self._finish_spec(s, job, demanded=False)
+        keep = []
+        for job, rec, s in self._pending:
+            if wait:
+                self.drv.event_sync(job.ev_done)
+            elif not self.drv.event_done(job.ev_done):
+                keep.append((job, rec, s))
+                continue
+            if rec is not None and not self.host.still_valid(rec):
+                # cannot happen while the lease is held; if it does, the bytes in the slot are suspect
+                self.stats["eviction_races"] += 1
+                if self.log:
+                    self.log.error("eviction_race", key=job.key, slot=s)
+                self.pool.invalidate(s)
+            else:
+                self.pool.loaded(s)
+            self._account(job, speculative=False)
+            if self.slot_job[s] is job:
+                self.slot_job[s] = None
+            if rec is not None:
+                self.host.release(rec)
+        self._pending = keep
+
+    def _account(self, job: CopyJob, speculative: bool) -> None:
+        ms = self.drv.elapsed_ms(job.ev_start, job.ev_done)
+        if speculative:
+            self.stats["spec_copies"] += 1
+            self.stats["spec_bytes"] += job.nbytes
+            self.stats["spec_copy_s"] += ms / 1e3
+        else:
+            self.stats["copies"] += 1
+            self.stats["copy_bytes"] += job.nbytes
+            self.stats["demand_copy_s"] += ms / 1e3
+            if len(self.delays_us) < 100_000:
+                self.delays_us.append(ms * 1e3)
+        self._free_events(job)
+
+    def _free_events(self, job: CopyJob) -> None:
+        for ev in (job.ev_start, job.ev_gateup, job.ev_done):
+            if ev:
+                self.events.put(ev)
+        job.ev_start = job.ev_gateup = job.ev_done = 0
+
+    # ---- fallbacks, stats, shutdown -------------------------------------------------------------------------
+    def _fallback_note(self, kind: str, detail: str) -> None:
+        self.fallbacks[kind] += 1
+        if kind not in self._logged and self.log is not None:
+            self._logged.add(kind)
+            self.log.warning("cpu_fallback", kind=kind, detail=detail, note="logged once per kind; counted in stats")
+
+    def _on_kernel_error(self, err, ids) -> None:
+        self._fallback_note("kernel_error", f"{err} (experts {ids})")
+
+    def finish(self) -> None:
+        """End of a request: every copy landed and accounted."""
+        self._reap(wait=True)
+
+    def snapshot(self) -> dict:
+        """Counters for `coli stats`: pool hits/misses/evictions, fallbacks per kind, copies, and the busy
+        fractions of the demand lane, the speculative lane and the SMs since the previous snapshot (from CUDA
+        event timings), plus their running totals in seconds."""
+        self.busy.collect()
+        now = time.perf_counter()
+        t0, d0, s0, b0 = self._last
+        dt = max(now - t0, 1e-9)
+        dem, spec, sm = self.stats["demand_copy_s"], self.stats["spec_copy_s"], self.busy.busy_s
+        self._last = (now, dem, spec, sm)
+        d = dict(self.pool.stats.as_dict())
+        d.update({f"fallback_{k}": v for k, v in self.fallbacks.items()})
+        d.update(self.stats)
+        d["cpu_fallbacks"] = sum(self.fallbacks.values())
+        d["vram_slots"] = self.n_slots
+        d["vram_resident"] = self.pool.resident
+        d["sm_busy_s"] = round(sm, 6)
+        d["copy_busy"] = round(min(1.0, (dem - d0) / dt), 4)
+        d["spec_busy"] = round(min(1.0, (spec - s0) / dt), 4)
+        d["sm_busy"] = round(min(1.0, (sm - b0) / dt), 4)
+        n = d.get("hits", 0) + d.get("misses", 0)
+        d["vram_hit_rate"] = round(d.get("hits", 0) / n, 4) if n else 0.0
+        return d
+
+    def close(self) -> None:
+        self.b.busy = None
+        try:
+            self._reap(wait=True)
+        except DriverError:
+            pass
+        for job in self._spec_jobs.values():
+            job.cancelled = True
+        self.spec.close()
+        self.demand.close()
+        for addr in self._registered:
+            try:
+                self.drv.host_unregister(addr)
+            except DriverError:
+                pass
+        self._registered.clear()
+        for ev in self._consumed_ev:
+            self.drv.event_destroy(ev)
+        self._consumed_ev = []

@@ -1,0 +1,291 @@
+"""The streaming GPU path: routed experts in a bounded VRAM slot pool filled by the copy lanes (coli.gpu), on
+tiny GLM-5 oracles built by transformers in this run with seeds no other test uses.
+
+- tokens equal transformers' with only a few slots (constant eviction), from a container through `coli run`'s
+  host tier, and through the stage runtime (`coli up --device gpu`, the RAM tier's pinned arena);
+- eviction, oversize rejection, and a speculative copy racing a demand for the same expert, each checked on
+  the counters and the bytes;
+- every injected fault at a high rate leaves the tokens unchanged and moves its fallback counter;
+- a lost GPU (injected) demotes the stage run to the CPU, and the tokens still match.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gpu_helpers import build_fresh_oracles, report
+from oracles import load_oracle
+
+pytestmark = pytest.mark.gpu
+
+FRESH = {
+    "vram-default": (501, {}),
+    "vram-groups": (601, {"n_group": 4, "topk_group": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu-vram")
+
+
+@pytest.fixture(scope="module")
+def oracles(root):
+    return build_fresh_oracles(root, FRESH)
+
+
+def container(root, src, name, **opts):
+    from coli.container.writer import ConvertOptions, convert
+    dst = root / name
+    if not dst.exists():
+        convert(src, dst, ConvertOptions(**opts))
+    return dst
+
+
+def greedy(model, prompt, n):
+    cache = model.new_cache()
+    toks = [model.greedy(prompt, cache)]
+    while len(toks) < n:
+        toks.append(model.greedy([toks[-1]], cache))
+    return toks
+
+
+def streaming_model(d, slots, policy="freq", **kw):
+    from coli.loader import GpuOptions, load_model
+    model, cfg = load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots, policy=policy, **kw))
+    return model, cfg
+
+
+@pytest.mark.parametrize("name", list(FRESH))
+@pytest.mark.parametrize("slots,policy", [(4, "freq"), (6, "lru"), (12, "rdf")])
+def test_streaming_tokens_match_transformers_with_few_slots(root, oracles, name, slots, policy):
+    src, seed = oracles[name]
+    o = load_oracle(src)
+    d = container(root, src, f"{name}-f32", experts="f32", dense="f32")
+    model, cfg = streaming_model(d, slots, policy, tile_kb=16)
+    toks = greedy(model, o["prompt_ids"], len(o["greedy_tokens"]))
+    vx = model.experts
+    vx.finish()
+    st = vx.snapshot()
+    vx.close()
+    report("vram_e2e", oracle=name, seed=seed, slots=slots, policy=policy, tokens_equal=toks == o["greedy_tokens"],
+           **{k: st[k] for k in ("hits", "misses", "evictions", "cpu_fallbacks", "copies")})
+    assert toks == o["greedy_tokens"]
+    assert st["evictions"] > 0 and st["copies"] > 0        # the pool really was too small: constant eviction
+
+
+def test_int4_streaming_equals_numpy(root, oracles):
+    from coli.loader import load_model
+    src, _ = oracles["vram-default"]
+    o = load_oracle(src)
+    d = container(root, src, "vram-default-int4", experts="int4", dense="int8", group=64)
+    model, _ = streaming_model(d, 5)
+    cpu, _ = load_model(d, "cpu")
+    g = greedy(model, o["prompt_ids"], 32)
+    c = greedy(cpu, o["prompt_ids"], 32)
+    model.experts.close()
+    assert g == c
+
+
+def _vram(d, slots, host_kind="memory", **kw):
+    """A VramExperts over a CUDA backend, outside a model (direct tests of the cache)."""
+    from coli.container.reader import ContainerReader
+    from coli.gpu.host_records import ContainerHostTier, MemoryHostTier
+    from coli.gpu.vram_experts import VramExperts
+    from coli.model.cuda_backend import CudaBackend
+    r = ContainerReader(d)
+    cfg = r.config
+    b = CudaBackend()
+    host = MemoryHostTier(r, list(cfg.moe_layers)) if host_kind == "memory" else ContainerHostTier(r)
+    vx = VramExperts(b, host, r.record_layout, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                     slots, **kw)
+    return vx, r, b, host
+
+
+def _slot_bytes_equal(vx, b, r, layer, e):
+    s = vx.pool.slot_of(layer * vx.E + e)
+    assert s is not None
+    got = np.empty(r.record_layout.nbytes, np.uint8)
+    b.rt.synchronize()
+    b.rt.drv.memcpy_dtoh(got, vx.base + s * vx.slot_bytes)
+    return np.array_equal(got, r.read_record(layer, e))
+
+
+def _run_step(vx, b, layer, ids, x=None):
+    """One decode MoE step through the backend: -> routed output [1, H] on the host."""
+    H = vx.layout.down.rows
+    rng = np.random.default_rng(layer * 1000 + sum(ids))
+    x = rng.standard_normal((1, H)).astype(np.float32) if x is None else x
+    idx = np.array([ids], np.int64)
+    w = np.full((1, len(ids)), 1.0 / len(ids), np.float32)
+    out = b.moe(b.upload(x), idx, w, vx.stream(layer, list(ids)))
+    return b.to_host(out), x
+
+
+def _cpu_step(r, layer, ids, x):
+    from coli.model.numpy_backend import NumpyBackend
+    nb = NumpyBackend()
+    idx = np.array([ids], np.int64)
+    w = np.full((1, len(ids)), 1.0 / len(ids), np.float32)
+    return nb.moe(x, idx, w, ((e, r.expert(layer, e)) for e in ids))
+
+
+def test_eviction_reuses_slots_and_the_bytes_are_the_new_experts(root, oracles):
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, _ = _vram(d, 4, policy="lru")
+    layer = r.config.moe_layers[0]
+    seen = []
+    for ids in ([0, 1], [2, 3], [4, 5], [6, 7], [0, 2]):
+        got, x = _run_step(vx, b, layer, ids)
+        want = _cpu_step(r, layer, ids, x)
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+        vx.finish()
+        for e in ids:
+            if vx.pool.slot_of(layer * vx.E + e) is not None:
+                assert _slot_bytes_equal(vx, b, r, layer, e)
+        seen.append(vx.pool.stats.evictions)
+    st = vx.snapshot()
+    vx.close()
+    report("vram_eviction", **{k: st[k] for k in ("hits", "misses", "evictions", "copies")})
+    assert st["evictions"] >= 4 and st["misses"] >= 8
+    assert st["cpu_fallbacks"] == 0
+
+
+def test_oversize_records_go_to_the_cpu_not_truncated(root, oracles):
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    from coli.container.reader import ContainerReader
+    n = ContainerReader(d).record_layout.nbytes
+    vx, r, b, _ = _vram(d, 4, slot_bytes=max(4096, n - 8192))
+    layer = r.config.moe_layers[0]
+    ids = [1, 3, 5]
+    got, x = _run_step(vx, b, layer, ids)
+    want = _cpu_step(r, layer, ids, x)
+    st = vx.snapshot()
+    vx.close()
+    assert st["fallback_oversize"] == len(ids) and st["copies"] == 0
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
+def _wait_spec_landed(vx, timeout=10.0):
+    import time
+    t = time.monotonic() + timeout
+    while any(not j.submitted.is_set() for j in vx._spec_jobs.values()):
+        assert time.monotonic() < t, "speculative copies did not finish"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("mode", ["race", "landed", "recycled"])
+def test_speculative_copy_and_a_demand_for_the_same_expert(root, oracles, mode):
+    """prefetch(e) puts e on the speculative lane, then the demand for e comes:
+    race      at once: the demand cancels the trickle (or waits for its tile) and copies what is missing;
+    landed    after the speculative copies finished: the demand is a VRAM hit, no demand copy;
+    recycled  the host slot was reused after the copy (generation moved): the copy is discarded as stale and
+              the demand copies again. The output is right and the slot holds the right bytes every time."""
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 6, tile_bytes=4096)       # small tiles: the trickle is slow, the race is real
+    layer = r.config.moe_layers[-1]
+    ids = [2, 9, 11]
+    for rep in range(5):
+        vx.prefetch(layer, ids)
+        if mode != "race":
+            _wait_spec_landed(vx)
+        if mode == "recycled":
+            for e in ids:
+                host.recycle(layer, e)
+        got, x = _run_step(vx, b, layer, ids)
+        want = _cpu_step(r, layer, ids, x)
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max())), rep
+        vx.finish()
+        for e in ids:
+            assert _slot_bytes_equal(vx, b, r, layer, e)
+        for e in ids:                                    # evict them for the next round
+            s = vx.pool.slot_of(layer * vx.E + e)
+            if s is not None:
+                vx.pool.invalidate(s)
+    st = vx.snapshot()
+    vx.close()
+    report("vram_spec", mode=mode, **{k: st[k] for k in ("spec_loads", "spec_copies", "spec_cancelled", "spec_used",
+                                                          "stale_copies", "copies", "hits", "misses")})
+    assert st["spec_loads"] == 5 * len(ids)
+    if mode == "landed":
+        assert st["spec_copies"] == 5 * len(ids) and st["copies"] == 0 and st["hits"] == 5 * len(ids)
+    if mode == "recycled":
+        assert st["stale_copies"] == 5 * len(ids) and st["copies"] == 5 * len(ids)
+
+
+def test_injected_faults_keep_tokens_and_move_counters(root, oracles):
+    from coli.stages.faults import Faults
+    src, _ = oracles["vram-groups"]
+    o = load_oracle(src)
+    d = container(root, src, "vram-groups-f32", experts="f32", dense="f32")
+    model, _ = streaming_model(d, 6)
+    faults = Faults.parse("copy_error:0.3,kernel_error:0.3,oversize:0.3", seed=7)
+    model.experts.faults = faults
+    model.backend.faults = faults
+    toks = greedy(model, o["prompt_ids"], len(o["greedy_tokens"]))
+    model.experts.finish()
+    st = model.experts.snapshot()
+    model.experts.close()
+    report("vram_faults", tokens_equal=toks == o["greedy_tokens"], injected=faults.injected,
+           **{k: v for k, v in st.items() if k.startswith("fallback_")})
+    assert toks == o["greedy_tokens"]
+    for kind in ("copy_error", "kernel_error", "oversize"):
+        assert st[f"fallback_{kind}"] > 0, kind
+
+
+# ---- the stage runtime on the GPU ----------------------------------------------------------------------------
+def _stage_tokens(tmp_path, d, o, extra_env=None, args=()):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "runtime"))
+    from harness import Run
+    import tempfile
+    from pathlib import Path
+    short = Path(tempfile.mkdtemp(prefix="cg", dir="/tmp"))     # ipc:// paths must stay under 107 bytes
+    r = Run(d, f"g{abs(hash((str(d), tuple(args), str(extra_env)))) % 10000}", short / "runs", short / "cache",
+            1.0, extra_env, ("--device", "gpu", *args))
+    try:
+        st = r.wait_ready(180)
+        ids = ",".join(map(str, o["prompt_ids"]))
+        p = r.coli("chat", "--name", r.name, "--prompt-ids", ids, "-n", str(len(o["greedy_tokens"])), "--json",
+                   "--ignore-eos", timeout=300)
+        assert p.returncode == 0, p.stderr + r.output()
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        stats = r.coli("stats", "--name", r.name, "--once", "--json", timeout=60)
+        logs = r.coli("logs", "--name", r.name, "--stage", "executor", timeout=60)
+        return out, st, stats.stdout, logs.stdout + r.output()
+    finally:
+        r.stop()
+
+
+def test_stage_runtime_on_the_gpu_matches_transformers(tmp_path, root, oracles):
+    src, _ = oracles["vram-default"]
+    o = load_oracle(src)
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    out, st, stats, log = _stage_tokens(tmp_path, d, o, args=("--vram-slots", "6"))
+    report("vram_stage", device=st.get("device"), vram=st.get("vram"), tokens_equal=out["tokens"] == o["greedy_tokens"])
+    assert st.get("device") == "cuda", log
+    assert out["tokens"] == o["greedy_tokens"]
+    ex = json.loads(stats).get("executor", {})
+    report("vram_stage_stats", **{k: ex.get(k) for k in ("vram_slots", "copies", "hits", "misses", "evictions",
+                                                         "demand_copy_s", "sm_busy_s", "copy_busy", "sm_busy")})
+    assert ex.get("vram_slots") == 6 and ex.get("copies", 0) > 0
+    assert ex.get("demand_copy_s", 0) > 0 and ex.get("sm_busy_s", 0) > 0
+
+
+def test_stage_runtime_faults_and_gpu_lost_demotion(tmp_path, root, oracles):
+    src, _ = oracles["vram-groups"]
+    o = load_oracle(src)
+    d = container(root, src, "vram-groups-f32", experts="f32", dense="f32")
+    env = {"COLI_INJECT": "copy_error:0.2,kernel_error:0.2,oversize:0.2,gpu_lost:0.05", "COLI_INJECT_SEED": "3"}
+    out, st, stats, log = _stage_tokens(tmp_path, d, o, extra_env=env, args=("--vram-slots", "6"))
+    report("vram_stage_faults", tokens_equal=out["tokens"] == o["greedy_tokens"], stats_tail=stats[-800:],
+           demoted="gpu_lost_demoting_to_cpu" in log)
+    assert out["tokens"] == o["greedy_tokens"]
+    assert "gpu_lost_demoting_to_cpu" in log, log[-3000:]
+    assert "cpu_fallback" in log
