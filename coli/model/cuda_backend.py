@@ -367,14 +367,14 @@ class CudaBackend:
     def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:
         """Routed sum [S, H]. `experts` yields (id, handle) pairs -- DeviceRecord (computed here), ExpertWeights
         (uploaded on the spot), HostExpert (computed on the CPU at once) -- and FLUSH markers: at a FLUSH
-        a one-token step launches the records it holds (the source's next expert is still on its way), so
-        the fused kernels run in up to a few batches that accumulate into one output. A kernel that fails
+        the records held so far are launched (the source's next expert is still on its way, or it needs
+        their slots back), so the kernels run in a few batches that accumulate into one output. A kernel that fails
         to launch (or an injected kernel_error) falls back to the CPU for that batch's experts."""
         S, H = x.shape
         st = _MoeStep(x, idx, weights)
         for item in experts:
             if item is FLUSH:
-                if S == 1 and st.pending:
+                if st.pending:           # launch what is held (its slots' pins go back on_consumed)
                     self._moe_batch(st)
                 continue
             e, h = item
