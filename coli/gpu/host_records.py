@@ -5,18 +5,83 @@ stage runtime (`coli up`); here a VRAM miss is a disk read."""
 
 from __future__ import annotations
 
+import errno
 import mmap
+import os
+import time
+from collections import OrderedDict
 from typing import Callable, Iterator
 
 import numpy as np
 
-from coli.container.format import align
+from coli.container.format import ALIGN, align
+from coli.container.reader import verify_record
+from coli.errors import ColiError
 from coli.gpu.vram_experts import HostRecord
 
 
+class DirectReads:
+    """Reads expert records with O_DIRECT (no page cache: the NVMe's rate, not RAM's) into page-aligned
+    buffers. Records are 4 KiB-aligned in the container (offset and length, coli/container/format.py), so
+    each read is one aligned preadv. A file system that refuses O_DIRECT (tmpfs: EINVAL) falls back to buffered
+    reads of that file; `fallback` names such files. Each record's xxh64 is verified unless verify=False."""
+
+    def __init__(self, reader, verify: bool = True):
+        self.reader, self.verify = reader, verify
+        self._fds: dict[int, int] = {}
+        self.direct_files = 0
+        self.fallback: list[str] = []
+        self.bytes_read = 0
+        self.read_s = 0.0                       # wall time spent in reads (the reading thread's busy time)
+
+    def _fd(self, f: int) -> int:
+        fd = self._fds.get(f)
+        if fd is None:
+            path = self.reader.expert_paths[f]
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                self.direct_files += 1
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                fd = os.open(path, os.O_RDONLY)
+                self.fallback.append(str(path))
+            self._fds[f] = fd
+        return fd
+
+    def read(self, layer: int, expert: int, out: np.ndarray) -> np.ndarray:
+        """The record into `out` (page-aligned, >= the record's length): uint8 [length]."""
+        row = self.reader.index[self.reader._index_row(layer, expert)]
+        f, off, n = int(row["file"]), int(row["offset"]), int(row["length"])
+        if off % ALIGN or n % ALIGN or out.ctypes.data % ALIGN:
+            raise ColiError(f"layer {layer} expert {expert}: record at offset {off} length {n} (buffer at "
+                            f"0x{out.ctypes.data:x}) is not {ALIGN}-aligned: cannot read it with O_DIRECT")
+        buf = out[:n]
+        fd, done = self._fd(f), 0
+        t = time.perf_counter()
+        while done < n:
+            k = os.preadv(fd, [buf[done:]], off + done)
+            if k <= 0:
+                raise ColiError(f"{self.reader.expert_paths[f]}: record layer {layer} expert {expert} at offset "
+                                f"{off} (length {n}) ends early: the file is truncated")
+            done += k
+        self.read_s += time.perf_counter() - t
+        self.bytes_read += n
+        if self.verify:
+            verify_record(buf, int(row["xxh64"]), f"{self.reader.expert_paths[f]}: record layer {layer} expert "
+                                                  f"{expert} at offset {off} (length {n})")
+        return buf
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class ContainerHostTier:
-    def __init__(self, reader, n_buffers: int = 16):
+    def __init__(self, reader, n_buffers: int = 16, direct: bool = False):
         self.reader = reader
+        self.direct = DirectReads(reader) if direct else None   # O_DIRECT reads (the `disk` benchmark)
         self.E = reader.config.n_routed_experts
         self.buf_bytes = align(reader.record_layout.nbytes, 4096)
         self.n = max(2, int(n_buffers))
@@ -39,7 +104,10 @@ class ContainerHostTier:
             i = self._take()
             view = self._arr[i * self.buf_bytes:(i + 1) * self.buf_bytes]
             try:
-                raw = self.reader.read_record(layer, int(e), out=view)     # checksum-verified
+                if self.direct is not None:
+                    raw = self.direct.read(layer, int(e), view)              # checksum-verified
+                else:
+                    raw = self.reader.read_record(layer, int(e), out=view)     # checksum-verified
             except Exception:
                 self._free.append(i)
                 raise
@@ -63,6 +131,10 @@ class ContainerHostTier:
 
     def reclaim_hook(self, fn: Callable[[], None]) -> None:
         self._reclaim = fn
+
+    def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
 
 
 class MemoryHostTier:
@@ -120,3 +192,118 @@ class MemoryHostTier:
 
     def reclaim_hook(self, fn: Callable[[], None]) -> None:
         self._reclaim = fn
+
+
+class CachedHostTier:
+    """A RAM tier for one process (the `budget` benchmark): `capacity` pinned record slots over a container
+    (one anonymous mapping, registered once), kept in LRU order. A granted record is leased until `release`;
+    a miss takes the least recently used unleased slot (its generation bumps, so a speculative copy of the old
+    record fails `still_valid`) and reads the record from disk (O_DIRECT with direct=True), checksum-verified.
+    `probe` returns resident records without a lease; `prefetch` does nothing (no background reader here: a
+    cold guess is left for the demand read). Counters: hits, misses, evictions, reads, bytes_read."""
+
+    def __init__(self, reader, capacity: int, direct: bool = True):
+        self.reader = reader
+        self.E = reader.config.n_routed_experts
+        self.stride = align(reader.record_layout.nbytes, 4096)
+        self.n = max(2, int(capacity))
+        self._mm = mmap.mmap(-1, self.stride * self.n)
+        self._arr = np.frombuffer(self._mm, np.uint8)
+        self._base = int(self._arr.ctypes.data)
+        self.direct = DirectReads(reader) if direct else None
+        self.key = [None] * self.n                              # (layer, expert) per slot
+        self.nbytes = [0] * self.n
+        self.gen = np.zeros(self.n, np.int64)
+        self.leases = np.zeros(self.n, np.int64)
+        self.where: dict[tuple[int, int], int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.n))   # oldest first
+        self._reclaim: Callable[[], None] | None = None
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "reads": 0, "bytes_read": 0, "read_s": 0.0}
+
+    def _record(self, i: int) -> HostRecord:
+        layer, e = self.key[i]
+        off = i * self.stride
+        return HostRecord(layer, e, self._base + off, self.nbytes[i], self._arr[off:off + self.nbytes[i]],
+                          (i, int(self.gen[i])))
+
+    def _victim(self) -> int:
+        for _ in range(2):
+            for i in self.lru:
+                if self.leases[i] == 0:
+                    return i
+            if self._reclaim is None:
+                break
+            self._reclaim()                                   # copies that landed give leases back
+        raise RuntimeError(f"every one of the {self.n} RAM-tier slots is leased (more records in flight than slots)")
+
+    def _fill(self, layer: int, e: int) -> int:
+        i = self._victim()
+        old = self.key[i]
+        if old is not None:
+            del self.where[old]
+            self.stats["evictions"] += 1
+        self.gen[i] += 1
+        self.key[i] = None
+        view = self._arr[i * self.stride:(i + 1) * self.stride]
+        t = time.perf_counter()
+        raw = (self.direct.read(layer, e, view) if self.direct is not None
+               else self.reader.read_record(layer, e, out=view))
+        self.stats["read_s"] += time.perf_counter() - t
+        self.stats["reads"] += 1
+        self.stats["bytes_read"] += int(raw.nbytes)
+        self.key[i], self.nbytes[i] = (layer, e), int(raw.nbytes)
+        self.where[(layer, e)] = i
+        return i
+
+    def grants(self, layer: int, ids: list[int]) -> Iterator[HostRecord | None]:
+        ids = [int(e) for e in ids]
+        resident = [e for e in ids if (layer, e) in self.where]
+        cold = [e for e in ids if (layer, e) not in self.where]
+        for e in resident:                                    # RAM hits first: no wait
+            i = self.where[(layer, e)]
+            self.stats["hits"] += 1
+            self.leases[i] += 1
+            self.lru.move_to_end(i)
+            yield self._record(i)
+        for e in cold:
+            yield None                                        # a disk read follows
+            if (layer, e) in self.where:                      # read meanwhile (cannot happen: one thread)
+                i = self.where[(layer, e)]
+                self.stats["hits"] += 1
+            else:
+                self.stats["misses"] += 1
+                i = self._fill(layer, e)
+            self.leases[i] += 1
+            self.lru.move_to_end(i)
+            yield self._record(i)
+
+    def release(self, rec: HostRecord) -> None:
+        i = int(rec.token[0])
+        if self.leases[i] <= 0:
+            raise ValueError(f"RAM-tier slot {i} is not leased")
+        self.leases[i] -= 1
+
+    def probe(self, layer: int, expert: int) -> HostRecord | None:
+        i = self.where.get((layer, int(expert)))
+        return None if i is None else self._record(i)
+
+    def still_valid(self, rec: HostRecord) -> bool:
+        i, g = rec.token
+        return int(self.gen[i]) == g
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        pass
+
+    def hit_rate(self) -> float:
+        n = self.stats["hits"] + self.stats["misses"]
+        return self.stats["hits"] / n if n else 0.0
+
+    def pinned_ranges(self) -> list[tuple[int, int]]:
+        return [(self._base, self.stride * self.n)]
+
+    def reclaim_hook(self, fn: Callable[[], None]) -> None:
+        self._reclaim = fn
+
+    def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()

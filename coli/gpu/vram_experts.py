@@ -75,7 +75,13 @@ class HostTier(Protocol):
 class VramExperts:
     def __init__(self, backend, host: HostTier, layout: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  n_slots: int, *, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES, faults=None,
-                 log=None, register: bool = True, slot_bytes: int | None = None):
+                 log=None, register: bool = True, slot_bytes: int | None = None, retain: bool = True,
+                 sync: bool = False):
+        """retain=False: a demand-loaded slot is invalidated once its copy has landed (freed when its readers
+        are done), so nothing stays resident and every step misses (the `cold-ram`/`disk` benchmarks).
+        sync=True (the `sync` benchmark baseline): a tile is the whole record, the host waits for each copy
+        to finish before yielding it, and no FLUSH markers are yielded (except when no slot is free until
+        the held records are launched), so the backend copies every expert and then computes."""
         for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
             check_format(m.fmt, f"routed experts ({part})")
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -85,7 +91,8 @@ class VramExperts:
         self.ctx = self.drv.current_context()
         # a slot holds one record of the container's layout (slot_bytes overrides it: tests of oversize records)
         self.slot_bytes = align(layout.nbytes if slot_bytes is None else slot_bytes, SLOT_ALIGN)
-        self.tile = max(4096, int(tile_bytes))
+        self.retain, self.sync = bool(retain), bool(sync)
+        self.tile = self.slot_bytes if self.sync else max(4096, int(tile_bytes))
         self.split = layout.down.offset            # gate/up bytes come first in a record
         self.n_slots = int(n_slots)
         self.pool = SlotPool(self.n_slots, self.slot_bytes, policy, n_keys=n_layers * n_experts,
@@ -109,7 +116,10 @@ class VramExperts:
         self._logged: set[str] = set()
         self.stats = {"copies": 0, "copy_bytes": 0, "demand_copy_s": 0.0, "spec_copies": 0, "spec_bytes": 0,
                       "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0}
-        self.delays_us: list[float] = []            # demand delay: copy queued -> last tile done (device)
+        # per demand copy: its device time, lane start event -> last tile done (the start event fires when the
+        # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
+        self.delays_us: list[float] = []
+        self.delay_nbytes: list[int] = []
         self.t0 = time.perf_counter()
         host.reclaim_hook(lambda: self._reap(wait=True))
         backend.on_kernel_error = self._on_kernel_error
@@ -134,7 +144,7 @@ class VramExperts:
     def _stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         if self.faults is not None and self.faults.hit("gpu_lost"):
             raise GpuLost("injected gpu_lost (a fatal driver error, as if the context were lost)")
-        self._reap()
+        self._reap(wait=not self.retain)         # retain off: every landed copy is dropped before the lookups
         self.pool.begin_step()
         self.stats["steps"] += 1
         misses: list[int] = []
@@ -148,11 +158,12 @@ class VramExperts:
                 yield e, self._device_record(layer, e, s)
         if not misses:
             return
-        if hits:
+        if hits and not self.sync:
             yield FLUSH
         for rec in self.host.grants(layer, misses):
             if rec is None:
-                yield FLUSH
+                if not self.sync:
+                    yield FLUSH
                 continue
             h = self._load(layer, rec)
             if h is FLUSH:                       # no free slot until the held records are launched
@@ -262,6 +273,8 @@ class VramExperts:
                       wait_event=self.slot_consumed[s], inject_error=inject)
         self.demand.submit(job)
         job.submitted.wait()
+        if self.sync and job.error is None:
+            self.drv.event_sync(job.ev_done)     # the sync baseline: the bytes are there before the yield
         if job.error is not None:
             if isinstance(job.error, DriverError) and job.error.fatal:
                 raise job.error
@@ -314,6 +327,8 @@ class VramExperts:
                 self.pool.invalidate(s)
             else:
                 self.pool.loaded(s)
+                if not self.retain:
+                    self.pool.invalidate(s)      # unmapped now; the slot frees when its readers release it
             self._account(job, speculative=False)
             if self.slot_job[s] is job:
                 self.slot_job[s] = None
@@ -333,6 +348,7 @@ class VramExperts:
             self.stats["demand_copy_s"] += ms / 1e3
             if len(self.delays_us) < 100_000:
                 self.delays_us.append(ms * 1e3)
+                self.delay_nbytes.append(job.nbytes)
         self._free_events(job)
 
     def _free_events(self, job: CopyJob) -> None:
