@@ -1,5 +1,5 @@
-"""`coli bench`: benchmarks on GLM-5-shaped slices. `make-slice` writes one; the streaming scenarios (`stream`,
-timing the GPU engine over a slice) will be a second command of this sub-app."""
+"""`coli bench`: benchmarks on GLM-5-shaped slices. `make-slice` writes one; `stream` times the GPU engine's
+streaming scenarios over it (coli.bench.stream, docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,48 @@ def _make_slice(dir, layers, experts, fmt, group, dense_fmt, trace, tokens, seed
     stderr_note(f"{result.dir}: slice complete, {human_bytes(result.bytes)} in {result.seconds:.1f} s "
                 f"({human_bytes(result.bytes / max(result.seconds, 1e-9))}/s); routing trace {meta['trace']} "
                 f"({meta['tokens']} tokens) in {result.dir / 'bench_trace.trace'}")
+
+
+STREAM_HELP = """Decode N tokens over a slice (routing replayed from its stored trace) in streaming scenarios and report per-MoE-layer time, effective H2D and NVMe GB/s over the peaks measured in the same run, overlap efficiency, hit rates, CPU fallbacks and demand delay.
+
+Scenarios: warm (every expert in VRAM), cold-ram (every expert in pinned RAM, VRAM retention off), disk (O_DIRECT reads, no RAM cache), budget (--vram-gb/--ram-gb scaled to the full model's per-layer capacities; run with an oracle pilot and without), sync (baseline: whole-record synchronous copies, then compute), peer (baseline: coli.bench.peer_accelerate in a subprocess), or all.
+
+tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache capacities scaled to what the full model would have under the same budgets. Needs a CUDA GPU.
+"""
+
+
+@bench_app.command("stream", help=STREAM_HELP)
+def stream(
+    dir: Path = typer.Argument(..., help="A slice written by coli bench make-slice."),
+    scenario: str = typer.Option("all", "--scenario", help="Comma list of warm, cold-ram, disk, budget, sync, peer; "
+                                                           "or all."),
+    tokens: int = typer.Option(16, "--tokens", min=1, help="Timed decode tokens per scenario (after 2 warm-up)."),
+    vram_gb: float = typer.Option(16.0, "--vram-gb", help="VRAM budget the capacities are scaled from (budget "
+                                                          "scenario, the peer's budget)."),
+    ram_gb: float = typer.Option(64.0, "--ram-gb", help="RAM budget the RAM-tier capacity is scaled from."),
+    tile_kb: int = typer.Option(1024, "--tile-kb", min=4, help="H2D copy tile in KiB."),
+    json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full result as JSON here."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Write plots (PNG) into this directory."),
+) -> None:
+    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots)
+
+
+@clean_errors
+def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
+    from coli.bench.stream import parse_scenarios, run_scenarios
+    from coli.errors import ColiError
+    names = parse_scenarios(scenario)
+    if not Path(dir).is_dir():
+        raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
+    try:
+        from coli.model.cuda_runtime import CudaUnavailable, get_runtime
+        get_runtime(0)
+    except CudaUnavailable as e:
+        raise ColiError(f"coli bench stream needs a CUDA GPU: {e}") from None
+    except ImportError as e:
+        raise ColiError(f"coli bench stream needs a CUDA GPU: PyCUDA is not importable ({e})") from None
+    run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
+                  plots_dir=plots, peer="peer" in names, report=stderr_note)
 
 
 def register(app: typer.Typer) -> None:

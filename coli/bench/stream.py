@@ -1,0 +1,666 @@
+"""`coli bench stream`: decode N tokens over a GLM-5-shaped slice in several streaming scenarios and extrapolate to
+GLM-5 (docs/performance.md, "coli bench stream").
+
+Scenarios (each decodes `tokens` tokens after 2 warm-up tokens, routing replayed from the slice's stored trace by
+TraceRouting; every token timed with time.perf_counter between two `rt.synchronize()`):
+
+    warm         every expert resident in VRAM (ResidentExperts): compute-bound
+    cold-ram     every expert in pinned RAM (MemoryHostTier), VramExperts with retain=False: every step misses,
+                 PCIe-bound
+    disk         ContainerHostTier with O_DIRECT reads, retain=False: NVMe-bound
+    budget       VramExperts with the VRAM slots a 16 GB (--vram-gb) GPU would give each layer of the full model,
+                 over a CachedHostTier (RAM LRU) with the RAM slots --ram-gb would give, misses read with O_DIRECT;
+                 run with an ORACLE pilot (layer l+1's trace experts prefetched while layer l computes) and, as
+                 `budget-nospec`, without
+    sync         baseline (a): cold-ram with VramExperts(sync=True): whole-record copies, the host waits for each,
+                 no FLUSH (copy everything, then compute)
+    peer         baseline (b): coli.bench.peer_accelerate in a subprocess (its own dict, or "not run" and why)
+
+Extrapolation (`split_times`, `extrapolate`): a token's time T over the slice's L MoE layers is split as
+    T_nomoe  = the same decode with every routed expert dropped (route override: idx -1; attention, router,
+               shared expert, head: "dense")
+    dense_layer_s = (T_nomoe - head_s_slice) / L
+    moe_layer_s   = (T - T_nomoe) / L                      (the routed experts' time per MoE layer, this scenario)
+    GLM-5 tokens/s = 1 / (75 x moe_layer_s + 78 x dense_layer_s + head_s_full)
+head_s_slice is the lm_head matmul measured on its own; head_s_full scales it by 154880 / the slice's vocabulary
+(a memory-bound GEMV). In the warm scenario T - T_nomoe is the MoE compute time: the "dense-layer time measured in
+the warm scenario as forward time minus MoE time" is T_nomoe's share by construction. GLM-5's 3 dense layers are
+counted as ordinary dense_layer_s (their dense MLP is larger than a shared expert: an underestimate of ~3 x the
+difference, stated in the output).
+
+Capacity scaling (`scale_capacity`): the full model's VRAM slots are `size_pool` at --vram-gb with the full dense
+core (the slice's per-layer dense bytes x 78 + its embed/lm_head scaled to the real vocabulary), the full KV cache
+(kv_bytes at 4096 positions) and the workspace; per layer = slots / 75; the slice gets floor(per_layer x L), at
+least 2 x top-k (one step's demand plus staging: stated when the floor applies). RAM: floor(--ram-gb / record
+slot) / 75 per layer, likewise.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from coli.errors import ColiError
+
+GLM5_MOE_LAYERS = 75
+GLM5_LAYERS = 78
+GLM5_VOCAB = 154880
+WARMUP_TOKENS = 2
+SCENARIOS = ("warm", "cold-ram", "disk", "budget", "sync", "peer")
+ROW_ORDER = ("warm", "cold-ram", "disk", "budget", "budget-nospec", "sync", "peer")
+GB = 1e9
+
+
+# ---- pure functions (tests/bench/test_stream_math.py) ---------------------------------------------------------
+def parse_scenarios(text: str) -> list[str]:
+    """'all' or a comma list of SCENARIOS -> the list in run order (peer first: before this process owns the GPU)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ColiError("--scenario: name at least one scenario (or all)")
+    if "all" in names:
+        return ["peer", *[s for s in SCENARIOS if s != "peer"]]
+    bad = [n for n in names if n not in SCENARIOS]
+    if bad:
+        raise ColiError(f"--scenario {','.join(bad)}: not known (choose from {', '.join(SCENARIOS)} or all)")
+    return [s for s in ("peer", *SCENARIOS[:-1]) if s in names]
+
+
+def split_times(token_s: float, nomoe_token_s: float, n_layers: int, head_s: float) -> tuple[float, float]:
+    """(moe_layer_s, dense_layer_s) from a token's time, the no-routed-expert token's time, the slice's MoE layer
+    count and the head's time (negative differences, i.e. noise, clamp to 0)."""
+    if n_layers < 1:
+        raise ValueError("n_layers must be >= 1")
+    moe = max(token_s - nomoe_token_s, 0.0) / n_layers
+    dense = max(nomoe_token_s - head_s, 0.0) / n_layers
+    return moe, dense
+
+
+def extrapolate(moe_layer_s: float, dense_layer_s: float, head_s: float, moe_layers: int = GLM5_MOE_LAYERS,
+                layers: int = GLM5_LAYERS) -> float:
+    """GLM-5 tokens/s = 1 / (75 x MoE-layer time + 78 x dense-layer time + head time)."""
+    t = moe_layers * moe_layer_s + layers * dense_layer_s + head_s
+    return 1.0 / t if t > 0 else float("inf")
+
+
+def full_dense_bytes(slice_dense_bytes: int, head_bytes: int, slice_layers: int, slice_vocab: int,
+                     layers: int = GLM5_LAYERS, vocab: int = GLM5_VOCAB) -> int:
+    """The full model's dense core estimated from the slice's: per-layer dense x 78 + embed/lm_head scaled to the
+    real vocabulary. `head_bytes` = the slice's embed + lm_head bytes (inside slice_dense_bytes)."""
+    per_layer = max(slice_dense_bytes - head_bytes, 0) / max(slice_layers, 1)
+    return int(per_layer * layers + head_bytes * vocab / max(slice_vocab, 1))
+
+
+def scale_capacity(vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, workspace_bytes: int,
+                   slot_bytes: int, slice_layers: int, top_k: int, moe_layers: int = GLM5_MOE_LAYERS) -> dict:
+    """Per-layer VRAM/RAM expert slots the full model would have at this budget, and the slice's share."""
+    from coli.vram.pool import size_pool
+    plan = size_pool(int(vram_gb * GB), dense_bytes, kv_bytes, workspace_bytes, slot_bytes, min_slots=0)
+    floor = 2 * top_k
+    full_vram = int(plan["slots"])
+    per_vram = full_vram / moe_layers
+    full_ram = int(max(ram_gb, 0) * GB) // slot_bytes
+    per_ram = full_ram / moe_layers
+    sv, sr = int(per_vram * slice_layers), int(per_ram * slice_layers)
+    notes = []
+    if sv < floor:
+        notes.append(f"VRAM: the full model gets {full_vram} slots at {vram_gb:g} GB ({per_vram:.2f} per layer); the "
+                     f"slice's {sv} are raised to {floor} (2 x top-{top_k}: one step's demand plus staging)")
+    if sr < floor:
+        notes.append(f"RAM: {full_ram} slots at {ram_gb:g} GB ({per_ram:.2f} per layer); the slice's {sr} are raised "
+                     f"to {floor}")
+    return {"vram_gb": vram_gb, "ram_gb": ram_gb, "slot_bytes": slot_bytes, "full_dense_bytes": dense_bytes,
+            "full_kv_bytes": kv_bytes, "workspace_bytes": workspace_bytes, "full_vram_slots": full_vram,
+            "per_layer_vram_slots": round(per_vram, 3), "slice_vram_slots": max(sv, floor),
+            "full_ram_slots": full_ram, "per_layer_ram_slots": round(per_ram, 3), "slice_ram_slots": max(sr, floor),
+            "notes": notes}
+
+
+def summarise(values) -> dict:
+    """n, mean, p50, p99, max of a list (None figures when empty)."""
+    a = np.asarray(list(values), dtype=np.float64)
+    if a.size == 0:
+        return {"n": 0, "mean": None, "p50": None, "p99": None, "max": None}
+    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def demand_delays(copy_us, nbytes, peak_GBps: float | None, tile_us: float | None) -> dict:
+    """Per demand copy: its measured device time minus its nominal time (nbytes / the whole-buffer H2D peak), in
+    microseconds and in tile transfer times; summarised."""
+    copy_us, nbytes = list(copy_us), list(nbytes)
+    if len(copy_us) != len(nbytes):
+        raise ValueError("copy_us and nbytes differ in length")
+    if not peak_GBps:
+        return {"us": None, "tiles": None, "note": "no H2D peak measured: nominal copy time unknown",
+                "copy_us": summarise(copy_us)}
+    d = [u - n / (peak_GBps * 1e3) for u, n in zip(copy_us, nbytes)]      # GB/s x 1e3 = bytes per us
+    out = {"us": summarise(d), "copy_us": summarise(copy_us)}
+    out["tiles"] = summarise([x / tile_us for x in d]) if tile_us else None
+    return out
+
+
+def overlap_efficiency(moe_layer_s: float, copy_layer_s: float | None, compute_layer_s: float | None) -> float | None:
+    """MoE-layer time over max(copy time, compute time) per layer: 1.0 = copy and compute fully overlapped,
+    2.0 = fully serial with equal halves."""
+    parts = [x for x in (copy_layer_s, compute_layer_s) if x]
+    if not parts:
+        return None
+    return moe_layer_s / max(parts)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def delta(after: dict, before: dict) -> dict:
+    """Numeric counters of `after` minus `before` (others as in after)."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        out[k] = v - b if isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool) else v
+    return out
+
+
+# ---- GPU runner -----------------------------------------------------------------------------------------------
+class OraclePilot:
+    """ORACLE speculation (not a predictor): after layer l's demand stream is consumed, i.e. while its kernels
+    run, prefetch exactly the experts the trace routes at layer l+1 (the last layer: the next token's layer 0)."""
+
+    def __init__(self, vx, routing, n_layers: int):
+        self.vx, self.routing, self.L = vx, routing, n_layers
+        self.prefetched = 0
+
+    def stream(self, layer: int, ids: list[int]):
+        yield from self.vx.stream(layer, ids)
+        r = self.routing
+        if layer + 1 < self.L and r._rows is not None:
+            nxt, rows = layer + 1, r._rows
+        else:
+            nxt, rows = 0, np.array([r.cursor])
+        want = sorted({int(e) for e in r.idx[rows, r._slot[nxt]].ravel() if e >= 0})
+        self.prefetched += len(want)
+        self.vx.prefetch(nxt, want)
+
+
+class _DropExperts:
+    """Route override for the no-routed-expert decode: every slot dropped (idx -1)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, layer: int, n: int):
+        return np.full((n, self.k), -1, np.int64), np.zeros((n, self.k), np.float32)
+
+
+class _NoExperts:
+    def stream(self, layer, ids):
+        if ids:
+            raise RuntimeError("no expert source installed")
+        return iter(())
+
+
+def _optional(module: str):
+    try:
+        return importlib.import_module(module), None
+    except Exception as e:   # noqa: BLE001 -- a teammate's module may be missing or broken: say so, go on
+        return None, f"{module} unavailable ({type(e).__name__}: {e})"
+
+
+def run_peer(slice_dir: Path, vram_gb: float, tokens: int, timeout_s: int = 900) -> dict:
+    """Baseline (b) in a subprocess (never in this process: it must not share it with PyCUDA)."""
+    if importlib.util.find_spec("coli.bench.peer_accelerate") is None:
+        return {"run": False, "reason": "coli/bench/peer_accelerate.py is missing"}
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "peer.json"
+        cmd = [sys.executable, "-m", "coli.bench.peer_accelerate", str(slice_dir), "--vram-gb", f"{vram_gb:g}",
+               "--tokens", str(tokens), "--json", str(out)]
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"run": False, "reason": f"timed out after {timeout_s} s", "cmd": cmd}
+        wall = time.perf_counter() - t
+        if p.returncode != 0 or not out.is_file():
+            tail = (p.stderr or p.stdout or "")[-2000:]
+            return {"run": False, "reason": f"exit status {p.returncode}", "stderr_tail": tail, "cmd": cmd}
+        try:
+            d = json.loads(out.read_text())
+        except ValueError as e:
+            return {"run": False, "reason": f"its JSON does not parse: {e}", "cmd": cmd}
+    return {"run": True, "wall_s": wall, "cmd": cmd, "result": d}
+
+
+class _Runner:
+    def __init__(self, slice_dir: Path, tokens: int, vram_gb: float, ram_gb: float, tile_kb: int,
+                 report: Callable[[str], None]):
+        from coli.model.cuda_runtime import CudaUnavailable
+        try:
+            from coli.model.cuda_backend import CudaBackend
+            self.b = CudaBackend()
+        except CudaUnavailable as e:
+            raise ColiError(f"coli bench stream needs a CUDA GPU: {e}") from None
+        from coli.bench.trace_router import TraceRouting
+        from coli.container.reader import ContainerReader
+        from coli.model.forward import GlmMoeDsaModel
+        self.dir, self.N, self.report = Path(slice_dir), int(tokens), report
+        self.vram_gb, self.ram_gb, self.tile_bytes = vram_gb, ram_gb, int(tile_kb) * 1024
+        self.reader = ContainerReader(self.dir)
+        self.cfg = c = self.reader.config
+        if c.moe_layers != list(range(c.num_hidden_layers)):
+            raise ColiError(f"{self.dir}: coli bench stream needs a slice whose every layer is MoE (coli bench "
+                            f"make-slice); this one has MoE layers {c.moe_layers}")
+        self.L, self.E, self.K = c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok
+        self.layout = self.reader.record_layout
+        self.model = GlmMoeDsaModel(c, self.reader, self.b, experts=_NoExperts())
+        self.b.rt.synchronize()
+        self.dense_bytes = int(self.b.rt.pool.active_bytes)
+        head = int(getattr(self.model.embed, "nbytes", 0))
+        if self.model.lm_head is not self.model.embed:
+            head += int(getattr(self.model.lm_head, "nbytes", 0))
+        self.head_bytes = head
+        self.routing = TraceRouting(self.dir)
+        self.routing.install(self.model)
+        self._mem = None
+
+    # ---- decode ------------------------------------------------------------------------------------------
+    def decode(self, override=None) -> list[float]:
+        m, rt = self.model, self.b.rt
+        saved = m.route_override
+        if override is not None:
+            m.route_override = override
+        try:
+            self.routing.reset(0)
+            cache = m.new_cache(WARMUP_TOKENS + self.N + 8)
+            tok = 1
+            for _ in range(WARMUP_TOKENS):
+                tok = m.greedy([tok], cache)
+            if self._before is not None:
+                self._before()
+            times = []
+            for _ in range(self.N):
+                rt.synchronize()
+                t = time.perf_counter()
+                tok = m.greedy([tok], cache)
+                rt.synchronize()
+                times.append(time.perf_counter() - t)
+            return times
+        finally:
+            m.route_override = saved
+
+    _before: Callable[[], None] | None = None
+
+    def head_time(self, reps: int = 20) -> float:
+        b, rt = self.b, self.b.rt
+        x = b.upload(np.zeros((1, self.cfg.hidden_size), np.float32))
+        b.linear(x, self.model.lm_head)
+        rt.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            b.linear(x, self.model.lm_head)
+        rt.synchronize()
+        return (time.perf_counter() - t) / reps
+
+    def memory_tier(self):
+        if self._mem is None:
+            from coli.gpu.host_records import MemoryHostTier
+            t = time.perf_counter()
+            self._mem = MemoryHostTier(self.reader, list(range(self.L)))
+            self.report(f"MemoryHostTier: {len(self._mem.index)} records in pinned RAM in "
+                        f"{time.perf_counter() - t:.1f} s")
+        return self._mem
+
+    def vram(self, host, n_slots: int, **kw):
+        from coli.gpu.vram_experts import VramExperts
+        return VramExperts(self.b, host, self.layout, self.L, self.E, self.K, n_slots, tile_bytes=self.tile_bytes,
+                           **kw)
+
+    def run_vx(self, name: str, vx, host, source=None, nvme=None) -> dict:
+        """Decode with `vx` (wrapped by `source` if given) as the expert source; its counters over the timed
+        tokens only."""
+        self.model.experts = source if source is not None else vx
+        marks: dict[str, Any] = {}
+
+        def before():
+            vx.finish()
+            marks["snap"] = vx.snapshot()
+            marks["delays"] = len(vx.delays_us)
+            marks["host"] = dict(getattr(host, "stats", {}) or {})
+            marks["nvme"] = (nvme.bytes_read, nvme.read_s) if nvme is not None else None
+        self._before = before
+        try:
+            times = self.decode()
+        finally:
+            self._before = None
+        vx.finish()
+        snap = delta(vx.snapshot(), marks["snap"])
+        i = marks["delays"]
+        row = {"scenario": name, "token_s": times, "counters": snap,
+               "delays_us": vx.delays_us[i:], "delay_nbytes": vx.delay_nbytes[i:],
+               "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"])}
+        if nvme is not None:
+            b0, s0 = marks["nvme"]
+            row["nvme_raw"] = {"bytes": nvme.bytes_read - b0, "read_s": nvme.read_s - s0,
+                               "direct_files": nvme.direct_files, "buffered_fallback": list(nvme.fallback)}
+        self.model.experts = _NoExperts()
+        return row
+
+
+def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice: float, head_full: float,
+                 dense_layer_s: float | None, warm_moe_layer_s: float | None, ceil: dict | None, tile_kb: int,
+                 nvme_peak: float | None) -> dict:
+    """The reported figures of one scenario from its raw measurements (pure)."""
+    t = summarise(raw["token_s"])
+    mean = t["mean"]
+    out: dict[str, Any] = {"scenario": raw["scenario"], "label": raw.get("label", raw["scenario"]), "tokens": N,
+                           "token_ms": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in t.items()},
+                           "tokens_per_s_slice": 1.0 / mean if mean else None}
+    if nomoe_s is not None and dense_layer_s is not None:
+        moe, _ = split_times(mean, nomoe_s, L, head_slice)
+        out["moe_layer_ms"] = moe * 1e3
+        out["tokens_per_s_glm5"] = extrapolate(moe, dense_layer_s, head_full)
+    else:
+        moe = None
+        out["moe_layer_ms"] = None
+        out["tokens_per_s_glm5"] = None
+    c = raw.get("counters") or {}
+    if c:
+        wall = sum(raw["token_s"])
+        cb, cs = c.get("copy_bytes", 0), c.get("demand_copy_s", 0.0)
+        whole = (ceil or {}).get("whole_GBps")
+        busy = cb / cs / GB if cs else None
+        wallr = cb / wall / GB if wall else None
+        out["h2d"] = {"copy_bytes": cb, "demand_copy_s": cs, "copies": c.get("copies"),
+                      "spec_copies": c.get("spec_copies"), "spec_bytes": c.get("spec_bytes"),
+                      "eff_busy_GBps": busy, "eff_wall_GBps": wallr, "peak_whole_GBps": whole,
+                      "busy_over_peak": ratio(busy, whole), "wall_over_peak": ratio(wallr, whole)}
+        copy_layer = cs / (N * L) if N else None
+        out["overlap_efficiency"] = (overlap_efficiency(moe, copy_layer, warm_moe_layer_s)
+                                     if moe is not None else None)
+        out["copy_ms_per_layer"] = copy_layer * 1e3 if copy_layer is not None else None
+        vh, vm = c.get("hits", 0), c.get("misses", 0)
+        out["hit_rates"] = {"vram": vh / (vh + vm) if vh + vm else None}
+        h = raw.get("host") or {}
+        if "hits" in h:
+            n = h["hits"] + h["misses"]
+            out["hit_rates"]["ram"] = h["hits"] / n if n else None
+        out["cpu_fallbacks"] = {k[len("fallback_"):]: v for k, v in c.items() if k.startswith("fallback_")}
+        out["cpu_fallbacks_total"] = c.get("cpu_fallbacks")
+        tiles = (ceil or {}).get("tiles") or {}
+        tile = tiles.get(tile_kb) or tiles.get(str(tile_kb)) or {}
+        out["demand_delay"] = demand_delays(raw.get("delays_us", []), raw.get("delay_nbytes", []), whole,
+                                            tile.get("tile_us"))
+        out["vram_slots"] = c.get("vram_slots")
+    if "nvme_raw" in raw:
+        nv = raw["nvme_raw"]
+        wall = sum(raw["token_s"])
+        g_busy = nv["bytes"] / nv["read_s"] / GB if nv["read_s"] else None
+        g_wall = nv["bytes"] / wall / GB if wall else None
+        out["nvme"] = {**nv, "GBps_busy": g_busy, "GBps_wall": g_wall, "peak_GBps": nvme_peak,
+                       "busy_over_peak": ratio(g_busy, nvme_peak), "wall_over_peak": ratio(g_wall, nvme_peak)}
+    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched"):
+        if k in raw:
+            out[k] = raw[k]
+    return out
+
+
+def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0, ram_gb: float = 64.0,
+                  tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
+                  report: Callable[[str], None] = print) -> dict:
+    """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md)."""
+    slice_dir = Path(slice_dir)
+    names = parse_scenarios(scenarios) if isinstance(scenarios, str) else list(scenarios)
+    if not peer:
+        names = [n for n in names if n != "peer"]
+    res: dict[str, Any] = {"slice": str(slice_dir), "tokens": tokens, "warmup_tokens": WARMUP_TOKENS,
+                           "vram_gb": vram_gb, "ram_gb": ram_gb, "tile_kb": tile_kb, "scenarios_asked": names,
+                           "rows": [], "notes": [], "extrapolation": (
+                               "tokens/s extrapolated to GLM-5 (75 MoE + 3 dense layers): 1 / (75 x moe_layer_s + 78 x "
+                               "dense_layer_s + head_s_full); per-layer cache capacities scaled to what the full model "
+                               "would have at the same --vram-gb/--ram-gb")}
+    peer_row = None
+    if "peer" in names:                 # first: before this process owns GPU memory
+        report("peer: coli.bench.peer_accelerate in a subprocess ...")
+        peer_row = run_peer(slice_dir, vram_gb, tokens)
+        res["peer"] = peer_row
+    r = _Runner(slice_dir, tokens, vram_gb, ram_gb, tile_kb, report)
+    from coli.gpu.host_records import CachedHostTier, ContainerHostTier
+    from coli.gpu.setup import WORKSPACE_BYTES, kv_bytes
+    from coli.config import PRESETS
+    res["slice_config"] = {"layers": r.L, "experts": r.E, "top_k": r.K, "vocab": r.cfg.vocab_size,
+                           "record_bytes": r.layout.nbytes, "dense_bytes_resident": r.dense_bytes,
+                           "head_bytes": r.head_bytes}
+    # ceilings (teammate's coli.bench.ceilings)
+    ceil, nvme_peak = None, None
+    cmod, why = _optional("coli.bench.ceilings")
+    if cmod is None:
+        res["notes"].append(f"ceilings not measured: {why}; ratios over peak and delays in tile times are null")
+    else:
+        try:
+            ceil = cmod.h2d_peak(r.layout.nbytes * r.K, [256, 512, 1024, 2048, 4096, tile_kb], 3)
+            res["h2d_peak"] = ceil
+        except Exception as e:   # noqa: BLE001
+            res["notes"].append(f"h2d_peak failed: {type(e).__name__}: {e}")
+        try:
+            od = cmod.odirect_read_peak(str(r.reader.expert_paths[0]))
+            res["odirect_peak"] = od
+            nvme_peak = od.get("best_GBps")
+        except Exception as e:   # noqa: BLE001
+            res["notes"].append(f"odirect_read_peak failed: {type(e).__name__}: {e}")
+    # capacity scaling
+    full = PRESETS["glm5"]
+    fdense = full_dense_bytes(r.dense_bytes, r.head_bytes, r.L, r.cfg.vocab_size)
+    scal = scale_capacity(vram_gb, ram_gb, fdense, kv_bytes(full, 4096), WORKSPACE_BYTES,
+                          r.layout.nbytes + (-r.layout.nbytes) % 4096, r.L, r.K)
+    res["scaling"] = scal
+    for n in scal["notes"]:
+        report(n)
+    # dense / head times
+    head_slice = r.head_time()
+    head_full = head_slice * GLM5_VOCAB / r.cfg.vocab_size
+    res["head_s_slice"], res["head_s_full"] = head_slice, head_full
+    nomoe, dense_layer = None, None
+    try:
+        t = r.decode(override=_DropExperts(r.K))
+        nomoe = float(np.mean(t))
+        _, dense_layer = split_times(nomoe, nomoe, r.L, head_slice)
+        res["nomoe_token_ms"] = summarise([x * 1e3 for x in t])
+        res["dense_layer_ms"] = dense_layer * 1e3
+    except Exception as e:   # noqa: BLE001
+        res["notes"].append(f"the no-routed-expert decode failed ({type(e).__name__}: {e}): no MoE/dense split, "
+                            f"no GLM-5 extrapolation")
+    raws: dict[str, dict] = {}
+    n_cold = max(scal["slice_vram_slots"], 2 * r.K)
+
+    def guarded(name, fn):
+        report(f"{name} ...")
+        try:
+            raws[name] = fn()
+        except ColiError:
+            raise
+        except Exception as e:   # noqa: BLE001 -- one scenario failing must not lose the others
+            import traceback
+            raws[name] = {"scenario": name, "error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()[-3000:]}
+            report(f"{name} failed: {type(e).__name__}: {e}")
+        gc.collect()
+
+    if "warm" in names:
+        def warm():
+            from coli.model.cuda_weights import ResidentExperts
+            res_x = ResidentExperts(r.b.rt, r.reader)
+            r.model.experts = res_x
+            try:
+                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": r.decode()}
+            finally:
+                r.model.experts = _NoExperts()
+                del res_x
+        guarded("warm", warm)
+
+    def cold(sync: bool):
+        host = r.memory_tier()
+        vx = r.vram(host, n_cold, retain=False, sync=sync)
+        try:
+            row = r.run_vx("sync" if sync else "cold-ram", vx, host)
+        finally:
+            vx.close()
+        row["label"] = ("sync baseline (whole-record copy, host waits, then compute; RAM source, no retention)"
+                        if sync else "cold-ram (all experts in RAM, VRAM retention off)")
+        return row
+
+    if "cold-ram" in names:
+        guarded("cold-ram", lambda: cold(False))
+    if "sync" in names:
+        guarded("sync", lambda: cold(True))
+    if r._mem is not None:
+        r._mem = None
+        gc.collect()
+    if "disk" in names:
+        def disk():
+            host = ContainerHostTier(r.reader, n_buffers=max(16, 2 * r.K), direct=True)
+            vx = r.vram(host, n_cold, retain=False)
+            try:
+                row = r.run_vx("disk", vx, host, nvme=host.direct)
+            finally:
+                vx.close()
+                host.close()
+            row["label"] = "disk (O_DIRECT reads, no RAM cache, VRAM retention off)"
+            return row
+        guarded("disk", disk)
+    if "budget" in names:
+        for spec in (True, False):
+            def budget(spec=spec):
+                host = CachedHostTier(r.reader, scal["slice_ram_slots"], direct=True)
+                vx = r.vram(host, scal["slice_vram_slots"])
+                pilot = OraclePilot(vx, r.routing, r.L) if spec else None
+                try:
+                    row = r.run_vx("budget" if spec else "budget-nospec", vx, host, source=pilot, nvme=host.direct)
+                finally:
+                    vx.close()
+                    host.close()
+                row["label"] = (f"budget {vram_gb:g} GB VRAM / {ram_gb:g} GB RAM (scaled), speculation "
+                                f"{'on: ORACLE pilot (trace experts of layer l+1)' if spec else 'off'}")
+                row["speculation"] = "oracle" if spec else "off"
+                row["ram_slots"] = scal["slice_ram_slots"]
+                if pilot is not None:
+                    row["oracle_prefetched"] = pilot.prefetched
+                return row
+            guarded("budget" if spec else "budget-nospec", budget)
+    warm_moe = None
+    if "warm" in raws and "token_s" in raws["warm"] and nomoe is not None:
+        warm_moe, _ = split_times(float(np.mean(raws["warm"]["token_s"])), nomoe, r.L, head_slice)
+        res["warm_moe_layer_ms"] = warm_moe * 1e3
+    for name in ROW_ORDER:
+        raw = raws.get(name)
+        if raw is None:
+            continue
+        if "error" in raw:
+            res["rows"].append({"scenario": name, "run": False, "reason": raw["error"], "traceback": raw["traceback"]})
+            continue
+        row = _row_figures(raw, L=r.L, N=tokens, nomoe_s=nomoe, head_slice=head_slice, head_full=head_full,
+                           dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
+                           nvme_peak=nvme_peak)
+        row["token_s_raw"] = raw["token_s"]
+        res["rows"].append(row)
+    if peer_row is not None:
+        res["rows"].append({"scenario": "peer", "label": "peer: accelerate (subprocess)", **peer_row})
+    res["notes"].append("GLM-5's 3 dense layers are counted at the slice's dense_layer time (attention + router + "
+                        "shared expert); their larger dense MLP is not modelled")
+    _plots(res, plots_dir, ceil, report)
+    if out_json is not None:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(res, indent=1, default=_json_default))
+    print_table(res, report)
+    return res
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    return str(o)
+
+
+def _plots(res: dict, plots_dir, ceil, report) -> None:
+    if plots_dir is None:
+        return
+    mod, why = _optional("coli.bench.plots")
+    if mod is None:
+        res["notes"].append(f"no plots: {why}")
+        report(f"no plots: {why}")
+        return
+    d = Path(plots_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    res["plots"] = {}
+    jobs = [("scenarios", lambda p: mod.plot_scenarios(res["rows"], p))]
+    if ceil is not None:
+        jobs.append(("h2d_tiles", lambda p: mod.plot_h2d_tiles(ceil, p)))
+    events = []
+    for row in res["rows"]:
+        t0 = 0.0
+        for i, s in enumerate(row.get("token_s_raw") or []):
+            events.append({"scenario": row["scenario"], "token": i, "start_s": t0, "dur_s": s})
+            t0 += s
+    jobs.append(("timeline", lambda p: mod.plot_timeline(events, p)))
+    for name, fn in jobs:
+        p = d / f"{name}.png"
+        try:
+            fn(p)
+            res["plots"][name] = str(p)
+        except Exception as e:   # noqa: BLE001
+            res["notes"].append(f"plot {name} failed: {type(e).__name__}: {e}")
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table_rows(res: dict) -> list[list[str]]:
+    """The printed table's cells (pure: tested)."""
+    out = []
+    for row in res["rows"]:
+        if row.get("run") is False:
+            out.append([row["scenario"], f"not run: {row.get('reason')}"] + [""] * 9)
+            continue
+        if row["scenario"] == "peer":
+            d = row.get("result") or {}
+            out.append(["peer", _f(d.get("tokens_per_s")), "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+            continue
+        h, nv = row.get("h2d") or {}, row.get("nvme") or {}
+        hr = row.get("hit_rates") or {}
+        dd = ((row.get("demand_delay") or {}).get("us") or {})
+        out.append([row["scenario"], _f(row.get("tokens_per_s_glm5")), _f(row["token_ms"]["mean"]),
+                    _f(row.get("moe_layer_ms")),
+                    f"{_f(h.get('eff_busy_GBps'))} ({_f(h.get('busy_over_peak'), '{:.0%}')})" if h else "-",
+                    f"{_f(nv.get('GBps_wall'))} ({_f(nv.get('wall_over_peak'), '{:.0%}')})" if nv else "-",
+                    _f(row.get("overlap_efficiency")), _f(hr.get("vram"), "{:.0%}"), _f(hr.get("ram"), "{:.0%}"),
+                    str(row.get("cpu_fallbacks_total", "-")), _f(dd.get("p99"), "{:.0f}")])
+    return out
+
+
+HEADERS = ["scenario", "GLM-5 tok/s*", "ms/token (slice)", "MoE ms/layer", "H2D GB/s busy (/peak)",
+           "NVMe GB/s wall (/peak)", "overlap", "VRAM hit", "RAM hit", "CPU fb", "delay p99 us"]
+
+
+def print_table(res: dict, report: Callable[[str], None] = print) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"coli bench stream: {res['slice']} ({res['tokens']} tokens)")
+    for h in HEADERS:
+        t.add_column(h)
+    for cells in table_rows(res):
+        t.add_row(*cells)
+    Console(stderr=False).print(t)
+    report("* " + res["extrapolation"])
+    for n in res.get("notes", []) + (res.get("scaling") or {}).get("notes", []):
+        report(f"note: {n}")

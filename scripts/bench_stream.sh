@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# coli bench stream on the device machine (an H200): a 2-layer GLM-5-shaped slice in /tmp, every scenario with
+# N=8 tokens, JSON + plots + log to $OUT. Budget (~6 min): make-slice ~60 s; MemoryHostTier of 2 layers reads
+# ~10 GB (cold-ram, sync); ResidentExperts uploads ~10 GB (warm); the rest is decoding.
+#
+# The slice is made with --vocab 4096 to keep the dense core (embed + lm_head) small: the head's time is measured
+# at that vocabulary and scaled to GLM-5's 154880 in the extrapolation (docs/performance.md).
+set -uo pipefail
+OUT=${OUT:-/tmp/bench_stream_out}
+SLICE=${SLICE:-/tmp/coli_slice2}
+N=${N:-8}
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+mkdir -p "$OUT"
+LOG="$OUT/bench_stream.log"
+{
+  echo "== $(date -u +%FT%TZ) coli bench stream: 2-layer slice, glm52 trace, --vocab 4096 (dense kept small), N=$N"
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
+  df -h /tmp || true
+  if [ ! -f "$SLICE/coli-manifest.json" ]; then
+    t0=$(date +%s)
+    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
+      --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
+    echo "make-slice: $(( $(date +%s) - t0 )) s"
+  fi
+  t0=$(date +%s)
+  timeout 420 "$PY" -m coli.cli.main bench stream "$SLICE" --scenario all --tokens "$N" --vram-gb 16 --ram-gb 64 \
+    --tile-kb 1024 --json-out "$OUT/bench_stream.json" --plots "$OUT/plots"
+  echo "bench stream: exit $?, $(( $(date +%s) - t0 )) s"
+} 2>&1 | tee "$LOG"
