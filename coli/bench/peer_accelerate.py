@@ -128,7 +128,7 @@ def _dispatch(model, vram_gb: float, cpu_gb: float | None) -> tuple[dict[str, An
         raise RuntimeError(f"the device map puts modules on disk (cpu budget {cpu_gb:.0f} GiB too small): {dmap}")
     offloaded = {name: _module_bytes(model.get_submodule(name) if name else model)
                  for name, dev in dmap.items() if dev == "cpu"}
-    dispatch_model(model, device_map=dmap)
+    dispatch_model(model, device_map=dmap, main_device=0)   # run on the GPU even when the map puts all on "cpu"
     return dmap, offloaded
 
 
