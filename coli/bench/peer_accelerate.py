@@ -124,6 +124,11 @@ def _dispatch(model, vram_gb: float, cpu_gb: float | None) -> tuple[dict[str, An
     dmap = infer_auto_device_map(model, max_memory={0: f"{vram_gb}GiB", "cpu": f"{cpu_gb:.0f}GiB"},
                                  no_split_module_classes=list(model._no_split_modules),
                                  dtype="bfloat16")
+    if "" in dmap:   # the whole model on one device: accelerate cannot offload the root, so map its parts
+        dev = dmap.pop("")
+        dmap.update({f"model.{n}": dev for n, _ in model.model.named_children() if n != "layers"})
+        dmap.update({f"model.layers.{i}": dev for i in range(len(model.model.layers))})
+        dmap["lm_head"] = dev
     if any(v == "disk" for v in dmap.values()):
         raise RuntimeError(f"the device map puts modules on disk (cpu budget {cpu_gb:.0f} GiB too small): {dmap}")
     offloaded = {name: _module_bytes(model.get_submodule(name) if name else model)
