@@ -162,7 +162,8 @@ def study(model, cfg, seqs) -> dict:
 
 
 # ---- runtime: coli up --pilot off vs on ----------------------------------------------------------------------
-def runtime_bench(tokens: int, ram_gb: float, repeats: int, modes=("off", "on", "2")) -> dict:
+def runtime_bench(tokens: int, ram_gb: float, repeats: int, modes=("off", "on", "2"), device: str = "cpu",
+                  vram_slots: int | None = None) -> dict:
     import shutil
     import tempfile
 
@@ -170,14 +171,16 @@ def runtime_bench(tokens: int, ram_gb: float, repeats: int, modes=("off", "on", 
     base = Path(tempfile.mkdtemp(prefix="colip-", dir="/tmp"))
     env = dict(os.environ, COLI_RUN_DIR=str(base / "runs"), COLI_CACHE=str(base / "cache"),
                OMP_NUM_THREADS="1")
-    out = {"ram_gb": ram_gb, "tokens_per_request": tokens, "prompts": len(PROMPTS), "repeats": repeats, "modes": {}}
+    out = {"ram_gb": ram_gb, "tokens_per_request": tokens, "prompts": len(PROMPTS), "repeats": repeats, "modes": {},
+           "device": device, "vram_slots": vram_slots}
+    gpu_args = ["--device", device] + (["--vram-slots", str(vram_slots)] if vram_slots else [])
     try:
         for mode in modes:
             name = f"pilot{mode}"
             for u in (base / "cache").rglob("coli-usage.json"):  # no learned pin set carried between modes
                 u.unlink()
             r = subprocess.run([coli, "up", "--name", name, "--ram-gb", str(ram_gb), "--detach", "--pilot", mode,
-                                "--startup-timeout", "120"], env=env, capture_output=True, text=True)
+                                "--startup-timeout", "120", *gpu_args], env=env, capture_output=True, text=True)
             assert r.returncode == 0, r.stderr + r.stdout
             try:
                 dec_s, n_tok, toks = 0.0, 0, []
@@ -203,7 +206,10 @@ def runtime_bench(tokens: int, ram_gb: float, repeats: int, modes=("off", "on", 
             out["modes"][mode] = {
                 "decode_tokens_per_s": n_tok / dec_s if dec_s else None, "decode_tokens": n_tok,
                 "ram_slots": status.get("ram_slots"), "tokens": toks,
-                "executor": {k: ex.get(k) for k in ("pilot_predicted", "pilot_hits", "wait_s", "expert_requests")},
+                "executor": {k: ex.get(k) for k in ("pilot_predicted", "pilot_hits", "wait_s", "expert_requests",
+                                                     "vram_hit_rate", "hits", "misses", "spec_loads", "spec_used",
+                                                     "spec_wasted", "spec_copies", "spec_cancelled", "stale_copies",
+                                                     "copies", "cpu_fallbacks") if k in ex},
                 "ramtier": {k: rt.get(k) for k in ("hits", "misses", "hit_rate", "prefetch_hits", "evictions",
                                                     "reads_issued", "read_bytes")},
             }
@@ -226,6 +232,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="--runtime: passes over the prompts (first is warm-up)")
     ap.add_argument("--modes", default="off,on,2", help="--runtime: --pilot values to run, in this order")
     ap.add_argument("--runtime-out", default="runtime.json", help="--runtime: file name under docs/pilot/")
+    ap.add_argument("--device", default="cpu", help="--runtime: coli up --device (gpu: the VRAM cache + speculative lane)")
+    ap.add_argument("--vram-slots", type=int, default=None, help="--runtime on the GPU: VRAM expert slots")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if not a.runtime_only:
@@ -241,7 +249,7 @@ def main() -> None:
                 print(f"  {name:28s} " + "  ".join(f"L{t}={x['recall']:.3f}" for t, x in blk.items() if t != "overall")
                       + f"  overall={blk['overall']['recall']:.3f} waste/useful={blk['overall']['wasted_per_useful']:.2f}")
     if a.runtime or a.runtime_only:
-        rt = runtime_bench(a.tokens, a.ram_gb, a.repeats, tuple(a.modes.split(",")))
+        rt = runtime_bench(a.tokens, a.ram_gb, a.repeats, tuple(a.modes.split(",")), a.device, a.vram_slots)
         rt["hardware"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "python": platform.python_version()}
         try:

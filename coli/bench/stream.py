@@ -232,7 +232,15 @@ def run_peer(slice_dir: Path, vram_gb: float, tokens: int, timeout_s: int = 900)
         wall = time.perf_counter() - t
         if p.returncode != 0 or not out.is_file():
             tail = (p.stderr or p.stdout or "")[-2000:]
-            return {"run": False, "reason": f"exit status {p.returncode}", "stderr_tail": tail, "cmd": cmd}
+            res = {"run": False, "reason": f"exit status {p.returncode}", "stderr_tail": tail, "cmd": cmd}
+            if out.is_file():          # the peer says why (stage + error) in its JSON
+                try:
+                    d = json.loads(out.read_text())
+                    res["reason"] = f"{d.get('stage', '?')}: {d.get('error', 'exit status %d' % p.returncode)}"
+                    res["result"] = d
+                except ValueError:
+                    pass
+            return res
         try:
             d = json.loads(out.read_text())
         except ValueError as e:
@@ -602,14 +610,15 @@ def _plots(res: dict, plots_dir, ceil, report) -> None:
     d = Path(plots_dir)
     d.mkdir(parents=True, exist_ok=True)
     res["plots"] = {}
-    jobs = [("scenarios", lambda p: mod.plot_scenarios(res["rows"], p))]
+    jobs = [("scenarios", lambda p: mod.plot_scenarios(_plot_rows(res, ceil), p))]
     if ceil is not None:
         jobs.append(("h2d_tiles", lambda p: mod.plot_h2d_tiles(ceil, p)))
     events = []
     for row in res["rows"]:
         t0 = 0.0
         for i, s in enumerate(row.get("token_s_raw") or []):
-            events.append({"scenario": row["scenario"], "token": i, "start_s": t0, "dur_s": s})
+            # one lane per scenario: its decode steps back to back (token spans, not per-copy lane events)
+            events.append({"lane": row["scenario"], "t0_us": t0 * 1e6, "t1_us": (t0 + s) * 1e6, "label": f"t{i}"})
             t0 += s
     jobs.append(("timeline", lambda p: mod.plot_timeline(events, p)))
     for name, fn in jobs:
@@ -619,6 +628,30 @@ def _plots(res: dict, plots_dir, ceil, report) -> None:
             res["plots"][name] = str(p)
         except Exception as e:   # noqa: BLE001
             res["notes"].append(f"plot {name} failed: {type(e).__name__}: {e}")
+
+
+def _plot_rows(res: dict, ceil: dict | None) -> list[dict]:
+    """Rows for plots.plot_scenarios: GLM-5 tokens/s per scenario; baselines hatched; for streaming rows the
+    ceiling is the same extrapolation with the MoE layer at its bytes over the peak measured in this run
+    (pinned H2D for RAM-fed rows, O_DIRECT reads for disk-fed rows)."""
+    out = []
+    dense = (res.get("dense_layer_ms") or 0.0) / 1e3
+    head = res.get("head_s_full") or 0.0
+    L = (res.get("slice_config") or {}).get("layers") or 2
+    for r in res.get("rows", []):
+        name = r.get("scenario", "?")
+        row = {"name": name, "tokens_per_s": r.get("tokens_per_s_glm5"), "baseline": name in ("sync", "peer")}
+        n = r.get("tokens") or 0
+        h2d, nvme = r.get("h2d") or {}, r.get("nvme") or {}
+        peak = None
+        if nvme.get("bytes") and nvme.get("peak_GBps"):
+            per_layer, peak = nvme["bytes"] / max(1, n * L), nvme["peak_GBps"] * 1e9
+        elif h2d.get("copy_bytes") and h2d.get("peak_whole_GBps"):
+            per_layer, peak = h2d["copy_bytes"] / max(1, n * L), h2d["peak_whole_GBps"] * 1e9
+        if peak and n:
+            row["ceiling_tokens_per_s"] = 1.0 / (75 * per_layer / peak + 78 * dense + head)
+        out.append(row)
+    return out
 
 
 def _f(v, fmt="{:.2f}") -> str:
