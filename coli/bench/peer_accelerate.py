@@ -115,25 +115,57 @@ def _module_bytes(mod) -> int:
     return sum(t.numel() * t.element_size() for t in mod.parameters())
 
 
-def _dispatch(model, vram_gb: float, cpu_gb: float | None) -> tuple[dict[str, Any], dict[str, int]]:
-    """accelerate's device map under the budget, then dispatch; returns (device_map, bytes per offloaded module)."""
-    import psutil
-    from accelerate import dispatch_model, infer_auto_device_map
+def _placement_units(model) -> list[str]:
+    """The modules a device map places, in forward order: the embedding, each layer's children (its MLP's
+    children separately, so a layer's routed experts can live on the CPU while its attention, router and shared
+    expert stay on the GPU), the final norm, rotary embedding and lm_head. A module holding parameters of its
+    own is placed whole."""
+    units = []
+    inner = model.model
+    for n, m in inner.named_children():
+        if n != "layers":
+            units.append(f"model.{n}")
+            continue
+        for i, layer in enumerate(m):
+            base = f"model.layers.{i}"
+            if any(True for _ in layer.named_parameters(recurse=False)):
+                units.append(base)
+                continue
+            for cn, child in layer.named_children():
+                if cn == "mlp" and not any(True for _ in child.named_parameters(recurse=False)):
+                    units += [f"{base}.mlp.{gn}" for gn, _ in child.named_children()]
+                else:
+                    units.append(f"{base}.{cn}")
+    units.append("lm_head")
+    return units
 
-    cpu_gb = cpu_gb if cpu_gb is not None else psutil.virtual_memory().total / 2 ** 30 * 0.9
-    dmap = infer_auto_device_map(model, max_memory={0: f"{vram_gb}GiB", "cpu": f"{cpu_gb:.0f}GiB"},
-                                 no_split_module_classes=list(model._no_split_modules),
-                                 dtype="bfloat16")
-    if "" in dmap:   # the whole model on one device: accelerate cannot offload the root, so map its parts
-        dev = dmap.pop("")
-        dmap.update({f"model.{n}": dev for n, _ in model.model.named_children() if n != "layers"})
-        dmap.update({f"model.layers.{i}": dev for i in range(len(model.model.layers))})
-        dmap["lm_head"] = dev
-    if any(v == "disk" for v in dmap.values()):
-        raise RuntimeError(f"the device map puts modules on disk (cpu budget {cpu_gb:.0f} GiB too small): {dmap}")
-    offloaded = {name: _module_bytes(model.get_submodule(name) if name else model)
-                 for name, dev in dmap.items() if dev == "cpu"}
-    dispatch_model(model, device_map=dmap, main_device=0)   # run on the GPU even when the map puts all on "cpu"
+
+def _dispatch(model, vram_gb: float, cpu_gb: float | None) -> tuple[dict[str, Any], dict[str, int]]:
+    """A device map under the budget, then accelerate's dispatch; returns (device_map, bytes per offloaded module).
+
+    Why not infer_auto_device_map: it reserves room on the GPU for the largest module it may have to stream
+    (accelerate's offload buffer), and one GLM-5 layer's routed experts (19 GB in bf16) exceed a 16 GiB budget,
+    so it maps *everything* to "cpu" -- and dispatch_model then runs the whole model on the CPU. Here the units
+    (see _placement_units) fill the GPU in forward order up to 90 % of the budget; the rest goes to "cpu" and
+    accelerate streams it to the GPU on every forward (its CPU-offload hooks) -- the peer's normal way to run
+    a model larger than the GPU."""
+    from accelerate import dispatch_model
+
+    budget = vram_gb * 2 ** 30 * 0.9
+    used = 0
+    dmap: dict[str, Any] = {}
+    for name in _placement_units(model):
+        b = _module_bytes(model.get_submodule(name))
+        if used + b <= budget:
+            dmap[name] = 0
+            used += b
+        else:
+            dmap[name] = "cpu"
+    offloaded = {name: _module_bytes(model.get_submodule(name)) for name, dev in dmap.items() if dev == "cpu"}
+    if cpu_gb is not None and sum(offloaded.values()) > cpu_gb * 2 ** 30:
+        raise RuntimeError(f"the offloaded modules need {sum(offloaded.values()) / 2**30:.1f} GiB of RAM, "
+                           f"more than --cpu-gb {cpu_gb}")
+    dispatch_model(model, device_map=dmap, main_device=0)
     return dmap, offloaded
 
 

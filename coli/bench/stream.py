@@ -56,8 +56,8 @@ GLM5_MOE_LAYERS = 75
 GLM5_LAYERS = 78
 GLM5_VOCAB = 154880
 WARMUP_TOKENS = 2
-SCENARIOS = ("warm", "cold-ram", "disk", "budget", "sync", "peer")
-ROW_ORDER = ("warm", "cold-ram", "disk", "budget", "budget-nospec", "sync", "peer")
+SCENARIOS = ("warm", "cold-ram", "disk", "budget", "spec", "sync", "peer")
+ROW_ORDER = ("warm", "cold-ram", "disk", "budget", "budget-nospec", "spec-ram", "spec-ram-off", "sync", "peer")
 GB = 1e9
 
 
@@ -354,7 +354,7 @@ class _Runner:
         i = marks["delays"]
         row = {"scenario": name, "token_s": times, "counters": snap,
                "delays_us": vx.delays_us[i:], "delay_nbytes": vx.delay_nbytes[i:],
-               "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"])}
+               "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"]), "vram_slots": vx.n_slots}
         if nvme is not None:
             b0, s0 = marks["nvme"]
             row["nvme_raw"] = {"bytes": nvme.bytes_read - b0, "read_s": nvme.read_s - s0,
@@ -407,7 +407,9 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
         tile = tiles.get(tile_kb) or tiles.get(str(tile_kb)) or {}
         out["demand_delay"] = demand_delays(raw.get("delays_us", []), raw.get("delay_nbytes", []), whole,
                                             tile.get("tile_us"))
-        out["vram_slots"] = c.get("vram_slots")
+        out["vram_slots"] = raw.get("vram_slots", c.get("vram_slots"))
+        out["spec"] = {k: c.get(k) for k in ("spec_loads", "spec_copies", "spec_used", "spec_wasted",
+                                             "spec_cancelled", "stale_copies", "spec_copy_s")}
     if "nvme_raw" in raw:
         nv = raw["nvme_raw"]
         wall = sum(raw["token_s"])
@@ -529,6 +531,28 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         guarded("cold-ram", lambda: cold(False))
     if "sync" in names:
         guarded("sync", lambda: cold(True))
+    if "spec" in names:
+        # What speculation does to demand copies when it does run: every expert in RAM (probe finds it), VRAM
+        # retention on with room for one layer's demand plus the next layer's guesses, the ORACLE pilot on vs
+        # off. The demand copies left with it on are the guesses that had not landed; their delay against the
+        # same statistic with it off is what the speculative tiles ahead of them cost.
+        for spec in (True, False):
+            def spec_ram(spec=spec):
+                host = r.memory_tier()
+                vx = r.vram(host, 3 * r.K)
+                pilot = OraclePilot(vx, r.routing, r.L) if spec else None
+                name = "spec-ram" if spec else "spec-ram-off"
+                try:
+                    row = r.run_vx(name, vx, host, source=pilot)
+                finally:
+                    vx.close()
+                row["label"] = (f"RAM-fed, {3 * r.K} VRAM slots, speculation "
+                                f"{'on: ORACLE pilot (trace experts of layer l+1)' if spec else 'off'}")
+                row["speculation"] = "oracle" if spec else "off"
+                if pilot is not None:
+                    row["oracle_prefetched"] = pilot.prefetched
+                return row
+            guarded("spec-ram" if spec else "spec-ram-off", spec_ram)
     if r._mem is not None:
         r._mem = None
         gc.collect()

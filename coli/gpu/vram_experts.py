@@ -96,7 +96,7 @@ class VramExperts:
         self.split = layout.down.offset            # gate/up bytes come first in a record
         self.n_slots = int(n_slots)
         self.pool = SlotPool(self.n_slots, self.slot_bytes, policy, n_keys=n_layers * n_experts,
-                             staging=min(top_k, max(1, self.n_slots // 2)))
+                             staging=min(top_k, max(1, self.n_slots // 2)), spec_displaces=True)
         self._mem = self.rt.alloc(self.n_slots * self.slot_bytes)
         self.base = int(self._mem)
         self.events = EventPool(self.drv)

@@ -51,6 +51,13 @@ cache is below capacity, else replace the lowest-ranked unpinned *ready* mapped 
 outranks it; they never evict a pinned or loading slot and never go transient. A speculative load marks
 recency (so it is not evicted before its use) but not frequency (it is not a use).
 
+`spec_displaces=True` (what the GPU executor uses) lets a speculative load replace the lowest-ranked unpinned
+ready key that was not used in the current step and is not itself an unused speculative load, whatever
+the ranks: the pilot predicts a use within the next layer step, and keeping a key whose next use is further
+away is what a clairvoyant policy would not do. Without it, under `freq` a predicted key (no count yet)
+never outranks a resident one and speculation never gets a slot once the cache is full (measured on the
+H200 bench: 0 speculative loads in 8 tokens; docs/performance.md).
+
 Policies (higher is kept; every tuple ends in the recency code, so with distinct ranks in a step the order
 is total)
 
@@ -125,8 +132,9 @@ class SlotPool:
     """n_slots device slots of slot_bytes each; keys are ints (layer * E + expert). See the module docstring."""
 
     def __init__(self, n_slots: int, slot_bytes: int, policy: str = "freq", *, n_keys: int,
-                 staging: int = 8, decay: float = 0.9, count_decay: float = 1.0):
+                 staging: int = 8, decay: float = 0.9, count_decay: float = 1.0, spec_displaces: bool = False):
         _check_args(n_slots, slot_bytes, policy, n_keys, staging, decay, count_decay)
+        self.spec_displaces = bool(spec_displaces)
         self.n_slots, self.slot_bytes, self.policy = int(n_slots), int(slot_bytes), policy
         self.n_keys, self.staging = int(n_keys), int(staging)
         self.decay, self.count_decay = float(decay), float(count_decay)
@@ -301,8 +309,16 @@ class SlotPool:
         if self._n_mapped < self.capacity and self._free:
             slot = self._install(key, mapped=True)
         else:
-            victim = self._lowest(self._reusable())
-            if victim is None or not self._outranks(key, victim[1], rec=rec):
+            if self.spec_displaces:
+                # not used this step, not an unused guess: the lowest-ranked of those goes, ranks aside
+                cand = self._reusable() & ~self._spec
+                used_now = self._rec[np.maximum(self._key, 0)] >= self._now * RANK_SPAN
+                victim = self._lowest(cand & ~used_now)
+            else:
+                victim = self._lowest(self._reusable())
+                if victim is not None and not self._outranks(key, victim[1], rec=rec):
+                    victim = None
+            if victim is None:
                 self.stats.spec_declined += 1
                 return None
             self._evict(victim[0])

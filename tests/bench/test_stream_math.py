@@ -15,7 +15,8 @@ from coli.gpu.setup import WORKSPACE_BYTES, kv_bytes
 
 
 def test_parse_scenarios():
-    assert st.parse_scenarios("all") == ["peer", "warm", "cold-ram", "disk", "budget", "sync"]
+    assert st.parse_scenarios("all") == ["peer", "warm", "cold-ram", "disk", "budget", "spec", "sync"]
+    assert st.parse_scenarios("sync,spec") == ["spec", "sync"]
     assert st.parse_scenarios("sync, warm") == ["warm", "sync"]
     assert st.parse_scenarios("warm,peer") == ["peer", "warm"]
     with pytest.raises(ColiError, match="nope"):
