@@ -603,6 +603,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            nvme_peak=nvme_peak)
         row["token_s_raw"] = raw["token_s"]
         res["rows"].append(row)
+    _spec_delays(res, raws, ceil, tile_kb)
     if peer_row is not None:
         res["rows"].append({"scenario": "peer", "label": "peer: accelerate (subprocess)", **peer_row})
     res["notes"].append("GLM-5's 3 dense layers are counted at the slice's dense_layer time (attention + router + "
@@ -613,6 +614,35 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         Path(out_json).write_text(json.dumps(res, indent=1, default=_json_default))
     print_table(res, report)
     return res
+
+
+def added_delay(copy_us, nbytes, ref_us_per_byte: float, tile_us: float | None) -> dict:
+    """Per demand copy: its device time minus what the same bytes take at `ref_us_per_byte` (the demand lane's
+    median speed with speculation off, same run), in µs and in tile transfer times; summarised. Against the
+    lane's own speed rather than the whole-buffer peak, so what remains is what sharing the bus with the
+    speculative lane cost (plus the lane's own jitter, which the spec-off row measures the same way)."""
+    d = [u - n * ref_us_per_byte for u, n in zip(copy_us, nbytes)]
+    return {"us": summarise(d), "tiles": summarise([x / tile_us for x in d]) if tile_us else None,
+            "ref_us_per_MB": ref_us_per_byte * 1e6}
+
+
+def _spec_delays(res: dict, raws: dict, ceil: dict | None, tile_kb: int) -> None:
+    """The delay speculation adds to demand copies: spec-ram's copies against spec-ram-off's median speed, and
+    spec-ram-off's own copies the same way (the noise floor)."""
+    on, off = raws.get("spec-ram"), raws.get("spec-ram-off")
+    if not on or not off or "error" in on or "error" in off or not off.get("delays_us"):
+        return
+    per_byte = [u / n for u, n in zip(off["delays_us"], off["delay_nbytes"]) if n]
+    if not per_byte:
+        return
+    ref = float(np.median(per_byte))
+    tiles = (ceil or {}).get("tiles") or {}
+    tile = tiles.get(tile_kb) or tiles.get(str(tile_kb)) or {}
+    for row in res["rows"]:
+        raw = on if row.get("scenario") == "spec-ram" else off if row.get("scenario") == "spec-ram-off" else None
+        if raw is not None:
+            row["demand_delay_vs_lane"] = added_delay(raw.get("delays_us", []), raw.get("delay_nbytes", []), ref,
+                                                      tile.get("tile_us"))
 
 
 def _json_default(o):

@@ -35,7 +35,7 @@ def up(
                                                  "expert slots, in GB (default: every expert resident in VRAM)."),
     vram_slots: Optional[int] = typer.Option(None, "--vram-slots", min=1, help="GPU: exactly this many VRAM expert slots."),
     vram_policy: str = typer.Option("freq", "--vram-policy", help="VRAM slot replacement: freq | lru | rdf | lfu."),
-    stream_tile_kb: int = typer.Option(1024, "--stream-tile-kb", min=4, help="GPU: H2D copy tile size in KiB."),
+    stream_tile_kb: int = typer.Option(1024, "--stream-tile-kb", min=4, help="GPU: tile of the speculative copy lane in KiB (a demand waits behind at most one)."),
     max_context: int = typer.Option(4096, "--max-context", min=16, help="KV positions the VRAM budget reserves."),
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "

@@ -170,3 +170,11 @@ def test_cli_stream_errors(tiny_slice, monkeypatch):
     assert "coli bench stream needs a CUDA GPU" in res.output
     res = CliRunner().invoke(app, ["bench", "stream", str(tiny_slice), "--scenario", "bogus"])
     assert res.exit_code == 2 and "bogus" in res.output
+
+
+def test_added_delay_is_measured_against_the_lanes_own_speed():
+    # 20 MB copies at 1 us/MB reference; one copy took 52 us longer: 2 tiles of 26 us
+    d = st.added_delay([20.0, 20.0, 72.0], [20e6, 20e6, 20e6], 1e-6, 26.0)
+    assert d["us"]["max"] == pytest.approx(52.0)
+    assert d["tiles"]["max"] == pytest.approx(2.0)
+    assert d["us"]["p50"] == pytest.approx(0.0)
