@@ -332,7 +332,7 @@ class _Runner:
         return VramExperts(self.b, host, self.layout, self.L, self.E, self.K, n_slots, tile_bytes=self.tile_bytes,
                            **kw)
 
-    def run_vx(self, name: str, vx, host, source=None, nvme=None) -> dict:
+    def run_vx(self, name: str, vx, host, source=None, nvme=None, timeline: bool = False) -> dict:
         """Decode with `vx` (wrapped by `source` if given) as the expert source; its counters over the timed
         tokens only."""
         self.model.experts = source if source is not None else vx
@@ -340,6 +340,8 @@ class _Runner:
 
         def before():
             vx.finish()
+            if timeline:
+                vx.start_timeline()
             marks["snap"] = vx.snapshot()
             marks["delays"] = len(vx.delays_us)
             marks["host"] = dict(getattr(host, "stats", {}) or {})
@@ -355,6 +357,10 @@ class _Runner:
         row = {"scenario": name, "token_s": times, "counters": snap,
                "delays_us": vx.delays_us[i:], "delay_nbytes": vx.delay_nbytes[i:],
                "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"]), "vram_slots": vx.n_slots}
+        if timeline and vx.timeline:
+            # the first three timed tokens, per lane (demand copies, speculative copies, compute spans)
+            cut = 1e6 * sum(times[:3])
+            row["timeline"] = [e for e in vx.timeline if e["t0_us"] <= cut]
         if nvme is not None:
             b0, s0 = marks["nvme"]
             row["nvme_raw"] = {"bytes": nvme.bytes_read - b0, "read_s": nvme.read_s - s0,
@@ -520,7 +526,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         host = r.memory_tier()
         vx = r.vram(host, n_cold, retain=False, sync=sync)
         try:
-            row = r.run_vx("sync" if sync else "cold-ram", vx, host)
+            row = r.run_vx("sync" if sync else "cold-ram", vx, host, timeline=True)
         finally:
             vx.close()
         row["label"] = ("sync baseline (whole-record copy, host waits, then compute; RAM source, no retention)"
@@ -543,7 +549,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                 pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                 name = "spec-ram" if spec else "spec-ram-off"
                 try:
-                    row = r.run_vx(name, vx, host, source=pilot)
+                    row = r.run_vx(name, vx, host, source=pilot, timeline=True)
                 finally:
                     vx.close()
                 row["label"] = (f"RAM-fed, {3 * r.K} VRAM slots, speculation "
@@ -602,6 +608,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
                            nvme_peak=nvme_peak)
         row["token_s_raw"] = raw["token_s"]
+        if raw.get("timeline"):
+            row["timeline"] = raw["timeline"]
         res["rows"].append(row)
     _spec_delays(res, raws, ceil, tile_kb)
     if peer_row is not None:
@@ -667,14 +675,12 @@ def _plots(res: dict, plots_dir, ceil, report) -> None:
     jobs = [("scenarios", lambda p: mod.plot_scenarios(_plot_rows(res, ceil), p))]
     if ceil is not None:
         jobs.append(("h2d_tiles", lambda p: mod.plot_h2d_tiles(ceil, p)))
-    events = []
     for row in res["rows"]:
-        t0 = 0.0
-        for i, s in enumerate(row.get("token_s_raw") or []):
-            # one lane per scenario: its decode steps back to back (token spans, not per-copy lane events)
-            events.append({"lane": row["scenario"], "t0_us": t0 * 1e6, "t1_us": (t0 + s) * 1e6, "label": f"t{i}"})
-            t0 += s
-    jobs.append(("timeline", lambda p: mod.plot_timeline(events, p)))
+        ev = row.get("timeline")
+        if ev:      # per-lane device timeline of the first timed tokens (cold-ram, sync, spec-ram...)
+            name = row["scenario"]
+            jobs.append((f"timeline-{name}", lambda p, ev=ev, name=name: mod.plot_timeline(
+                ev, p, title=f"{name}: demand / speculative copy lanes and compute, first 3 tokens")))
     for name, fn in jobs:
         p = d / f"{name}.png"
         try:

@@ -24,6 +24,8 @@ class BusyClock:
         self.marks: deque[tuple[str, int]] = deque()
         self.busy_s = 0.0
         self._open: int | None = None
+        self.ref: int | None = None              # with `timeline`: spans as (t0_us, t1_us) after this event
+        self.timeline: list[dict] | None = None
 
     def mark(self, kind: str) -> None:
         ev = self.events.get()
@@ -43,6 +45,9 @@ class BusyClock:
             self.marks.popleft()
             if kind in CLOSE and self._open is not None:
                 self.busy_s += self.drv.elapsed_ms(self._open, ev) / 1e3
+                if self.timeline is not None and self.ref is not None and len(self.timeline) < 20000:
+                    self.timeline.append({"lane": "compute", "t0_us": 1e3 * self.drv.elapsed_ms(self.ref, self._open),
+                                          "t1_us": 1e3 * self.drv.elapsed_ms(self.ref, ev), "label": kind})
             if self._open is not None:
                 self.events.put(self._open)
                 self._open = None

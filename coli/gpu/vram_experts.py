@@ -120,6 +120,8 @@ class VramExperts:
         # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
         self.delays_us: list[float] = []
         self.delay_nbytes: list[int] = []
+        self.timeline: list[dict] | None = None      # see start_timeline
+        self._tl_ref = 0
         self.t0 = time.perf_counter()
         host.reclaim_hook(lambda: self._reap(wait=True))
         backend.on_kernel_error = self._on_kernel_error
@@ -336,8 +338,21 @@ class VramExperts:
                 self.host.release(rec)
         self._pending = keep
 
+    def start_timeline(self) -> None:
+        """From now on, keep every copy's and compute span's device times (µs after a reference event on the
+        compute stream): the per-lane timeline `coli bench` plots. Call finish() before reading `timeline`."""
+        self.busy.collect(wait=True)
+        ref = self.drv.event_create(timing=True)
+        self.drv.event_record(ref, self._compute_stream)
+        self._tl_ref, self.timeline = ref, []
+        self.busy.ref, self.busy.timeline = ref, self.timeline
+
     def _account(self, job: CopyJob, speculative: bool) -> None:
         ms = self.drv.elapsed_ms(job.ev_start, job.ev_done)
+        if self.timeline is not None and len(self.timeline) < 20000:
+            self.timeline.append({"lane": "speculative" if speculative else "demand",
+                                  "t0_us": 1e3 * self.drv.elapsed_ms(self._tl_ref, job.ev_start),
+                                  "t1_us": 1e3 * self.drv.elapsed_ms(self._tl_ref, job.ev_done), "label": str(job.key)})
         if speculative:
             self.stats["spec_copies"] += 1
             self.stats["spec_bytes"] += job.nbytes
@@ -414,3 +429,6 @@ class VramExperts:
         for ev in self._consumed_ev:
             self.drv.event_destroy(ev)
         self._consumed_ev = []
+        if self._tl_ref:
+            self.drv.event_destroy(self._tl_ref)
+            self._tl_ref = 0
