@@ -76,6 +76,7 @@ class CopyLane:
         self.jobs_done = 0
         self.bytes_done = 0
         self.yield_waits = 0           # speculative tiles that waited for the demand lane to go idle
+        self.error: Exception | None = None   # what stopped the worker, if anything did
         self._thread = threading.Thread(target=self._loop, name=f"coli-{name}-lane", daemon=True)
         self._thread.start()
 
@@ -89,6 +90,13 @@ class CopyLane:
             self._q.append(job)
             self._cv.notify()
         return job
+
+    def wait_submitted(self, job: CopyJob) -> None:
+        """Wait until the worker has issued (or skipped) the job; a dead worker is an error, not a hang."""
+        while not job.submitted.wait(0.5):
+            if not self._thread.is_alive():
+                raise DriverError(f"the {self.name} copy lane's worker thread has died "
+                                  f"({self.error or 'no error recorded'})", 999)
 
     def busy(self) -> bool:
         """Work queued or in flight on this lane (a host-side view plus a stream query)."""
@@ -110,7 +118,14 @@ class CopyLane:
 
     # ---- worker thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
-        self.drv.set_context(self.ctx)       # the primary context, current in this thread too
+        try:
+            self.drv.set_context(self.ctx)   # the primary context, current in this thread too
+            self._serve()
+        except BaseException as e:           # noqa: BLE001 -- kept for wait_submitted's error message
+            self.error = e
+            raise
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._q and not self._stop:
@@ -177,12 +192,14 @@ class CopyLane:
                     if job.cancelled:
                         break
                     waited = False
-                    while self.demand is not None and self.demand.busy():
+                    while self.demand is not None and self.demand.busy() and not job.cancelled:
                         waited = True
                         time.sleep(20e-6)
                         if self._stop:
                             return
                     self.yield_waits += waited
+                    if job.cancelled:
+                        break
                     self._tile(job, off, n)
                     self.drv.event_record(tile_ev, self.stream)
                     self.drv.event_sync(tile_ev)

@@ -218,7 +218,7 @@ class VramExperts:
         if demanded and not job.submitted.is_set():
             job.cancelled = True                 # stop the trickle; its in-flight tile finishes
             self.stats["spec_cancelled"] += 1
-            job.submitted.wait()
+            self.spec.wait_submitted(job)
         complete = job.error is None and job.tiles_done == job.n_tiles
         if complete:
             self.drv.event_sync(job.ev_done)
@@ -253,7 +253,7 @@ class VramExperts:
             self.pool.release(s)
 
         return DeviceRecord(self.base + s * self.slot_bytes, self.layout, ready=ready, ready_down=ready_down,
-                            on_consumed=consumed, fetch_host=lambda: self._fetch_host(layer, e))
+                            on_consumed=consumed, fetch_host=lambda: self._fetch_host(layer, e, s))
 
     # ---- misses ---------------------------------------------------------------------------------------------
     def _load(self, layer: int, rec: HostRecord, retry: bool = False) -> Any:
@@ -274,12 +274,17 @@ class VramExperts:
         job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
                       wait_event=self.slot_consumed[s], inject_error=inject)
         self.demand.submit(job)
-        job.submitted.wait()
+        self.demand.wait_submitted(job)
         if self.sync and job.error is None:
             self.drv.event_sync(job.ev_done)     # the sync baseline: the bytes are there before the yield
         if job.error is not None:
             if isinstance(job.error, DriverError) and job.error.fatal:
                 raise job.error
+            try:                                 # a half that was issued must land before the slot is reused
+                self.drv.stream_sync(self.demand.stream)
+            except DriverError as e:
+                if e.fatal:
+                    raise
             self._free_events(job)
             self.pool.invalidate(s)
             self.pool.release(s)
@@ -292,19 +297,18 @@ class VramExperts:
     def _host_expert(self, rec: HostRecord, reason: str) -> HostExpert:
         return HostExpert(decode_expert_record(rec.array, self.layout), reason)
 
-    def _fetch_host(self, layer: int, e: int) -> ExpertWeights:
-        """The record's host copy, asked of the host tier again (a kernel fallback after the copy's source
-        was released); copied out so the tier's slot can go back at once."""
+    def _fetch_host(self, layer: int, e: int, s: int) -> ExpertWeights:
+        """The record's host copy for a CPU fallback after its kernels failed: from the host tier if it is still
+        resident there (a probe: no message, so no request nested inside the one in flight), checked against
+        recycling; else the bytes of its VRAM slot, read back once every copy has landed (the same bytes)."""
+        rec = self.host.probe(layer, e)
+        if rec is not None:
+            w = decode_expert_record(rec.array, self.layout)
+            w = ExpertWeights(np.array(w.gate), np.array(w.up), np.array(w.down))
+            if self.host.still_valid(rec):
+                return w
         self._reap(wait=True)
-        for rec in self.host.grants(layer, [e]):
-            if rec is None:
-                continue
-            try:
-                w = decode_expert_record(rec.array, self.layout)
-                return ExpertWeights(np.array(w.gate), np.array(w.up), np.array(w.down))
-            finally:
-                self.host.release(rec)
-        raise ColiError(f"layer {layer} expert {e}: the host tier did not provide the record")
+        return self.b._record_to_host(DeviceRecord(self.base + s * self.slot_bytes, self.layout))
 
     # ---- completions ----------------------------------------------------------------------------------------
     def _reap(self, wait: bool = False) -> None:
@@ -415,7 +419,14 @@ class VramExperts:
         try:
             self._reap(wait=True)
         except DriverError:
-            pass
+            # the context is gone: no DMA is running any more, so the host leases can go back as they are
+            for _job, rec, _s in self._pending:
+                if rec is not None:
+                    try:
+                        self.host.release(rec)
+                    except Exception:
+                        pass
+            self._pending = []
         for job in self._spec_jobs.values():
             job.cancelled = True
         self.spec.close()

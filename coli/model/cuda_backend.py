@@ -372,29 +372,36 @@ class CudaBackend:
         to launch (or an injected kernel_error) falls back to the CPU for that batch's experts."""
         S, H = x.shape
         st = _MoeStep(x, idx, weights)
-        for item in experts:
-            if item is FLUSH:
-                if st.pending:           # launch what is held (its slots' pins go back on_consumed)
-                    self._moe_batch(st)
-                continue
-            e, h = item
-            e = int(e)
-            if isinstance(h, ExpertWeights):
-                h = upload_host_expert(self.rt, h)     # copied before the source recycles its memory
-            if isinstance(h, HostExpert):
-                self._moe_host(st, e, h.weights)
-                self.cpu_experts += 1
-            elif isinstance(h, DeviceRecord):
-                st.pending[e] = h
-            else:
-                raise TypeError(f"expert {e}: the CUDA backend takes DeviceRecord, HostExpert or ExpertWeights, "
-                                f"not {type(h)}")
-            st.seen.add(e)
-        missing = {e for e in np.unique(idx).tolist() if e >= 0} - st.seen   # -1: a pruned slot
-        if missing:
-            raise ValueError(f"the expert source did not yield expert(s) {sorted(missing)}")
-        if st.pending:
-            self._moe_batch(st)
+        try:
+            for item in experts:
+                if item is FLUSH:
+                    if st.pending:           # launch what is held (its slots' pins go back on_consumed)
+                        self._moe_batch(st)
+                    continue
+                e, h = item
+                e = int(e)
+                if isinstance(h, ExpertWeights):
+                    h = upload_host_expert(self.rt, h)     # copied before the source recycles its memory
+                if isinstance(h, HostExpert):
+                    self._moe_host(st, e, h.weights)
+                    self.cpu_experts += 1
+                elif isinstance(h, DeviceRecord):
+                    st.pending[e] = h
+                else:
+                    raise TypeError(f"expert {e}: the CUDA backend takes DeviceRecord, HostExpert or ExpertWeights, "
+                                    f"not {type(h)}")
+                st.seen.add(e)
+            missing = {e for e in np.unique(idx).tolist() if e >= 0} - st.seen   # -1: a pruned slot
+            if missing:
+                raise ValueError(f"the expert source did not yield expert(s) {sorted(missing)}")
+            if st.pending:
+                self._moe_batch(st)
+        except BaseException:
+            # records held but never launched (cancel, a failed read, ...) give their slots back: nothing queued
+            # reads them, so an event recorded now is past their last reader
+            self._consumed(list(st.pending.values()))
+            st.pending = {}
+            raise
         out = st.out
         if st.host_sum is not None:
             hs = self.upload(st.host_sum)
@@ -403,45 +410,52 @@ class CudaBackend:
             out = self.upload(np.zeros((S, H), F32))
         return out
 
-    def _moe_batch(self, st: "_MoeStep") -> None:
-        """Launch the fused MoE kernels for the records in st.pending (accumulating into st.out)."""
-        recs, st.pending = st.pending, {}
-        S, H = st.x.shape
-        try:
-            if self.faults is not None and self.faults.hit("kernel_error"):
-                raise CudaError(f"injected kernel_error (MoE batch of {len(recs)} experts)")
-            groups: dict[Any, list[int]] = {}
-            for e, r in recs.items():
-                groups.setdefault(r.layout, []).append(e)
-            first = st.out is None
-            out = self.empty((S, H)) if first else st.out
-            if S == 1 and all(self._decode_ok(lay) for lay in groups):
-                self._moe_decode(st.x, st.idx, st.weights, recs, groups, out, accumulate=not first)
-            else:
-                for r in recs.values():
-                    self._wait(r.ready)
-                    self._wait(r.ready_down)
-                if self.busy is not None:
-                    self.busy.mark("moe_start")
-                self._moe_prefill(st.x, st.idx, st.weights, recs, groups, out, accumulate=not first)
-            st.out = out
-            if self.busy is not None:
-                self.busy.mark("moe_end")
-        except CudaError as err:
-            # the kernels did not run: compute these experts on the CPU from their host copies
-            self.kernel_fallbacks += 1
-            if self.on_kernel_error is not None:
-                self.on_kernel_error(err, sorted(recs))
-            for e, r in recs.items():
-                ew = r.fetch_host() if r.fetch_host is not None else self._record_to_host(r)
-                self._moe_host(st, e, ew)
-                self.cpu_experts += 1
-        consumed = [r for r in recs.values() if r.on_consumed is not None]
+    def _consumed(self, recs) -> None:
+        """Tell each record's owner that the kernels reading it are queued (an event behind them)."""
+        consumed = [r for r in recs if r.on_consumed is not None]
         if consumed:
             ev = self.rt.event()
             ev.record(self.rt.stream)
             for r in consumed:
                 r.on_consumed(ev)
+
+    def _moe_batch(self, st: "_MoeStep") -> None:
+        """Launch the fused MoE kernels for the records in st.pending and add their sum to st.out. A batch after
+        the first runs into its own buffer, added only once it launched, so a failure in the middle of a
+        batch never leaves part of it in st.out when its experts are then computed on the CPU."""
+        recs, st.pending = st.pending, {}
+        S, H = st.x.shape
+        try:
+            try:
+                if self.faults is not None and self.faults.hit("kernel_error"):
+                    raise CudaError(f"injected kernel_error (MoE batch of {len(recs)} experts)")
+                groups: dict[Any, list[int]] = {}
+                for e, r in recs.items():
+                    groups.setdefault(r.layout, []).append(e)
+                out = self.empty((S, H))
+                if S == 1 and all(self._decode_ok(lay) for lay in groups):
+                    self._moe_decode(st.x, st.idx, st.weights, recs, groups, out)
+                else:
+                    for r in recs.values():
+                        self._wait(r.ready)
+                        self._wait(r.ready_down)
+                    if self.busy is not None:
+                        self.busy.mark("moe_start")
+                    self._moe_prefill(st.x, st.idx, st.weights, recs, groups, out)
+                st.out = out if st.out is None else self.add(st.out, out)
+                if self.busy is not None:
+                    self.busy.mark("moe_end")
+            except CudaError as err:
+                # the kernels did not run: compute these experts on the CPU from their host copies
+                self.kernel_fallbacks += 1
+                if self.on_kernel_error is not None:
+                    self.on_kernel_error(err, sorted(recs))
+                for e, r in recs.items():
+                    ew = r.fetch_host() if r.fetch_host is not None else self._record_to_host(r)
+                    self._moe_host(st, e, ew)
+                    self.cpu_experts += 1
+        finally:
+            self._consumed(recs.values())
 
     def _moe_host(self, st: "_MoeStep", e: int, ew: ExpertWeights) -> None:
         """Expert e on the CPU (numpy, fp32, the numpy backend's formula) for the rows routed to it."""
@@ -549,7 +563,7 @@ class CudaBackend:
             ii = idx[s0:s0 + n]
             wi = np.asarray(weights[s0:s0 + n], F32)
             Y = self.empty((n, K, H))
-            if (ii < 0).any() or len(recs) < len(set(ii[ii >= 0].tolist())):
+            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= recs.keys():
                 # pruned slots (expert top-p), or experts of another batch: their rows of Y stay zero
                 self.rt.zero(Y.ptr, Y.nbytes)
             for lay, members in groups.items():

@@ -160,6 +160,19 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             c.update(state["vx"].snapshot())
         send_stats(sock, state["supervisor"], STAGE, c)
 
+    def finish_vram() -> None:
+        """Every copy of the request landed and its RAM-tier lease went back; a GPU lost meanwhile demotes."""
+        vx = state["vx"]
+        if vx is None:
+            return
+        try:
+            vx.finish()
+        except Exception as e:
+            if _gpu_fatal(e):
+                demote(e)
+            else:
+                log.error("vram_finish_failed", error=str(e))
+
     def serve(peer: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
         bad = [t for t in req.prompt_ids if t >= cfg.vocab_size]
@@ -188,18 +201,15 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         out_tokens: list[int] = []
         reason = "length"
         attempt = 0
+        base, prompt = 0, new_ids       # a retry after demotion continues after the tokens already sent
         while True:
-            gen = Generation(state["model"], new_ids, req.max_tokens, params, eos_ids=cfg.eos_token_ids,
+            gen = Generation(state["model"], prompt, req.max_tokens - base, params, eos_ids=cfg.eos_token_ids,
                              ignore_eos=req.ignore_eos, cache=cache)
             try:
                 for i, tok in enumerate(gen):
-                    if i < n:            # a retry after demotion: these were sent already
-                        if int(tok) != out_tokens[i]:
-                            log.warning("demoted_retry_diverged", request_id=rid, position=i)
-                        continue
-                    send(sock, Token(rid, int(tok), i), peer=peer)
+                    send(sock, Token(rid, int(tok), base + i), peer=peer)
                     out_tokens.append(int(tok))
-                    n = i + 1
+                    n = base + i + 1
                     counters["tokens"] += 1
                     pump(0)
                     if ticker.due():
@@ -223,15 +233,19 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     raise
                 attempt += 1
                 demote(e)
+                # go on from what the client has: the prompt and the tokens sent so far, on the CPU
+                base = n
+                if base >= req.max_tokens:
+                    reason = "length"
+                    break
+                full = list(req.prompt_ids) + out_tokens
                 if sess is not None:      # the session's cache lived on the GPU: take it up again on the CPU
                     sess = sessions.get(req.session, create=True)
-                    new_ids = sess.reuse(list(req.prompt_ids))
-                    cache = sess.cache
+                    prompt, cache = sess.reuse(full), sess.cache
                 else:
-                    cache = None
+                    prompt, cache = full, None
             finally:
-                if state["vx"] is not None:
-                    state["vx"].finish()      # every copy landed: the RAM tier's leases go back
+                finish_vram()
         state["current"] = None
         if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
             sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]

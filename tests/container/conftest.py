@@ -3,9 +3,6 @@ make_fp8_checkpoint.py, numpy only) and a helper that runs the `coli` CLI in a s
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,17 +13,7 @@ import make_fp8_checkpoint as mk
 SMALL = dict(layers=2, dense_layers=1, experts=4, topk=2)
 
 
-def coli(*args: str, check: bool = False, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "coli.cli.main", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, **kw)
-    if check and r.returncode != 0:
-        raise AssertionError(f"coli {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+from container_cli import coli, copy_tree  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

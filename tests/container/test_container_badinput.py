@@ -18,7 +18,7 @@ from coli.container.writer import ConvertOptions, convert
 from coli.errors import ColiError
 from coli.safetensors_io import SafetensorsFile, write_safetensors
 
-from conftest import coli, copy_tree
+from container_cli import coli, copy_tree
 
 Q_A = "model.layers.1.self_attn.q_a_proj.weight"
 EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"

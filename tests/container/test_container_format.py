@@ -14,7 +14,7 @@ from coli.container.writer import ConvertOptions, convert
 from coli.errors import ColiError
 from coli.loader import open_weights
 
-from conftest import coli
+from container_cli import coli
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ import pytest
 
 import make_fp8_checkpoint as mk
 
-from conftest import coli
+from container_cli import coli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

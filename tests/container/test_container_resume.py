@@ -18,7 +18,7 @@ from coli.container.reader import ContainerReader
 from coli.container.writer import ConvertOptions, convert
 from coli.errors import ColiError
 
-from conftest import coli
+from container_cli import coli
 
 ARGS = ["--experts", "int4", "--dense", "int8", "--group", "32", "--tile-kb", "64", "--expert-file-mb", "8",
         "--commit-mb", "1", "--no-progress"]

@@ -17,7 +17,7 @@ from coli.errors import ColiError
 from coli.model.tensors import keep_full_precision
 from coli.weights import HFCheckpoint
 
-from conftest import coli
+from container_cli import coli
 
 
 def _files(d: Path) -> dict[str, bytes]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import GatewayProc
+from gateway_proc import GatewayProc
 from harness import Run
 
 
