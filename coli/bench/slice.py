@@ -49,7 +49,7 @@ from coli.container.format import (
     MatrixLayout, RecordLayout, file_header, parse_manifest,
 )
 from coli.container.quant import pack_tiles
-from coli.container.writer import ConvertOptions, Plan, _finish, _fsync_dir, _Out, make_plan
+from coli.container.writer import ConvertOptions, Plan, _finish, _fsync_dir, _Out, make_plan, pack_row_range
 from coli.errors import ColiError
 
 SLICE_PRESETS = ("glm5", "tiny")
@@ -173,13 +173,7 @@ def dense_piece(seed: int, name: str, shape: tuple[int, ...], lay: MatrixLayout,
         data, meta = _const_rows(0.0 if name.endswith("bias") else 1.0, lay)
     else:
         data, meta = random_rows(_rng(seed, 0, _name_key(name), r0), lay, r1 - r0)
-    t0, t_end = r0 // lay.rows_per_tile, -(-r1 // lay.rows_per_tile)
-    start = lay.tile(t0)[0]
-    stop = lay.nbytes if t_end == lay.n_tiles else lay.tile(t_end)[0]
-    out = np.empty(stop - start + pad, np.uint8)
-    pack_tiles(lay, data, meta, r0, out[:stop - start])
-    out[stop - start:] = 0
-    return out
+    return pack_row_range(lay, data, meta, r0, r1, pad)
 
 
 def expert_record(seed: int, record: RecordLayout, layer: int, expert: int) -> np.ndarray:

@@ -678,6 +678,11 @@ class _Job:
 def _dense_piece(source: Source, m: SrcMatrix, lay: MatrixLayout, r0: int, r1: int, pad: int) -> np.ndarray:
     """The tiles of rows [r0, r1) (r0 on a tile boundary), followed by `pad` zero bytes."""
     data, meta = _encode_rows(source, m, lay, r0, r1)
+    return pack_row_range(lay, data, meta, r0, r1, pad)
+
+
+def pack_row_range(lay: MatrixLayout, data: np.ndarray, meta: np.ndarray, r0: int, r1: int, pad: int) -> np.ndarray:
+    """Encoded rows [r0, r1) of a matrix (r0 on a tile boundary) packed as its tiles, then `pad` zero bytes."""
     t0, t_end = r0 // lay.rows_per_tile, -(-r1 // lay.rows_per_tile)
     start = lay.tile(t0)[0]
     stop = lay.nbytes if t_end == lay.n_tiles else lay.tile(t_end)[0]
