@@ -264,7 +264,7 @@ class VramExperts:
             return self._host_expert(rec, "oversize")
         if retry:
             self._reap(wait=True)                # slots whose copies are still loading cannot be handed out
-        s = self.pool.acquire(key)
+        s = self.pool.acquire(key, retry=retry)
         if s is None:
             if not retry:
                 return FLUSH

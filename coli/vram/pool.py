@@ -221,15 +221,22 @@ class SlotPool:
             self._spec[s] = False
         return s
 
-    def acquire(self, key: int, *, speculative: bool = False, rank: int | None = None) -> int | None:
+    def acquire(self, key: int, *, speculative: bool = False, rank: int | None = None,
+                retry: bool = False) -> int | None:
         """A slot to copy key into, pinned and loading, or None. Call `lookup` (demand) or `slot_of`
-        (speculative) first: acquiring a mapped key is an error."""
+        (speculative) first: acquiring a mapped key is an error. `retry=True`: the same demand miss asked again
+        after a None (once the caller released pins): the miss and its use are not counted twice, and a slot
+        found now takes back the rejection counted the first time."""
         key = self._keyed(key)
         _check_rank(rank)
         if self._slot_of[key] >= 0:
             raise ValueError(f"key {key} is already mapped to slot {int(self._slot_of[key])}: look it up instead")
         if speculative:
             return self._acquire_speculative(key, rank)
+        if retry:
+            self.stats.rejected_no_slot -= 1
+            s = self._place_demand(key)
+            return s
         return self._acquire_demand(key, rank)
 
     def loaded(self, slot: int) -> None:
@@ -283,6 +290,9 @@ class SlotPool:
     def _acquire_demand(self, key: int, rank: int | None) -> int | None:
         self.stats.misses += 1
         self._use(key, rank)
+        return self._place_demand(key)
+
+    def _place_demand(self, key: int) -> int | None:
         if self._free:
             return self._demand_into_free(key)
         # The slack is used up (every unmapped slot is pinned): only an unpinned ready slot can be reused.

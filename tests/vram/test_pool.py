@@ -648,3 +648,25 @@ def test_spec_displaces_replaces_a_key_not_used_this_step_even_under_freq():
                 q.loaded(s)
             q.release(s)
     assert q.acquire(50, speculative=True) is None
+
+
+def test_a_retried_demand_miss_is_counted_once():
+    """acquire -> None (every slot pinned), the caller releases pins, acquire(retry=True) -> a slot: one miss,
+    no rejection, and the key's use counted once (its freq count is 1, as for a plain miss)."""
+    from coli.vram.pool import SlotPool
+    p = SlotPool(2, 4096, "freq", n_keys=100, staging=1)
+    p.begin_step()
+    held = []
+    for k in (1, 2):
+        s = p.acquire(k)
+        p.loaded(s)
+        held.append(s)                     # both slots pinned by this step's records
+    assert p.acquire(3) is None
+    assert p.stats.misses == 3 and p.stats.rejected_no_slot == 1
+    for s in held:
+        p.release(s)
+    s = p.acquire(3, retry=True)
+    assert s is not None
+    assert p.stats.misses == 3 and p.stats.rejected_no_slot == 0
+    assert p._cnt[3] == 1.0
+    p.check()
