@@ -31,8 +31,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -49,7 +47,7 @@ from coli.container.format import (
     MatrixLayout, RecordLayout, file_header, parse_manifest,
 )
 from coli.container.quant import pack_tiles
-from coli.container.writer import ConvertOptions, Plan, _finish, _fsync_dir, _Out, make_plan, pack_row_range
+from coli.container.writer import ConvertOptions, Plan, _finish, _fsync_dir, _Out, make_plan, pack_row_range, pieces_in_order
 from coli.errors import ColiError
 
 SLICE_PRESETS = ("glm5", "tiny")
@@ -396,25 +394,10 @@ def _write_units(plan: Plan, seed: int, out: _Out, progress, threads: int) -> li
     Returns each unit's xxh64, in unit order."""
     total = plan.total_bytes
     sums: list[int] = []
-    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
-    window: deque = deque()
-    jobs = _jobs(plan, seed)
-
-    def refill() -> None:
-        while len(window) < (threads + 1 if pool else 1):
-            job = next(jobs, None)
-            if job is None:
-                return
-            window.append((job, pool.submit(job.fn) if pool else None))
-
     done = 0
-    try:
-        refill()
+    with pieces_in_order(_jobs(plan, seed), threads) as pieces:
         h = xxhash.xxh64()
-        while window:
-            job, fut = window.popleft()
-            refill()
-            buf = fut.result() if fut is not None else job.fn()
+        for job, buf in pieces:
             u = plan.units[job.unit]
             out.write(u.file, job.offset, buf, f"unit {job.unit}")
             h.update(buf)
@@ -424,12 +407,6 @@ def _write_units(plan: Plan, seed: int, out: _Out, progress, threads: int) -> li
                 h = xxhash.xxh64()
             if progress:
                 progress(done, total)
-    finally:
-        for _, fut in window:
-            if fut is not None:
-                fut.cancel()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
     return sums
 
 

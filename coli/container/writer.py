@@ -20,6 +20,8 @@ directory is fsync'd) and only its presence makes a container complete; the jour
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import errno
 import fcntl
 import json
@@ -747,46 +749,27 @@ def _run_units(source, plan, in_bytes, done, sums, out, journal, progress, done_
         pending_bytes = 0
         last_commit = time.monotonic()
 
-    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
-    window: deque = deque()
-    jobs = _jobs(source, plan, done)
-
-    def refill() -> None:
-        while len(window) < (threads + 1 if pool else 1):
-            job = next(jobs, None)
-            if job is None:
-                return
-            window.append((job, pool.submit(job.fn) if pool else None))
-
     try:
-        refill()
-        h = xxhash.xxh64()
-        while window:
-            job, fut = window.popleft()
-            refill()
-            buf = fut.result() if fut is not None else job.fn()
-            u = units[job.unit]
-            out.write(u.file, job.offset, buf, _what(u))
-            h.update(buf)
-            if job.last:
-                sums.append(h.intdigest())
-                pending.append((job.unit, sums[-1]))
-                h = xxhash.xxh64()
-                pending_bytes += u.length
-                consumed += in_bytes[job.unit]
-                if progress:
-                    progress(done_in + consumed, total_in)
-                if pending_bytes >= commit_bytes or time.monotonic() - last_commit >= commit_seconds:
-                    commit()
-        commit()
-        committer.drain()
+        with pieces_in_order(_jobs(source, plan, done), threads) as pieces:
+            h = xxhash.xxh64()
+            for job, buf in pieces:
+                u = units[job.unit]
+                out.write(u.file, job.offset, buf, _what(u))
+                h.update(buf)
+                if job.last:
+                    sums.append(h.intdigest())
+                    pending.append((job.unit, sums[-1]))
+                    h = xxhash.xxh64()
+                    pending_bytes += u.length
+                    consumed += in_bytes[job.unit]
+                    if progress:
+                        progress(done_in + consumed, total_in)
+                    if pending_bytes >= commit_bytes or time.monotonic() - last_commit >= commit_seconds:
+                        commit()
+            commit()
+            committer.drain()
     finally:
         # whatever finished before an error or interrupt is kept for the next run
-        for _, fut in window:
-            if fut is not None:
-                fut.cancel()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
         try:
             commit()
             committer.drain()
@@ -795,6 +778,38 @@ def _run_units(source, plan, in_bytes, done, sums, out, journal, progress, done_
         finally:
             committer.stop()
     return consumed
+
+
+@contextmanager
+def pieces_in_order(jobs, threads: int):
+    """Each job's bytes (`job.fn()`), made by `threads` workers a bounded window ahead (numpy releases the GIL)
+    and handed out in job order as (job, bytes). Leaving the block cancels what was not started and waits for
+    the rest, so an error or interrupt leaves no worker writing."""
+    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+    window: deque = deque()
+
+    def refill() -> None:
+        while len(window) < (threads + 1 if pool else 1):
+            job = next(jobs, None)
+            if job is None:
+                return
+            window.append((job, pool.submit(job.fn) if pool else None))
+
+    def in_order():
+        refill()
+        while window:
+            job, fut = window.popleft()
+            refill()
+            yield job, (fut.result() if fut is not None else job.fn())
+
+    try:
+        yield in_order()
+    finally:
+        for _, fut in window:
+            if fut is not None:
+                fut.cancel()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _finish(source, dst, opts, plan, header, sums, out: _Out, copied) -> Manifest:
