@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 import xxhash
@@ -215,12 +215,14 @@ class ContainerReader:
                 self._fds[f] = os.open(self.expert_paths[f], os.O_RDONLY)
             return self._fds[f]
 
-    def read_record(self, layer: int, expert: int, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        """The raw record bytes (uint8 [length]), checksum-verified unless verify=False."""
+    def read_record(self, layer: int, expert: int, out: np.ndarray | None = None, verify: bool = True,
+                    fd_of: Callable[[int], int] | None = None) -> np.ndarray:
+        """The raw record bytes (uint8 [length]), checksum-verified unless verify=False. `fd_of(file index)`
+        gives the descriptor to read from (default: this reader's own; O_DIRECT readers pass theirs)."""
         row = self.index[self._index_row(layer, expert)]
         f, off, n = int(row["file"]), int(row["offset"]), int(row["length"])
         buf = np.empty(n, np.uint8) if out is None else out[:n]
-        fd, done = self._fd(f), 0
+        fd, done = (fd_of or self._fd)(f), 0
         while done < n:
             k = os.preadv(fd, [buf[done:]], off + done)
             if k <= 0:

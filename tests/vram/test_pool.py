@@ -616,20 +616,25 @@ def test_size_pool_rejects_nonsense():
         size_pool(GB, 0, 0, 0, 0, min_slots=1)
 
 
+def _demand_steps(pool, steps) -> None:
+    """Each step: begin_step, then every key looked up (acquired and loaded on a miss) and released."""
+    for step_keys in steps:
+        pool.begin_step()
+        for k in step_keys:
+            s = pool.lookup(k)
+            if s is None:
+                s = pool.acquire(k)
+                pool.loaded(s)
+            pool.release(s)
+
+
 def test_spec_displaces_replaces_a_key_not_used_this_step_even_under_freq():
     """With spec_displaces, a predicted key with no count takes the slot of the lowest-ranked key not used this
     step (freq would otherwise decline it forever once the cache is full); keys used this step, pinned keys
     and unused guesses are never its victims."""
     from coli.vram.pool import SlotPool
     p = SlotPool(4, 4096, "freq", n_keys=100, staging=1, spec_displaces=True)
-    for step_keys in ([1, 2, 3], [1, 2, 3], [1, 2]):          # 1, 2 used thrice/twice; 3 twice
-        p.begin_step()
-        for k in step_keys:
-            s = p.lookup(k)
-            if s is None:
-                s = p.acquire(k)
-                p.loaded(s)
-            p.release(s)
+    _demand_steps(p, ([1, 2, 3], [1, 2, 3], [1, 2]))          # 1, 2 used thrice; 3 twice
     # this step used 1 and 2; 3 is the only key not used now -> the guess replaces it
     s = p.acquire(50, speculative=True)
     assert s is not None and p.slot_of(50) == s and p.slot_of(3) is None
@@ -639,14 +644,7 @@ def test_spec_displaces_replaces_a_key_not_used_this_step_even_under_freq():
     assert p.acquire(51, speculative=True) is None
     assert p.stats.spec_declined == 1
     q = SlotPool(4, 4096, "freq", n_keys=100, staging=1)       # default: freq declines the newcomer
-    for step_keys in ([1, 2, 3], [1, 2, 3], [1, 2]):
-        q.begin_step()
-        for k in step_keys:
-            s = q.lookup(k)
-            if s is None:
-                s = q.acquire(k)
-                q.loaded(s)
-            q.release(s)
+    _demand_steps(q, ([1, 2, 3], [1, 2, 3], [1, 2]))
     assert q.acquire(50, speculative=True) is None
 
 
