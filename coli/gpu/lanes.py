@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from coli.gpu.driver import Driver, DriverError, EventPool, handle_of
 
@@ -49,8 +49,6 @@ class CopyJob:
     submitted: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
     cancelled: bool = False         # speculative jobs only: skip the rest (a demand took the key over)
-    started: bool = False
-    t_queued: float = 0.0
     tiles_done: int = 0
 
     @property
@@ -64,17 +62,14 @@ class CopyLane:
     `demand` is then the lane it yields to."""
 
     def __init__(self, drv: Driver, ctx: int, events: EventPool, name: str, *, speculative: bool = False,
-                 demand: "CopyLane | None" = None, on_error: Callable[[CopyJob, Exception], None] | None = None):
+                 demand: "CopyLane | None" = None):
         self.drv, self.ctx, self.events, self.name = drv, ctx, events, name
         self.speculative = speculative
         self.demand = demand
-        self.on_error = on_error
         self.stream = drv.stream_create()
         self._q: deque[CopyJob] = deque()
         self._cv = threading.Condition()
         self._stop = False
-        self.jobs_done = 0
-        self.bytes_done = 0
         self.yield_waits = 0           # speculative tiles that waited for the demand lane to go idle
         self.error: Exception | None = None   # what stopped the worker, if anything did
         self._thread = threading.Thread(target=self._loop, name=f"coli-{name}-lane", daemon=True)
@@ -85,7 +80,6 @@ class CopyLane:
         job.ev_start = self.events.get()
         job.ev_gateup = self.events.get()
         job.ev_done = self.events.get()
-        job.t_queued = time.perf_counter()
         with self._cv:
             self._q.append(job)
             self._cv.notify()
@@ -145,13 +139,10 @@ class CopyLane:
                     self._run_whole(job)
             except Exception as e:     # noqa: BLE001 -- reported to the owner of the job, never lost
                 job.error = e
-                if self.on_error is not None:
-                    self.on_error(job, e)
             finally:
                 job.submitted.set()
 
     def _begin(self, job: CopyJob) -> None:
-        job.started = True
         if job.wait_event is not None:
             self.drv.stream_wait(self.stream, handle_of(job.wait_event))
         self.drv.event_record(job.ev_start, self.stream)
@@ -177,8 +168,6 @@ class CopyLane:
             if hi > lo:
                 self._tile(job, lo, hi - lo)
             self.drv.event_record(mark, self.stream)
-        self.jobs_done += 1
-        self.bytes_done += job.nbytes
 
     def _run_trickle(self, job: CopyJob) -> None:
         """Speculative: one tile in flight at a time, each only while the demand lane is idle. The events are
@@ -206,6 +195,3 @@ class CopyLane:
                 self.drv.event_record(mark, self.stream)
         finally:
             self.events.put(tile_ev)
-        if not job.cancelled:
-            self.jobs_done += 1
-            self.bytes_done += job.nbytes

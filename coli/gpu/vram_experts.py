@@ -409,6 +409,7 @@ class VramExperts:
         d["sm_busy_s"] = round(sm, 6)
         d["copy_busy"] = round(min(1.0, (dem - d0) / dt), 4)
         d["spec_busy"] = round(min(1.0, (spec - s0) / dt), 4)
+        d["spec_tiles_yielded"] = self.spec.yield_waits     # speculative tiles that waited for an idle demand lane
         d["sm_busy"] = round(min(1.0, (sm - b0) / dt), 4)
         n = d.get("hits", 0) + d.get("misses", 0)
         d["vram_hit_rate"] = round(d.get("hits", 0) / n, 4) if n else 0.0

@@ -114,8 +114,6 @@ class CudaBackend:
         self._one = self.rt.to_device(np.ones(MOE_MAXK, F32))
         self.faults = None                   # coli.stages.faults.Faults: injects kernel_error (tests, drills)
         self.on_kernel_error = None          # called with (error, expert ids) when a MoE batch falls back
-        self.kernel_fallbacks = 0            # MoE batches computed on the CPU because their kernels failed
-        self.cpu_experts = 0                 # experts computed on the CPU (fallbacks of every kind)
         self.busy = None                     # coli.gpu.busy.BusyClock: marks on the compute stream (SM busy)
         self.moe_kernels = MOE_KERNELS       # "v2" or "v1" (see MOE_KERNELS)
 
@@ -384,7 +382,6 @@ class CudaBackend:
                     h = upload_host_expert(self.rt, h)     # copied before the source recycles its memory
                 if isinstance(h, HostExpert):
                     self._moe_host(st, e, h.weights)
-                    self.cpu_experts += 1
                 elif isinstance(h, DeviceRecord):
                     st.pending[e] = h
                 else:
@@ -447,13 +444,11 @@ class CudaBackend:
                     self.busy.mark("moe_end")
             except CudaError as err:
                 # the kernels did not run: compute these experts on the CPU from their host copies
-                self.kernel_fallbacks += 1
                 if self.on_kernel_error is not None:
                     self.on_kernel_error(err, sorted(recs))
                 for e, r in recs.items():
                     ew = r.fetch_host() if r.fetch_host is not None else self._record_to_host(r)
                     self._moe_host(st, e, ew)
-                    self.cpu_experts += 1
         finally:
             self._consumed(recs.values())
 
