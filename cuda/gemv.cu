@@ -376,3 +376,41 @@ __device__ void moe_down2_body(const u8 *const *table, const u8 *base, long long
                             accumulate);                                                                      \
     }
 COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
+
+// ---- read_ceiling: the bandwidth a kernel gets just READING the bytes a MoE launch reads -------------------
+// For the benchmark only: reads K regions of `nbytes` (at table[k] + off) with the same 16-byte streaming loads,
+// 8 per thread in flight, grid-stride; folds them into one word per thread so nothing is optimised away.
+extern "C" __global__ void read_ceiling(const u8 *const *table, long long off, long long nbytes, int K,
+                                        unsigned *sink) {
+    const long long n16 = nbytes / 16, total = n16 * K;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x; i0 < total; i0 += 8 * stride) {
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const long long i = i0 + u * stride;
+            if (i < total) {
+                const int k = (int)(i / n16);
+                v[u] = ld_stream(table[k] + off + 16 * (i - k * n16));
+            } else {
+                v[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;   // practically never: keeps the loads
+}
+
+// ---- bench_spin: keep the stream busy for `ns` nanoseconds (benchmarks only) ---------------------------------
+// Queued before a timed run of launches, it lets the host enqueue all of them while the GPU waits, so the events
+// around them time the kernels back to back (GPU time), not the rate at which Python issues launches.
+extern "C" __global__ void bench_spin(long long ns) {
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}

@@ -6,7 +6,7 @@
 Measures, in one run:
   1. the device-to-device copy bandwidth (cuMemcpyDtoDAsync of 1 GiB, bytes read + written counted): the
      ceiling of any weight-streaming kernel on this device;
-  2. the fused MoE decode: one launch of gate/up for 8 experts (2048 x 6144 int4, group 64, each record in
+  2. the fused MoE decode (every kernel version: v1, v2 scalar; mma on the tensor cores): one launch of gate/up for 8 experts (2048 x 6144 int4, group 64, each record in
      the container's tile format) and one launch of down (6144 x 2048) with the weighted sum; achieved HBM
      bandwidth = bytes of the stored matrices read (+ the small vectors) / kernel time, as a fraction of (1).
      Records rotate over --sets distinct groups of 8 (> 2 GB) so the 60 MB L2 never holds a previous launch's
@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
 
 F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
+VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -55,8 +56,17 @@ def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
 
 
 class Timer:
-    def __init__(self, rt):
+    """Per-call GPU time of a launch sequence. With spin=True each timed run starts behind `bench_spin` (a kernel
+    that waits iters x 50 us), so the host has enqueued every call before the first one runs: the events then
+    time the kernels back to back -- GPU time -- instead of the rate at which Python issues launches (~8 us
+    per launch on the H200 machine, comparable to a small kernel)."""
+
+    def __init__(self, rt, spin: bool = False):
         self.rt = rt
+        self.spin = None
+        if spin:
+            self.spin = rt.module("gemv").get_function("bench_spin")
+            self.spin.prepare("q")
 
     def per_call_us(self, fn, iters: int, reps: int = 5, warmup: int = 3) -> float:
         """Median over `reps` of (time of `iters` back-to-back calls) / iters, timed with CUDA events."""
@@ -66,6 +76,8 @@ class Timer:
         out = []
         for r in range(reps):
             a, b = self.rt.event(), self.rt.event()
+            if self.spin is not None:
+                self.spin.prepared_async_call((1, 1, 1), (1, 1, 1), self.rt.stream, int(iters * 50_000))
             a.record(self.rt.stream)
             for i in range(iters):
                 fn(r * iters + i)
@@ -118,7 +130,7 @@ def run_moe_compare(a) -> dict:
             pass
     if err:
         out["error"] = err
-        for ver in ("v1", "v2"):     # a version without a verdict when the child died did not finish
+        for ver in VERSIONS:         # a version without a verdict when the child died did not finish
             out.setdefault(ver, {"ok": False, "error": err})
             if "ok" not in out[ver]:
                 out[ver].update(ok=False, error=err)
@@ -126,16 +138,16 @@ def run_moe_compare(a) -> dict:
 
 
 def moe_compare(a, path: Path) -> int:
-    """Child process: the fused MoE decode at GLM-5's expert shape (int4 g64, K = 8), first version (v1) then the
-    second (v2), each checked against numpy and timed (gate/up, down, both); results written to `path` after each
-    step, so that a fault or hang in v2 still leaves v1's numbers."""
+    """Child process: the fused MoE decode at GLM-5's expert shape (int4 g64, K = 8), every version (v1, v2, mma)
+    in turn, each checked against numpy and timed (gate/up, down, both); results written to `path` after each
+    step, so that a fault or hang in a newer version still leaves the older ones' numbers."""
     from coli.container.format import RecordLayout
     from coli.container.quant import decode_matrix
     from coli.model.cuda_backend import CudaBackend
 
     gb = CudaBackend()
     rt = gb.rt
-    tm = Timer(rt)
+    tm = Timer(rt, spin=True)      # GPU time: the mma layer is three launches, a v1/v2 layer two
     rng = np.random.default_rng(0)
     out: dict = {}
 
@@ -156,7 +168,6 @@ def moe_compare(a, path: Path) -> int:
               for s in range(a.sets)]
     x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
     wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
-    h = gb.empty((K, IM))
     y = gb.empty((1, H))
     xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
     want_h, want_y = [], np.zeros(H, np.float64)
@@ -171,18 +182,19 @@ def moe_compare(a, path: Path) -> int:
     dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
     out.update(gu_bytes=gu_bytes, dn_bytes=dn_bytes)
 
-    for ver in ("v1", "v2"):
+    for ver in VERSIONS:
         r = out[ver] = {}
         save()
         try:
-            def gateup(i, ver=ver):
-                assert gb._moe_decode_launch("int4", tables[i % a.sets].ptr, 0, lay.gate,
-                                             lay.up.offset - lay.gate.offset, K, x.ptr, h.ptr,
-                                             gate_off=lay.gate.offset, version=ver)
+            sc = gb.moe_scratch(lay, K, version=ver)
+            assert sc.version == ver, (sc.version, ver)
+            h = sc.h
 
-            def down(i, ver=ver):
-                assert gb._moe_down_launch("int4", tables[i % a.sets].ptr, 0, lay.down, lay.down.offset, K, wts.ptr,
-                                           h.ptr, y.ptr, 0, version=ver)
+            def gateup(i, sc=sc):
+                assert gb.moe_gateup(sc, tables[i % a.sets].ptr, x.ptr)
+
+            def down(i, sc=sc):
+                assert gb.moe_down(sc, tables[i % a.sets].ptr, wts.ptr, y.ptr, False)
             # poison the outputs, run set 0 (records 0..7 = host_recs[k % 4]), compare with numpy in float64
             rt.upload_bytes(np.full(K * IM * 4, 0xFF, np.uint8), h.ptr)
             rt.upload_bytes(np.full(H * 4, 0xFF, np.uint8), y.ptr)
@@ -228,7 +240,7 @@ def main() -> int:
 
     gb = CudaBackend()
     rt = gb.rt
-    tm = Timer(rt)
+    tm = Timer(rt, spin=True)
     rng = np.random.default_rng(0)
     rows: list[dict] = []
     res: dict = {"device": rt.name, "sm": f"{rt.cc[0]}{rt.cc[1]}", "sms": rt.sm_count}
@@ -252,21 +264,23 @@ def main() -> int:
     add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
     del src, dst
 
-    # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: old (v1) vs new (v2) kernels -----------------
+    # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
     # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
-    # rest of this benchmark down with it; if v2 fails there, this process falls back to v1 for what follows.
+    # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
     cmp_res = run_moe_compare(a)
     res["moe_compare"] = cmp_res
-    v2ok = cmp_res.get("v2", {}).get("ok", False)
-    if not v2ok:
-        gb.moe_kernels = "v1"
-        print(f"!! moe v2 kernels failed in the comparison ({cmp_res.get('v2', {}).get('error', cmp_res.get('error'))});"
-              " the rest of this benchmark uses v1", flush=True)
-    best = cmp_res.get("v2" if v2ok else "v1", {})
+    ok = [v for v in VERSIONS if cmp_res.get(v, {}).get("ok", False)]
+    use = ok[-1] if ok else "v1"          # the newest version that passed numpy in the child
+    if use != gb.moe_kernels:
+        print(f"!! moe {gb.moe_kernels} kernels failed in the comparison "
+              f"({cmp_res.get(gb.moe_kernels, {}).get('error', cmp_res.get('error'))}); the rest of this benchmark"
+              f" uses {use}", flush=True)
+        gb.moe_kernels = use
+    best = cmp_res.get(use, {})
     lay = RecordLayout.make(H, IM, "int4", 64, 512)
     gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
     dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
-    for ver in ("v1", "v2"):
+    for ver in VERSIONS:
         v = cmp_res.get(ver, {})
         tag = f"{ver}{'' if v.get('ok') else ' FAILED'}"
         for key, label, nb in (("gateup_us", "moe_gateup_int4  8 x (2 x 2048 x 6144) g64", gu_bytes),
@@ -276,7 +290,7 @@ def main() -> int:
                 r = add(f"{label} [{tag}]", v[key], nb)
                 r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
     if best.get("layer_us"):
-        res.update(moe_kernels="v2" if v2ok else "v1",
+        res.update(moe_kernels=use,
                    moe_gateup_us=best["gateup_us"], moe_down_us=best["down_us"], moe_layer_us=best["layer_us"],
                    moe_gateup_GBps=round(gu_bytes / best["gateup_us"] / 1e3, 1),
                    moe_down_GBps=round(dn_bytes / best["down_us"] / 1e3, 1),
@@ -392,9 +406,9 @@ def main() -> int:
         print(f"{r['kernel']:<{w}}  {r['us']:>10.2f}  {r.get('GBps', ''):>8}  {r.get('of_copy', ''):>7}  "
               f"{r.get('note', '')}")
     cmp_res = res.get("moe_compare", {})
-    print(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), old (v1) vs new (v2) kernels, same run "
+    print(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), every kernel version, same run "
           f"(child's copy {cmp_res.get('d2d_copy_GBps')} GB/s; target: layer >= 60% of the copy, <= ~63 us):")
-    for ver in ("v1", "v2"):
+    for ver in VERSIONS:
         v = cmp_res.get(ver, {})
         if v.get("layer_us"):
             print(f"  {ver}: gate/up {v['gateup_us']:.1f} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']:.1f} us "
@@ -403,10 +417,12 @@ def main() -> int:
                   f"y {v.get('down_rel_err', float('nan')):.1e}  {'ok' if v.get('ok') else 'WRONG'}")
         else:
             print(f"  {ver}: FAILED {v.get('error', '')} {json.dumps(v)[:300]}")
-    v1, v2 = cmp_res.get("v1", {}), cmp_res.get("v2", {})
-    if v1.get("layer_us") and v2.get("layer_us"):
-        print(f"  speed-up v2/v1: gate/up {v1['gateup_us'] / v2['gateup_us']:.2f}x, down "
-              f"{v1['down_us'] / v2['down_us']:.2f}x, layer {v1['layer_us'] / v2['layer_us']:.2f}x")
+    v1 = cmp_res.get("v1", {})
+    for ver in VERSIONS[1:]:
+        v = cmp_res.get(ver, {})
+        if v1.get("layer_us") and v.get("layer_us"):
+            print(f"  speed-up {ver}/v1: gate/up {v1['gateup_us'] / v['gateup_us']:.2f}x, down "
+                  f"{v1['down_us'] / v['down_us']:.2f}x, layer {v1['layer_us'] / v['layer_us']:.2f}x")
     if "moe_layer_GBps" in res:
         print(f"fused MoE decode ({res['moe_kernels']}, gate/up + down): {res['moe_layer_GBps']} GB/s = "
               f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")

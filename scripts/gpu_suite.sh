@@ -110,7 +110,7 @@ if b.exists():
               f"{100 * j['moe_layer_frac']:.1f}% of the {j['d2d_copy_GBps']} GB/s device copy (gate/up "
               f"{100 * j['moe_gateup_frac']:.1f}%, down {100 * j['moe_down_frac']:.1f}%)")
     c = j.get("moe_compare", {})
-    for ver in ("v1", "v2"):     # old vs new fused MoE decode kernels, same run (scripts/bench_kernels.py)
+    for ver in ("v1", "v2", "mma"):     # every fused MoE decode kernel version, same run (scripts/bench_kernels.py)
         v = c.get(ver, {})
         if v.get("layer_us"):
             print(f"moe {ver}: gate/up {v['gateup_us']} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']} us "

@@ -94,3 +94,19 @@ def test_backend_argument_types_match_the_kernel_signatures():
     assert not missing, f"the backend names kernels that do not exist: {missing}"
     wrong = {k: (SIGNATURES[k], declared[k]) for k in SIGNATURES if SIGNATURES[k] != declared[k]}
     assert not wrong, f"argument types differ (backend, kernel): {wrong}"
+
+
+
+def test_tensor_core_moe_block_size_matches_the_kernels():
+    """The host launches moe_gateup_mma_int4 / moe_down_mma_int4 with MMA_THREADS threads and the down kernel
+    with rows / MMA_DOWN_ROWS blocks; the kernels index their warps up to MMA_WARPS (__launch_bounds__(32 *
+    MMA_WARPS, ...)) and give each down block 16 * MMA_DT rows. A mismatch would fail every launch or leave
+    rows uncomputed, so the numbers must agree."""
+    from coli.model.cuda_backend import MMA_DOWN_ROWS, MMA_THREADS
+    src = (kernels_dir() / "moe_mma.cu").read_text()
+    m = re.search(r"#define MMA_WARPS (\d+)", src)
+    assert m, "moe_mma.cu no longer defines MMA_WARPS"
+    assert 32 * int(m.group(1)) == MMA_THREADS
+    m = re.search(r"#ifndef MMA_DT\s*\n#define MMA_DT (\d+)", src)
+    assert m, "moe_mma.cu no longer defines MMA_DT"
+    assert 16 * int(m.group(1)) == MMA_DOWN_ROWS

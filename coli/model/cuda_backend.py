@@ -64,16 +64,27 @@ def _signatures() -> dict[tuple[str, str], str]:
     # the first version of the fused MoE decode, kept for scripts/bench_kernels.py's old-vs-new comparison
     s[("gemv", "moe_gateup_int4_v1")] = s[("gemv", "moe_gateup_int4")]
     s[("gemv", "moe_down_int4_v1")] = s[("gemv", "moe_down_int4")]
+    # int4 on the tensor cores (cuda/moe_mma.cu)
+    s[("moe_mma", "moe_split_x4")] = "PiiPPP"
+    s[("moe_mma", "moe_gateup_mma_int4")] = "PqqiiiiqiPPPPPPP"
+    s[("moe_mma", "moe_down_mma_int4")] = "PqiiiiqiPPPPPi"
     return s
 
 
 SIGNATURES = _signatures()
 GEMV_THREADS = 256
-MOE_THREADS = 512
+MOE_THREADS = 512    # block size of the v1/v2 MoE decode kernels
+MMA_THREADS = 256    # block size of the tensor-core ones: 32 * MMA_WARPS in moe_mma.cu (a test keeps them equal)
+MMA_DOWN_ROWS = 32   # output rows per block of moe_down_mma_int4: 16 * MMA_DT in moe_mma.cu (the same test)
 MOE_MAXK = 8         # experts per moe_gateup / moe_down launch (MOE_MAXK in gemv.cu)
-# Fused MoE decode kernels: "v2" (moe_gateup_<fmt>, moe_down_<fmt>) or "v1" (the first version, int4 only:
-# *_int4_v1; other formats always take v2). COLI_MOE_KERNELS=v1 selects the old ones.
-MOE_KERNELS = os.environ.get("COLI_MOE_KERNELS", "v2")
+# Fused MoE decode kernels (one token):
+#   "auto" (default)  int4 on the tensor cores (cuda/moe_mma.cu) where the layout allows it and the launch has
+#                     enough blocks to cover the device (K * Im / 64 >= SMs), else "v2";
+#   "mma"             the tensor-core kernels wherever the layout allows (tests: small shapes), else "v2";
+#   "v2"              the scalar kernels in gemv.cu (moe_gateup_<fmt>, moe_down_<fmt>): every format;
+#   "v1"              their first version (int4 only: *_int4_v1; other formats take v2).
+# int4 with a group other than 32/64/128 always takes v1. COLI_MOE_KERNELS selects one (benchmarks, bisecting).
+MOE_KERNELS = os.environ.get("COLI_MOE_KERNELS", "auto")
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
@@ -115,7 +126,7 @@ class CudaBackend:
         self.faults = None                   # coli.stages.faults.Faults: injects kernel_error (tests, drills)
         self.on_kernel_error = None          # called with (error, expert ids) when a MoE batch falls back
         self.busy = None                     # coli.gpu.busy.BusyClock: marks on the compute stream (SM busy)
-        self.moe_kernels = MOE_KERNELS       # "v2" or "v1" (see MOE_KERNELS)
+        self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -499,30 +510,88 @@ class CudaBackend:
                 else:
                     wts_d = self.rt.to_device_async(np.asarray(weights[0, ks], F32))
                     wts = wts_d.ptr
-                Im = lay.gate.rows
-                h = self.empty((len(ks), Im))
                 for r in rs:                 # gate/up may start while the down parts are still on the bus
                     self._wait(r.ready)
                 if self.busy is not None and c0 == 0:
                     self.busy.mark("moe_start")
-                ok = self._moe_decode_launch(lay.gate.fmt, table.ptr, 0, lay.gate, lay.up.offset - lay.gate.offset,
-                                             len(ks), x.ptr, h.ptr, gate_off=lay.gate.offset)
+                scratch = self.moe_scratch(lay, len(ks))
+                ok = self.moe_gateup(scratch, table.ptr, x.ptr)
                 for r in rs:
                     self._wait(r.ready_down)
-                ok = ok and self._moe_down_launch(lay.down.fmt, table.ptr, 0, lay.down, lay.down.offset, len(ks),
-                                                  wts, h.ptr, out.ptr, 0 if first else 1)
+                ok = ok and self.moe_down(scratch, table.ptr, wts, out.ptr, not first)
                 if not ok:
                     raise RuntimeError("MoE decode kernels do not fit this device's shared memory")
                 first = False
 
-    def _moe_suffix(self, fmt: str, version: str | None, group: int) -> str:
-        # v2 finds an int4 group's scale by a shift: groups 32/64/128 (others, if a container ever has them: v1)
-        v1 = (version or self.moe_kernels) == "v1" or group not in (32, 64, 128)
-        return "_v1" if fmt == "int4" and v1 else ""
+    # The fused decode in two halves, so that the caller can wait for the down matrices in between:
+    #   s = moe_scratch(record layout, K); moe_gateup(s, table, x); moe_down(s, table, wts, y, accumulate)
+    # `table` is the device address of K record pointers; x [H], wts [K], y [H] are device addresses.
+    def moe_scratch(self, lay, K: int, version: str | None = None) -> "MoeScratch":
+        """The kernel version for K experts of layout `lay` and its device buffers (h, and for the tensor-core
+        kernels x and h split into int8 parts)."""
+        ver = self._moe_version(lay, K, version)
+        H, Im = lay.gate.cols, lay.gate.rows
+        sc = MoeScratch(ver, lay, K, self.empty((K, Im)))
+        if ver == "mma":
+            sc.xq = self.rt.empty((H * 4,), np.uint8)
+            sc.xc, sc.xf = self.rt.empty((H // 16,), np.int32), self.empty((H // 16,))
+            sc.hq = self.rt.empty((K * Im * 4,), np.uint8)
+            sc.hc, sc.hf = self.rt.empty((K * Im // 16,), np.int32), self.empty((K * Im // 16,))
+        return sc
+
+    def _moe_version(self, lay, K: int, version: str | None = None) -> str:
+        ver = version or self.moe_kernels
+        if ver in ("auto", "mma"):
+            enough = ver == "mma" or K * lay.gate.rows // 64 >= self.rt.sm_count
+            ver = "mma" if enough and mma_layout_ok(lay, K) else "v2"
+        fmt, group = lay.gate.fmt, lay.gate.group
+        if fmt == "int4" and (ver == "v1" or group not in (32, 64, 128)):   # v2 finds a group by a shift
+            return "v1"
+        return "v2" if ver == "v1" else ver
+
+    def moe_gateup(self, sc: "MoeScratch", table: int, x: int) -> bool:
+        lay, K = sc.lay, sc.K
+        if sc.version == "mma":
+            H, Im = lay.gate.cols, lay.gate.rows
+            f_split = self._fn("moe_mma", "moe_split_x4")
+            self.rt.launch(f_split, (H // 64, 1), 32, x, 1, H, sc.xq.ptr, sc.xc.ptr, sc.xf.ptr)
+            fn = self._fn("moe_mma", "moe_gateup_mma_int4")
+            smem = H // 32 * 128 + H // 64 * 32 + 256
+            if not self.rt.allow_smem(fn, smem):
+                return False
+            g = lay.gate
+            self.rt.launch(fn, (K * Im // 64,), MMA_THREADS, table, g.offset, lay.up.offset, Im, H, g.group,
+                           g.rows_per_tile, g.tile_bytes, K, sc.xq.ptr, sc.xc.ptr, sc.xf.ptr, sc.h.ptr, sc.hq.ptr,
+                           sc.hc.ptr, sc.hf.ptr, smem=smem)
+            return True
+        return self._moe_decode_launch(lay.gate.fmt, table, 0, lay.gate, lay.up.offset - lay.gate.offset, K, x,
+                                       sc.h.ptr, gate_off=lay.gate.offset, version=sc.version)
+
+    def moe_down(self, sc: "MoeScratch", table: int, wts: int, y: int, accumulate: bool) -> bool:
+        lay, K = sc.lay, sc.K
+        if sc.version == "mma":
+            d = lay.down
+            H, Im = d.rows, d.cols
+            fn = self._fn("moe_mma", "moe_down_mma_int4")
+            smem = K * (Im // 32 * 128 + Im // 64 * 32)
+            if not self.rt.allow_smem(fn, smem):
+                return False
+            self.rt.launch(fn, (H // MMA_DOWN_ROWS,), MMA_THREADS, table, d.offset, H, Im, d.group, d.rows_per_tile,
+                           d.tile_bytes, K, wts, sc.hq.ptr, sc.hc.ptr, sc.hf.ptr, y, int(accumulate), smem=smem)
+            return True
+        return self._moe_down_launch(lay.down.fmt, table, 0, lay.down, lay.down.offset, K, wts, sc.h.ptr, y,
+                                     int(accumulate), version=sc.version)
+
+    def _moe_kernel(self, part: str, fmt: str, version: str | None, group: int) -> str:
+        """Name of the scalar fused decode kernel `part` ("gateup" / "down") for a format."""
+        ver = version or self.moe_kernels
+        if fmt == "int4" and (ver == "v1" or group not in (32, 64, 128)):   # v2 finds a group by a shift
+            return f"moe_{part}_int4_v1"
+        return f"moe_{part}_{fmt}"
 
     def _moe_decode_launch(self, fmt, table, base, lay, up_off, K, x, h, gate_off: int = 0,
                            version: str | None = None) -> bool:
-        fn = self._fn("gemv", f"moe_gateup_{fmt}{self._moe_suffix(fmt, version, lay.group)}")
+        fn = self._fn("gemv", self._moe_kernel("gateup", fmt, version, lay.group))
         smem = lay.row_data_bytes // 16 * _chunk_vals(fmt) * 4
         if not self.rt.allow_smem(fn, smem):
             return False
@@ -534,7 +603,7 @@ class CudaBackend:
 
     def _moe_down_launch(self, fmt, table, base, lay, down_off, K, wts, h, y, accumulate,
                          version: str | None = None) -> bool:
-        fn = self._fn("gemv", f"moe_down_{fmt}{self._moe_suffix(fmt, version, lay.group)}")
+        fn = self._fn("gemv", self._moe_kernel("down", fmt, version, lay.group))
         smem = K * (lay.row_data_bytes // 16 * _chunk_vals(fmt)) * 4
         if not self.rt.allow_smem(fn, smem):
             return False
@@ -628,6 +697,32 @@ class _MoeStep:
     def __post_init__(self):
         self.pending = {} if self.pending is None else self.pending
         self.seen = set() if self.seen is None else self.seen
+
+
+@dataclass
+class MoeScratch:
+    """One fused decode's kernel version and device buffers (CudaBackend.moe_scratch)."""
+    version: str
+    lay: Any                 # the records' RecordLayout
+    K: int
+    h: DeviceArray           # [K, Im] fp32: silu(gate) * up
+    xq: Any = None           # tensor-core kernels: x split into int8 parts (moe_mma.cu's layout) ...
+    xc: Any = None
+    xf: Any = None
+    hq: Any = None           # ... and h split the same way (written by gate/up, read by down)
+    hc: Any = None
+    hf: Any = None
+
+
+def mma_layout_ok(lay, K: int) -> bool:
+    """Whether the tensor-core MoE kernels (cuda/moe_mma.cu) can run K experts of this record layout: int4 with
+    groups of 64 or 128, widths in whole 128-column steps, 1 <= K <= 8."""
+    g, u, d = lay.gate, lay.up, lay.down
+    return (1 <= K <= MOE_MAXK and all(m.fmt == "int4" and m.group in (64, 128) and vec_ok(m) for m in (g, u, d))
+            and g.cols % 128 == 0 and g.rows % 128 == 0 and g.cols % MMA_DOWN_ROWS == 0
+            and d.rows == g.cols and d.cols == g.rows
+            and u.rows == g.rows and u.cols == g.cols and u.group == g.group
+            and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
 
 
 def _chunk_vals(fmt: str) -> int:

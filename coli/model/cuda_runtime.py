@@ -24,7 +24,7 @@ import numpy as np
 
 from coli.errors import ColiError
 
-MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "indexer", "norm", "rope", "router")
+MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "indexer", "moe_mma", "norm", "rope", "router")
 
 
 class CudaUnavailable(ColiError):

@@ -116,10 +116,10 @@ def test_moe_with_pruned_slots(gb, rng, S):
 
 
 @pytest.mark.parametrize("K,S_experts", [(8, 8), (3, 5)])
-def test_moe_decode_v2_kernels_match_v1_and_numpy(gb, rng, K, S_experts):
-    """The second version of the fused decode (moe_gateup_int4 / moe_down_int4, the default) and the first
-    (*_int4_v1, kept for the benchmark) at GLM-5's expert shape: both against numpy, and an odd K (a step of
-    moe_down's expert pairs with one expert)."""
+def test_moe_decode_kernel_versions_match_numpy(gb, rng, K, S_experts):
+    """Every version of the fused decode at GLM-5's expert shape against numpy: the tensor-core kernels (mma,
+    the default for int4 g64), v2 and the first (*_int4_v1, kept for the benchmark); and an odd K (v2's expert
+    pairs with one expert; mma's down kernel with idle warps)."""
     H, Im = 6144, 2048
     recs, mats = _experts(gb, H, Im, "int4", 64, S_experts, rng)
     x = rand(rng, 1, H)
@@ -128,7 +128,7 @@ def test_moe_decode_v2_kernels_match_v1_and_numpy(gb, rng, K, S_experts):
     want = moe_reference(x, idx, w, mats)
     saved = gb.moe_kernels
     try:
-        for ver in ("v1", "v2"):
+        for ver in ("v1", "v2", "mma"):
             gb.moe_kernels = ver
             got = gb.to_host(gb.moe(gb.upload(x), idx, w, ((int(e), recs[int(e)]) for e in idx[0])))
             err = rel_err(got, want)
@@ -136,3 +136,80 @@ def test_moe_decode_v2_kernels_match_v1_and_numpy(gb, rng, K, S_experts):
             assert err < TOL, ver
     finally:
         gb.moe_kernels = saved
+
+
+def _moe_float64(x, idx, w, mats):
+    """The MoE output in float64 (what both kernel families approximate)."""
+    out = np.zeros(x.shape, np.float64)
+    for k in range(idx.shape[1]):
+        G, U, D = (m.astype(np.float64) for m in mats[int(idx[0, k])])
+        g, u = G @ x[0].astype(np.float64), U @ x[0].astype(np.float64)
+        hk = (g / (1 + np.exp(-g)) * u).astype(F32).astype(np.float64)
+        out[0] += w[0, k] * (D @ hk)
+    return out
+
+
+@pytest.mark.parametrize("H,Im,group,K,xkind", [
+    (256, 128, 64, 8, "normal"), (256, 128, 128, 8, "normal"), (256, 128, 64, 1, "normal"),
+    (256, 128, 64, 3, "normal"), (384, 256, 64, 5, "wide"), (256, 128, 128, 4, "zero-blocks"),
+    (6144, 2048, 64, 8, "wide"),
+])
+def test_moe_tensor_core_kernels_as_exact_as_fp32(gb, rng, H, Im, group, K, xkind):
+    """The tensor-core decode (x and h cut into four int8 parts per 64-column block, integer MMA, exact integer
+    sums) against float64, next to the scalar fp32 kernels (v2) on the same inputs: its error must be of the
+    same order as fp32's own -- including x with a wide dynamic range inside a block (elements 2^-20 of the
+    block's largest) and all-zero blocks."""
+    recs, mats = _experts(gb, H, Im, "int4", group, 8, rng)
+    x = rand(rng, 1, H)
+    if xkind == "wide":
+        x *= np.exp2(rng.integers(-20, 8, (1, H))).astype(F32)
+    elif xkind == "zero-blocks":
+        x[0, 64:192] = 0
+    idx = rng.choice(8, K, replace=False)[None].astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (1, K)).astype(F32)
+    want = _moe_float64(x, idx, w, mats)
+    assert gb._moe_version(recs[0].layout, K, "mma") == "mma"
+    errs = {}
+    saved = gb.moe_kernels
+    try:
+        for ver in ("v2", "mma"):
+            gb.moe_kernels = ver
+            got = gb.to_host(gb.moe(gb.upload(x), idx, w, ((int(e), recs[int(e)]) for e in idx[0])))
+            errs[ver] = rel_err(got, want)
+    finally:
+        gb.moe_kernels = saved
+    report("moe_mma_vs_fp32", shape=[H, Im], group=group, K=K, x=xkind, **{f"rel_err_{k}": v for k, v in errs.items()})
+    assert errs["mma"] <= 4 * errs["v2"] + 1e-7, errs
+
+
+def test_moe_tensor_core_kernels_propagate_nan(gb, rng):
+    """A NaN in x makes the output NaN, as in numpy (the int8 split must not turn it into a finite number)."""
+    H, Im, K = 256, 128, 4
+    recs, mats = _experts(gb, H, Im, "int4", 64, K, rng)
+    x = rand(rng, 1, H)
+    x[0, 70] = np.nan
+    idx = np.arange(K)[None].astype(np.int64)
+    w = np.full((1, K), 0.25, F32)
+    saved = gb.moe_kernels
+    try:
+        gb.moe_kernels = "mma"
+        got = gb.to_host(gb.moe(gb.upload(x), idx, w, ((int(e), recs[int(e)]) for e in idx[0])))
+    finally:
+        gb.moe_kernels = saved
+    assert np.isnan(got).all()
+
+
+def test_moe_kernel_choice(gb, rng):
+    """auto: the tensor-core kernels for GLM-5's int4 g64 experts with enough blocks to cover the device, the
+    scalar v2 otherwise (few experts, other formats, groups the MMA split does not take); v1 for odd groups."""
+    from coli.container.format import RecordLayout
+    sms = gb.rt.sm_count
+    glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
+    k_enough = -(-sms * 64 // 2048)
+    assert gb._moe_version(glm, 8, "auto") == ("mma" if k_enough <= 8 else "v2")
+    assert gb._moe_version(glm, max(1, k_enough - 1), "auto") == "v2"
+    assert gb._moe_version(glm, 1, "mma") == "mma"
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 32, 512), 8, "auto") == "v2"
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int8", 0, 512), 8, "mma") == "v2"
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 256, 512), 8, "auto") == "v1"
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 64, 512), 8, "v1") == "v1"
