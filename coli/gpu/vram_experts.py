@@ -208,6 +208,7 @@ class VramExperts:
         job = self._spec_jobs.pop(s, None)
         if job is None or self._finish_spec(s, job, demanded=True):
             return s
+        self.pool.revoke_hit(s)                  # not a hit after all: the miss path copies it again
         self.pool.release(s)                     # the lookup's pin; the slot was dropped
         return None
 

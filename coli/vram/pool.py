@@ -151,6 +151,8 @@ class SlotPool:
         self._pins = np.zeros(n_slots, np.int32)
         self._mapped = np.zeros(n_slots, bool)
         self._spec = np.zeros(n_slots, bool)           # speculatively loaded, no demand use yet
+        self._spec_hit = np.zeros(n_slots, bool)       # the last demand lookup of the slot used a speculative load
+        self._use_counted: set[int] = set()            # keys of revoked hits: their next acquire is not a new use
         self._free = list(range(n_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self._n_mapped = 0
         self._now = 0
@@ -216,10 +218,24 @@ class SlotPool:
         self.stats.hits += 1
         self._use(key, rank)
         self._pins[s] += 1
+        self._spec_hit[s] = bool(self._spec[s])    # remembered for revoke_hit
         if self._spec[s]:
             self.stats.spec_used += 1
             self._spec[s] = False
         return s
+
+    def revoke_hit(self, slot: int) -> None:
+        """The last demand lookup of `slot` found it not holding the key's bytes after all (a speculative copy
+        cut short by the demand, or its source recycled; the caller invalidates the slot): that hit was not one.
+        The caller then asks for the key again with `acquire`, which counts the miss -- but not a second use:
+        the lookup's use of the key stands. A speculative load counts as wasted, not used."""
+        s = self._slot(slot)
+        self.stats.hits -= 1
+        self._use_counted.add(int(self._key[s]))
+        if self._spec_hit[s]:
+            self._spec_hit[s] = False
+            self.stats.spec_used -= 1
+            self.stats.spec_wasted += 1
 
     def acquire(self, key: int, *, speculative: bool = False, rank: int | None = None,
                 retry: bool = False) -> int | None:
@@ -289,7 +305,10 @@ class SlotPool:
 
     def _acquire_demand(self, key: int, rank: int | None) -> int | None:
         self.stats.misses += 1
-        self._use(key, rank)
+        if key in self._use_counted:             # a revoked hit's use is already recorded
+            self._use_counted.discard(key)
+        else:
+            self._use(key, rank)
         return self._place_demand(key)
 
     def _place_demand(self, key: int) -> int | None:

@@ -668,3 +668,24 @@ def test_a_retried_demand_miss_is_counted_once():
     assert p.stats.misses == 3 and p.stats.rejected_no_slot == 0
     assert p._cnt[3] == 1.0
     p.check()
+
+
+def test_a_revoked_speculative_hit_is_a_miss_and_one_use():
+    """A demand finds its key in a slot whose speculative copy it then has to cut short: the lookup's hit is
+    revoked, the key copied again counts one miss -- and one use, not two (the frequency a policy ranks by)."""
+    p = SlotPool(4, 100, "freq", n_keys=16, staging=1, spec_displaces=True)
+    p.begin_step()
+    s = p.acquire(5, speculative=True)
+    assert p.lookup(5) == s and p.stats.hits == 1 and p.stats.spec_used == 1
+    p.invalidate(s)
+    p.revoke_hit(s)
+    p.release(s)                                   # the speculative pin
+    p.release(s)                                   # the lookup's pin
+    s2 = p.acquire(5)
+    assert s2 is not None
+    st = p.stats
+    assert (st.hits, st.misses, st.spec_used, st.spec_wasted) == (0, 1, 0, 1)
+    assert p._cnt[5] == 1.0                        # one use this step
+    p.loaded(s2)
+    p.release(s2)
+    p.check()
