@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # coli bench stream on the device machine (an H200): a 2-layer GLM-5-shaped slice in /tmp, every scenario with
-# N=8 tokens, JSON + plots + log to $OUT. Budget (~6 min): make-slice ~60 s; MemoryHostTier of 2 layers reads
+# N=16 tokens, JSON + plots + log to $OUT. Budget (~4 min on the H200): make-slice ~60 s; MemoryHostTier of 2 layers reads
 # ~10 GB (cold-ram, sync); ResidentExperts uploads ~10 GB (warm); the rest is decoding.
 #
 # The slice is made with --vocab 4096 to keep the dense core (embed + lm_head) small: the head's time is measured
@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/bench_stream_out}
 SLICE=${SLICE:-/tmp/coli_slice2}
-N=${N:-8}
+N=${N:-16}
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 mkdir -p "$OUT"
