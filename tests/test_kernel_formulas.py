@@ -6,7 +6,11 @@ CPU (the kernels themselves are checked against numpy on a GPU by tests/gpu/):
 - the shared-memory swizzle of x (xs_slot): a permutation inside each chunk, and 8 consecutive lanes reading
   float4 k of their chunks hit 8 distinct 16-byte bank groups;
 - the row addressing of stored matrices (qmat_row) agrees with the container format's tile layout;
-- the radix top-k selection (indexer.cu topk_select) selects what a sort would.
+- the radix top-k selection (indexer.cu topk_select) selects what a sort would;
+- the tensor-core int4 MoE decode (moe_mma.cu): the four-part int8 split of x is exact to 2^-27 of a block's
+  largest value, and the per-lane MMA fragments (nibble unpacking, which lanes feed B, D's post-processing)
+  give the rows' dot products -- the MMA emulated with PTX's fragment layout;
+- which layouts the tensor-core kernels accept (cuda_backend.mma_layout_ok).
 """
 
 from __future__ import annotations
@@ -171,3 +175,124 @@ def test_radix_topk_selects_what_a_sort_selects(seed):
         assert sorted(row[got].tolist()) == sorted(row[want].tolist())
     else:
         assert got == want
+
+
+# ---- the tensor-core int4 MoE decode (cuda/moe_mma.cu), transliterated --------------------------------------------
+def _split_block64(v: np.ndarray):
+    """split_block64 for one 64-value block: (int8 parts [4, 64], part sums [4], factors [4]) -- as the kernel."""
+    v = v.astype(F32)
+    m = np.max(np.abs(v))
+    E = int(np.frexp(m)[1]) - 1 if m > 0 else 0
+    u = np.ldexp(v, 5 - E).astype(F32)
+    parts = []
+    for _ in range(4):
+        r = np.rint(u)
+        parts.append(r.astype(np.int64))
+        u = ((u - r) * F32(128)).astype(F32)
+    b = np.stack(parts)
+    return b, b.sum(axis=1), np.array([np.ldexp(1.0, E - 5 - 7 * p) for p in range(4)], np.float64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_moe_mma_split_is_exact_to_2_pow_minus_27_of_the_block_max(seed):
+    rng = np.random.default_rng(seed)
+    v = (rng.standard_normal(64) * np.exp2(rng.integers(-24, 8, 64))).astype(F32)
+    b, _, f = _split_block64(v)
+    assert np.abs(b).max() <= 64
+    back = (b * f[:, None]).sum(axis=0)
+    assert np.abs(back - v.astype(np.float64)).max() <= np.abs(v).max() * 2.0 ** -27
+
+
+def _mma_m16n8k32(a_frag, b_frag):
+    """mma.sync.m16n8k32 (u8 x s8 -> s32) from per-lane fragments, with PTX's fragment layout:
+    lane (g, t): a0 -> A[g][4t+i], a1 -> A[g+8][4t+i], a2 -> A[g][16+4t+i], a3 -> A[g+8][16+4t+i] (bytes i),
+    b0 -> B[4t+i][g], b1 -> B[16+4t+i][g]; D: d0 D[g][2t], d1 D[g][2t+1], d2 D[g+8][2t], d3 D[g+8][2t+1]."""
+    A = np.full((16, 32), -999, np.int64)
+    B = np.full((32, 8), -999, np.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        a = [np.frombuffer(np.uint32(w).tobytes(), np.uint8).astype(np.int64) for w in a_frag[lane]]
+        bb = [np.frombuffer(np.uint32(w).tobytes(), np.int8).astype(np.int64) for w in b_frag[lane]]
+        for i in range(4):
+            A[g, 4 * t + i], A[g + 8, 4 * t + i] = a[0][i], a[1][i]
+            A[g, 16 + 4 * t + i], A[g + 8, 16 + 4 * t + i] = a[2][i], a[3][i]
+            B[4 * t + i, g], B[16 + 4 * t + i, g] = bb[0][i], bb[1][i]
+    assert (A != -999).all() and (B != -999).all()
+    D = A @ B
+    return [(D[lane // 4, 2 * (lane % 4)], D[lane // 4, 2 * (lane % 4) + 1], D[lane // 4 + 8, 2 * (lane % 4)],
+             D[lane // 4 + 8, 2 * (lane % 4) + 1]) for lane in range(32)]
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_moe_mma_fragments_give_the_dot_products(group):
+    """One 16-row tile over 256 columns (two 128-column steps) exactly as mma_rows does it: each lane's 16-byte
+    chunk of rows g and g + 8 unpacked (low / high nibbles), B fed from the split x of its chunk only when its
+    x block is the MMA column's, D post-processed with the part sums, factors and group scales, summed over the
+    four lanes t -- equals sum (q - 8) * scale * x per row (float64, to fp32-level error)."""
+    rng = np.random.default_rng(group)
+    cols, nsteps = 256, 2
+    q = rng.integers(0, 16, (16, cols))                              # nibbles
+    scale = rng.uniform(0.5, 1.5, (16, cols // group)).astype(np.float16).astype(np.float64)
+    x = (rng.standard_normal(cols) * np.exp2(rng.integers(-6, 4, cols))).astype(F32)
+    # the stored rows: byte c // 2 of a row holds column c (low nibble, c even) and c + 1 (high nibble)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)          # [16, cols / 2]
+    # the split x in moe_split_x4's layout: q[chunk][part][8 words], word 2i + (jj & 1), byte jj >> 1
+    nblk = cols // 64
+    xq = np.zeros((cols // 32, 4, 8, 4), np.int8)
+    xc = np.zeros((nblk, 4), np.int64)
+    xf = np.zeros((nblk, 4))
+    for X in range(nblk):
+        b, c, f = _split_block64(x[64 * X:64 * X + 64])
+        xc[X], xf[X] = c, f
+        for col in range(64):
+            chunk, cc = 2 * X + col // 32, col % 32
+            i, jj = cc // 8, cc % 8
+            xq[chunk, :, 2 * i + (jj & 1), jj >> 1] = b[:, col]
+    words = xq.view(np.uint32).reshape(cols // 32, 4, 8)
+    gsh = 1 if group == 128 else 0
+    acc = np.zeros((32, 2))
+    for s in range(nsteps):
+        a_frags, b_frags = [[] for _ in range(4)], [[] for _ in range(4)]
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            chunk, half = 4 * s + t, t // 2
+            w0 = packed[g, 16 * chunk:16 * chunk + 16].view(np.uint32)
+            w1 = packed[g + 8, 16 * chunk:16 * chunk + 16].view(np.uint32)
+            feeds = (g // 4) == half
+            bw = words[chunk, g % 4] if feeds else np.zeros(8, np.uint32)
+            for k in range(4):
+                lo0, hi0 = w0[k] & 0x0F0F0F0F, (w0[k] >> 4) & 0x0F0F0F0F
+                lo1, hi1 = w1[k] & 0x0F0F0F0F, (w1[k] >> 4) & 0x0F0F0F0F
+                a_frags[k].append((lo0, lo1, hi0, hi1))
+                b_frags[k].append((bw[2 * k], bw[2 * k + 1]))
+        d = np.zeros((32, 4), np.int64)
+        for k in range(4):
+            d += np.array(_mma_m16n8k32(a_frags[k], b_frags[k]), np.int64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            X, p0 = 2 * s + t // 2, 2 * (t & 1)
+            c0, c1, f0, f1 = xc[X, p0], xc[X, p0 + 1], xf[X, p0], xf[X, p0 + 1]
+            for r, row in enumerate((g, g + 8)):
+                sc = scale[row, X >> gsh]
+                acc[lane, r] += sc * f0 * (d[lane, 2 * r] - 8 * c0) + sc * f1 * (d[lane, 2 * r + 1] - 8 * c1)
+    got = np.zeros(16)
+    for lane in range(32):
+        g = lane // 4
+        got[g] += acc[lane, 0]
+        got[g + 8] += acc[lane, 1]
+    want = ((q - 8) * np.repeat(scale, group, axis=1)) @ x.astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_mma_layout_ok_takes_int4_g64_g128_in_whole_steps_only():
+    from coli.container.format import RecordLayout
+    from coli.model.cuda_backend import mma_layout_ok
+    glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
+    assert mma_layout_ok(glm, 8) and mma_layout_ok(glm, 1)
+    assert not mma_layout_ok(glm, 0) and not mma_layout_ok(glm, 9)              # 1 <= K <= 8 per launch
+    assert mma_layout_ok(RecordLayout.make(6144, 2048, "int4", 128, 512), 8)
+    for fmt, group in (("int4", 32), ("int8", 0), ("bf16", 0), ("f32", 0)):
+        assert not mma_layout_ok(RecordLayout.make(6144, 2048, fmt, group, 512), 8), (fmt, group)
+    assert not mma_layout_ok(RecordLayout.make(6144 + 64, 2048, "int4", 64, 512), 8)   # not whole 128-col steps
+    assert not mma_layout_ok(RecordLayout.make(6144, 2048 + 64, "int4", 64, 512), 8)
+    assert mma_layout_ok(RecordLayout.make(256, 128, "int4", 64, 512), 4)
