@@ -26,8 +26,9 @@
 //             (g, t) feeds n = g's part, zero unless its block is g / 4 -- the two blocks' sums stay apart, so each
 //             gets its own exponent and group scale. D lane (g, t): n = 2t, 2t + 1 = block t / 2, parts 2 (t % 2),
 //             2 (t % 2) + 1, rows g and g + 8.
-// Requirements (the host checks them; otherwise the gemv.cu kernels run): int4, group 64 or 128, C % 128 == 0,
-// gate/up rows % 64 == 0, down rows % 16 == 0, K <= 8, row metadata 4-byte aligned.
+// Requirements (the host checks them in mma_layout_ok / _mma_fits; otherwise the gemv.cu kernels run): int4,
+// group 64 or 128, C % 128 == 0, gate/up rows % 64 == 0, down rows % (16 MMA_DT) == 0, 1 <= K <= 8, and the
+// shared memory of both kernels within the device's per-block limit.
 #include "coli_common.cuh"
 
 #define MMA_MAXK 8

@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
 VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
+MOE_K_MAX = 8                      # experts per fused decode launch (cuda_backend.MOE_MAXK)
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -269,11 +270,13 @@ def main() -> int:
     # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
     cmp_res = run_moe_compare(a)
     res["moe_compare"] = cmp_res
+    lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    want = gb._moe_version(lay, K)        # what the backend's default picks for this launch
     ok = [v for v in VERSIONS if cmp_res.get(v, {}).get("ok", False)]
-    use = ok[-1] if ok else "v1"          # the newest version that passed numpy in the child
-    if use != gb.moe_kernels:
-        print(f"!! moe {gb.moe_kernels} kernels failed in the comparison "
-              f"({cmp_res.get(gb.moe_kernels, {}).get('error', cmp_res.get('error'))}); the rest of this benchmark"
+    use = want if want in ok else (ok[-1] if ok else "v1")
+    if use != want:
+        print(f"!! moe {want} kernels failed in the comparison "
+              f"({cmp_res.get(want, {}).get('error', cmp_res.get('error'))}); the rest of this benchmark"
               f" uses {use}", flush=True)
         gb.moe_kernels = use
     best = cmp_res.get(use, {})
@@ -317,6 +320,28 @@ def main() -> int:
     rt.synchronize()
     add("moe() op, one token (host + device)", (time.perf_counter() - t0) / 50 * 1e6, gu_bytes + dn_bytes,
         "wall clock incl. Python")
+
+    # the decode layer per number of experts in one launch (streaming submits partial batches: VRAM hits first,
+    # then misses as they land), scalar v2 against the tensor-core kernels forced on (GPU time)
+    per_k = {}
+    xk = gb.upload(rng.standard_normal((1, H)).astype(F32))
+    wk = gb.upload(np.full(MOE_K_MAX, 0.125, F32))
+    yk = gb.empty((1, H))
+    for k in range(1, MOE_K_MAX + 1):
+        ktabs = [rt.to_device(np.array([int(pool) + ((s * K + j) % nrec) * lay.nbytes for j in range(k)], np.uint64))
+                 for s in range(a.sets)]
+        row = {}
+        for ver in ("v2", "mma"):
+            sc = gb.moe_scratch(lay, k, version=ver)
+            if sc.version != ver:
+                continue
+            row[ver] = round(tm.per_call_us(
+                lambda i, sc=sc: (gb.moe_gateup(sc, ktabs[i % a.sets].ptr, xk.ptr),
+                                  gb.moe_down(sc, ktabs[i % a.sets].ptr, wk.ptr, yk.ptr, False)), a.iters), 2)
+        row["auto"] = gb._moe_version(lay, k, "auto")
+        per_k[k] = row
+        print(f"moe decode layer, K = {k}: {row}", flush=True)
+    res["moe_layer_us_per_k"] = per_k
     del pool
 
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------

@@ -127,6 +127,7 @@ class CudaBackend:
         self.on_kernel_error = None          # called with (error, expert ids) when a MoE batch falls back
         self.busy = None                     # coli.gpu.busy.BusyClock: marks on the compute stream (SM busy)
         self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
+        self._mma_usable: bool | None = None  # moe_mma.cu compiled here (see _mma_fits)
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -543,11 +544,31 @@ class CudaBackend:
         ver = version or self.moe_kernels
         if ver in ("auto", "mma"):
             enough = ver == "mma" or K * lay.gate.rows // 64 >= self.rt.sm_count
-            ver = "mma" if enough and mma_layout_ok(lay, K) else "v2"
+            ver = "mma" if enough and mma_layout_ok(lay, K) and self._mma_fits(lay, K) else "v2"
         fmt, group = lay.gate.fmt, lay.gate.group
         if fmt == "int4" and (ver == "v1" or group not in (32, 64, 128)):   # v2 finds a group by a shift
             return "v1"
         return "v2" if ver == "v1" else ver
+
+    def _mma_fits(self, lay, K: int) -> bool:
+        """The tensor-core kernels' shared memory fits this device (a consumer card allows ~99 KiB per block: the
+        down kernel's 4.5 K Im bytes of split h can exceed it where v2's 4 K Im still fit), and their module
+        compiles here (checked once; a toolkit that rejects it leaves the scalar kernels, not the CPU)."""
+        H, Im = lay.gate.cols, lay.gate.rows
+        gate_smem = mma_gateup_smem(H)
+        down_smem = mma_down_smem(Im, K) + MMA_DOWN_STATIC_SMEM
+        if max(gate_smem, down_smem) > self.rt.smem_optin:
+            return False
+        if self._mma_usable is None:
+            try:
+                self.rt.module("moe_mma")
+                self._mma_usable = True
+            except CudaError as e:
+                self._mma_usable = False
+                import logging
+                logging.getLogger("coli.cuda").warning("tensor-core MoE kernels unavailable, using the scalar "
+                                                       "ones: %s", str(e)[:300])
+        return self._mma_usable
 
     def moe_gateup(self, sc: "MoeScratch", table: int, x: int) -> bool:
         lay, K = sc.lay, sc.K
@@ -556,7 +577,7 @@ class CudaBackend:
             f_split = self._fn("moe_mma", "moe_split_x4")
             self.rt.launch(f_split, (H // 64, 1), 32, x, 1, H, sc.xq.ptr, sc.xc.ptr, sc.xf.ptr)
             fn = self._fn("moe_mma", "moe_gateup_mma_int4")
-            smem = H // 32 * 128 + H // 64 * 32 + 256
+            smem = mma_gateup_smem(H)
             if not self.rt.allow_smem(fn, smem):
                 return False
             g = lay.gate
@@ -573,7 +594,7 @@ class CudaBackend:
             d = lay.down
             H, Im = d.rows, d.cols
             fn = self._fn("moe_mma", "moe_down_mma_int4")
-            smem = K * (Im // 32 * 128 + Im // 64 * 32)
+            smem = mma_down_smem(Im, K)
             if not self.rt.allow_smem(fn, smem):
                 return False
             self.rt.launch(fn, (H // MMA_DOWN_ROWS,), MMA_THREADS, table, d.offset, H, Im, d.group, d.rows_per_tile,
@@ -712,6 +733,19 @@ class MoeScratch:
     hq: Any = None           # ... and h split the same way (written by gate/up, read by down)
     hc: Any = None
     hf: Any = None
+
+
+def mma_gateup_smem(H: int) -> int:
+    """Dynamic shared memory of moe_gateup_mma_int4: split x (H / 32 chunks x 128 B, H / 64 blocks x 32 B) + h."""
+    return H // 32 * 128 + H // 64 * 32 + 256
+
+
+def mma_down_smem(Im: int, K: int) -> int:
+    """Dynamic shared memory of moe_down_mma_int4: the K experts' split h."""
+    return K * (Im // 32 * 128 + Im // 64 * 32)
+
+
+MMA_DOWN_STATIC_SMEM = (MMA_THREADS // 32) * MMA_DOWN_ROWS * 4     # its static `red` array
 
 
 def mma_layout_ok(lay, K: int) -> bool:

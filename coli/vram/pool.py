@@ -152,7 +152,7 @@ class SlotPool:
         self._mapped = np.zeros(n_slots, bool)
         self._spec = np.zeros(n_slots, bool)           # speculatively loaded, no demand use yet
         self._spec_hit = np.zeros(n_slots, bool)       # the last demand lookup of the slot used a speculative load
-        self._use_counted: set[int] = set()            # keys of revoked hits: their next acquire is not a new use
+        self._revoked: set[int] = set()                # keys of this step's revoked hits (see revoke_hit)
         self._free = list(range(n_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self._n_mapped = 0
         self._now = 0
@@ -207,6 +207,7 @@ class SlotPool:
         """Advance the clock: once per (token, MoE layer) request, before its lookups."""
         self._now += 1
         self._nth = 0
+        self._revoked.clear()         # a revoked hit's "miss and use counted" holds for its own step only
 
     def lookup(self, key: int, *, rank: int | None = None) -> int | None:
         """Demand: the slot holding key (ready or loading), pinned, counted as a hit; None (nothing counted)
@@ -226,12 +227,16 @@ class SlotPool:
 
     def revoke_hit(self, slot: int) -> None:
         """The last demand lookup of `slot` found it not holding the key's bytes after all (a speculative copy
-        cut short by the demand, or its source recycled; the caller invalidates the slot): that hit was not one.
-        The caller then asks for the key again with `acquire`, which counts the miss -- but not a second use:
-        the lookup's use of the key stands. A speculative load counts as wasted, not used."""
+        cut short by the demand, or its source recycled; call it after `invalidate(slot)`, before dropping the
+        lookup's pin): that hit becomes a miss. The caller then asks for the key with `acquire` in the same
+        step, which counts neither the miss nor the use again (the lookup recorded the use). A speculative
+        load counts as wasted, not used."""
         s = self._slot(slot)
+        if self._pins[s] <= 0 or self._key[s] < 0:
+            raise ValueError(f"slot {s} is not held by a lookup: nothing to revoke")
         self.stats.hits -= 1
-        self._use_counted.add(int(self._key[s]))
+        self.stats.misses += 1
+        self._revoked.add(int(self._key[s]))
         if self._spec_hit[s]:
             self._spec_hit[s] = False
             self.stats.spec_used -= 1
@@ -304,10 +309,10 @@ class SlotPool:
     # ---- acquisition ---------------------------------------------------------------------------------
 
     def _acquire_demand(self, key: int, rank: int | None) -> int | None:
-        self.stats.misses += 1
-        if key in self._use_counted:             # a revoked hit's use is already recorded
-            self._use_counted.discard(key)
+        if key in self._revoked:                 # a revoked hit: its miss and use are counted already
+            self._revoked.discard(key)
         else:
+            self.stats.misses += 1
             self._use(key, rank)
         return self._place_demand(key)
 

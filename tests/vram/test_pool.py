@@ -679,13 +679,36 @@ def test_a_revoked_speculative_hit_is_a_miss_and_one_use():
     assert p.lookup(5) == s and p.stats.hits == 1 and p.stats.spec_used == 1
     p.invalidate(s)
     p.revoke_hit(s)
+    assert (p.stats.hits, p.stats.misses) == (0, 1)   # counted at once, whether or not it is acquired again
     p.release(s)                                   # the speculative pin
     p.release(s)                                   # the lookup's pin
+    with pytest.raises(ValueError, match="not held"):
+        p.revoke_hit(s)
     s2 = p.acquire(5)
     assert s2 is not None
     st = p.stats
     assert (st.hits, st.misses, st.spec_used, st.spec_wasted) == (0, 1, 0, 1)
     assert p._cnt[5] == 1.0                        # one use this step
+    p.loaded(s2)
+    p.release(s2)
+    p.check()
+
+
+def test_a_revoked_key_not_acquired_again_keeps_its_next_steps_uses():
+    """A revoked key the caller then computes elsewhere (never acquired in that step) must not swallow a later
+    step's use: the "already counted" mark lasts one step."""
+    p = SlotPool(4, 100, "freq", n_keys=16, staging=1, spec_displaces=True)
+    p.begin_step()
+    s = p.acquire(5, speculative=True)
+    p.lookup(5)
+    p.invalidate(s)
+    p.revoke_hit(s)
+    p.release(s)
+    p.release(s)
+    for _ in range(3):
+        p.begin_step()
+    s2 = p.acquire(5)
+    assert p._cnt[5] == 2.0 and p.stats.misses == 2
     p.loaded(s2)
     p.release(s2)
     p.check()
