@@ -10,7 +10,9 @@ CPU (the kernels themselves are checked against numpy on a GPU by tests/gpu/):
 - the tensor-core int4 MoE decode (moe_mma.cu): the four-part int8 split of x is exact to 2^-27 of a block's
   largest value, and the per-lane MMA fragments (nibble unpacking, which lanes feed B, D's post-processing)
   give the rows' dot products -- the MMA emulated with PTX's fragment layout;
-- which layouts the tensor-core kernels accept (cuda_backend.mma_layout_ok).
+- which layouts the tensor-core kernels accept (cuda_backend.mma_layout_ok) and which kernel version the
+  backend picks (CudaBackend._moe_version, host logic, on a stand-in runtime);
+- the runtime raises a kernel's dynamic shared memory limit whenever static + dynamic passes 48 KiB.
 """
 
 from __future__ import annotations
@@ -296,3 +298,68 @@ def test_mma_layout_ok_takes_int4_g64_g128_in_whole_steps_only():
     assert not mma_layout_ok(RecordLayout.make(6144 + 64, 2048, "int4", 64, 512), 8)   # not whole 128-col steps
     assert not mma_layout_ok(RecordLayout.make(6144, 2048 + 64, "int4", 64, 512), 8)
     assert mma_layout_ok(RecordLayout.make(256, 128, "int4", 64, 512), 4)
+
+
+class _FakeRuntime:
+    """The attributes CudaBackend's version choice and CudaRuntime.allow_smem read (no GPU)."""
+
+    def __init__(self, smem_optin=232448, static=0):
+        self.smem_optin, self.static, self.sm_count = smem_optin, static, 132
+        self._smem_set, self.set_calls = {}, []
+        self.drv = type("drv", (), {"function_attribute": type("fa", (), {"MAX_DYNAMIC_SHARED_SIZE_BYTES": 8})})
+
+    def _fn_attr(self, fn, name, default=0):
+        return self.static if name == "SHARED_SIZE_BYTES" else default
+
+    def module(self, name):
+        return object()
+
+
+def _backend(rt, kernels="auto"):
+    from coli.model.cuda_backend import CudaBackend
+    gb = CudaBackend.__new__(CudaBackend)       # no PyCUDA: only the host-side choice is exercised
+    gb.rt, gb.moe_kernels, gb._mma_usable = rt, kernels, None
+    return gb
+
+
+def test_moe_kernel_choice_on_the_host():
+    from coli.container.format import RecordLayout
+    from coli.model.cuda_backend import MMA_MIN_K
+    glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
+    gb = _backend(_FakeRuntime())
+    assert [gb._moe_version(glm, k) for k in range(1, 9)] == ["v2"] * (MMA_MIN_K - 1) + ["mma"] * (9 - MMA_MIN_K)
+    assert gb._moe_version(glm, 1, "mma") == "mma" and gb._moe_version(glm, 8, "v2") == "v2"
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 32, 512), 8) == "v2"
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 256, 512), 8) == "v1"
+    # a 99 KiB-per-block card: GLM-5's 2048-wide experts fit at K = 8, 3072-wide ones only on v2
+    small = _backend(_FakeRuntime(smem_optin=101376))
+    assert small._moe_version(glm, 8) == "mma"
+    assert small._moe_version(RecordLayout.make(6144, 3072, "int4", 64, 512), 8) == "v2"
+    assert small._moe_version(RecordLayout.make(6144, 3072, "int4", 64, 512), 4) == "mma"
+
+
+def test_moe_kernel_choice_falls_back_when_the_module_does_not_compile():
+    from coli.container.format import RecordLayout
+    from coli.model.cuda_runtime import CudaError
+
+    class NoMma(_FakeRuntime):
+        def module(self, name):
+            raise CudaError("compiling cuda/moe_mma.cu for sm_80 failed: ...")
+    gb = _backend(NoMma())
+    assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 64, 512), 8) == "v2"
+    assert gb._mma_usable is False
+
+
+@pytest.mark.parametrize("static,dynamic,raised", [(0, 48 * 1024, False), (96, 48 * 1024, True),
+                                                   (96, 48 * 1024 - 96, False), (0, 48 * 1024 + 16, True)])
+def test_allow_smem_raises_the_limit_when_static_plus_dynamic_passes_48k(static, dynamic, raised):
+    """moe_down_int4 (v2) with 6 experts at GLM-5's width asks exactly 48 KiB of dynamic shared memory on top of
+    ~100 bytes of static: without the raised limit its launch fails (found by the per-K benchmark)."""
+    from coli.model.cuda_runtime import CudaRuntime
+    rt = _FakeRuntime(static=static)
+
+    class Fn:
+        def set_attribute(self, attr, value):
+            rt.set_calls.append((attr, value))
+    assert CudaRuntime.allow_smem(rt, Fn(), dynamic)
+    assert bool(rt.set_calls) == raised

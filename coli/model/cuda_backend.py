@@ -78,13 +78,15 @@ MMA_THREADS = 256    # block size of the tensor-core ones: 32 * MMA_WARPS in moe
 MMA_DOWN_ROWS = 32   # output rows per block of moe_down_mma_int4: 16 * MMA_DT in moe_mma.cu (the same test)
 MOE_MAXK = 8         # experts per moe_gateup / moe_down launch (MOE_MAXK in gemv.cu)
 # Fused MoE decode kernels (one token):
-#   "auto" (default)  int4 on the tensor cores (cuda/moe_mma.cu) where the layout allows it and the launch has
-#                     enough blocks to cover the device (K * Im / 64 >= SMs), else "v2";
+#   "auto" (default)  int4 on the tensor cores (cuda/moe_mma.cu) where the layout and shared memory allow it and
+#                     the launch has K >= MMA_MIN_K experts, else "v2" (H200, GLM-5's experts, GPU time per
+#                     layer v2 / mma: K=1 23.0 / 27.0 us, K=2 33.4 / 31.0, K=4 53.7 / 39.5, K=8 92.7 / 59.7);
 #   "mma"             the tensor-core kernels wherever the layout allows (tests: small shapes), else "v2";
 #   "v2"              the scalar kernels in gemv.cu (moe_gateup_<fmt>, moe_down_<fmt>): every format;
 #   "v1"              their first version (int4 only: *_int4_v1; other formats take v2).
 # int4 with a group other than 32/64/128 always takes v1. COLI_MOE_KERNELS selects one (benchmarks, bisecting).
 MOE_KERNELS = os.environ.get("COLI_MOE_KERNELS", "auto")
+MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts per launch (measured above)
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
@@ -543,7 +545,7 @@ class CudaBackend:
     def _moe_version(self, lay, K: int, version: str | None = None) -> str:
         ver = version or self.moe_kernels
         if ver in ("auto", "mma"):
-            enough = ver == "mma" or K * lay.gate.rows // 64 >= self.rt.sm_count
+            enough = ver == "mma" or K >= MMA_MIN_K
             ver = "mma" if enough and mma_layout_ok(lay, K) and self._mma_fits(lay, K) else "v2"
         fmt, group = lay.gate.fmt, lay.gate.group
         if fmt == "int4" and (ver == "v1" or group not in (32, 64, 128)):   # v2 finds a group by a shift

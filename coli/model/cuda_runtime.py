@@ -203,11 +203,13 @@ class CudaRuntime:
         return int(fn.get_attribute(a)) if a is not None else default
 
     def allow_smem(self, fn, nbytes: int) -> bool:
-        """Let fn use nbytes of dynamic shared memory (raising the 48 KiB default); False if it cannot."""
+        """Let fn use nbytes of dynamic shared memory (raising the 48 KiB default); False if it cannot. The default
+        covers static + dynamic <= 48 KiB, so the limit is raised as soon as the SUM passes 48 KiB (a kernel with
+        96 bytes of static shared memory cannot take exactly 48 KiB of dynamic without it: the launch fails)."""
         static = self._fn_attr(fn, "SHARED_SIZE_BYTES")
         if nbytes + static > self.smem_optin:
             return False
-        if nbytes > 48 * 1024 and self._smem_set.get(id(fn), 0) < nbytes:
+        if nbytes + static > 48 * 1024 and self._smem_set.get(id(fn), 0) < nbytes:
             fn.set_attribute(self.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
             self._smem_set[id(fn)] = nbytes
         return True

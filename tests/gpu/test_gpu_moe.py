@@ -200,14 +200,16 @@ def test_moe_tensor_core_kernels_propagate_nan(gb, rng):
 
 
 def test_moe_kernel_choice(gb, rng):
-    """auto: the tensor-core kernels for GLM-5's int4 g64 experts with enough blocks to cover the device, the
-    scalar v2 otherwise (few experts, other formats, groups the MMA split does not take); v1 for odd groups."""
+    """auto: the tensor-core kernels for GLM-5's int4 g64 experts from MMA_MIN_K experts per launch (faster than
+    v2 from K = 2 on the H200: scripts/bench_kernels.py's per-K table), the scalar v2 otherwise (one expert, other
+    formats, groups the MMA split does not take); v1 for odd groups. (The same rules without a GPU:
+    tests/test_kernel_formulas.py.)"""
     from coli.container.format import RecordLayout
-    sms = gb.rt.sm_count
+    from coli.model.cuda_backend import MMA_MIN_K
     glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
-    k_enough = -(-sms * 64 // 2048)
-    assert gb._moe_version(glm, 8, "auto") == ("mma" if k_enough <= 8 else "v2")
-    assert gb._moe_version(glm, max(1, k_enough - 1), "auto") == "v2"
+    assert gb._moe_version(glm, 8, "auto") == "mma"
+    assert gb._moe_version(glm, MMA_MIN_K, "auto") == "mma"
+    assert gb._moe_version(glm, MMA_MIN_K - 1, "auto") == "v2"
     assert gb._moe_version(glm, 1, "mma") == "mma"
     assert gb._moe_version(RecordLayout.make(6144, 2048, "int4", 32, 512), 8, "auto") == "v2"
     assert gb._moe_version(RecordLayout.make(6144, 2048, "int8", 0, 512), 8, "mma") == "v2"
