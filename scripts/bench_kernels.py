@@ -104,6 +104,37 @@ def record_pool(rt, lay, nrec, rng, n_distinct=4):
     return host_recs, pool, nrec
 
 
+def moe_bench_setup(gb, rng, sets: int):
+    """The fused-decode benchmark's inputs at GLM-5's expert shape (8 experts, 2048 x 6144 int4 g64): records
+    rotating over `sets` groups of 8 (> 2 GB, so L2 holds no previous launch's weights), their device tables,
+    x, routing weights, an output, and the float64 numpy reference of h (gate/up) and y (down) for set 0."""
+    from types import SimpleNamespace
+
+    from coli.container.format import RecordLayout
+    from coli.container.quant import decode_matrix
+    rt = gb.rt
+    lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    host_recs, pool, nrec = record_pool(rt, lay, sets * K, rng)
+    tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
+              for s in range(sets)]
+    x = gb.upload(rng.standard_normal((1, H)).astype(F32))
+    wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
+    y = gb.empty((1, H))
+    xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
+    want_h, want_y = [], np.zeros(H, np.float64)
+    for k in range(K):
+        rec = host_recs[k % len(host_recs)]
+        G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
+        g, u = G.astype(np.float64) @ xs, U.astype(np.float64) @ xs
+        hk = g / (1 + np.exp(-g)) * u
+        want_h.append(hk)
+        want_y += w_h[k] * (D.astype(np.float64) @ hk.astype(F32))
+    return SimpleNamespace(lay=lay, host_recs=host_recs, pool=pool, nrec=nrec, tables=tables, x=x, wts=wts, y=y,
+                           want_h=want_h, want_y=want_y,
+                           gu_bytes=K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM),
+                           dn_bytes=K * lay.down.nbytes + 4 * (K * IM + H))
+
+
 def run_moe_compare(a) -> dict:
     """Run moe_compare in a child process (timeout 100 s); its JSON, or {"error": ...}."""
     import os
@@ -142,8 +173,6 @@ def moe_compare(a, path: Path) -> int:
     """Child process: the fused MoE decode at GLM-5's expert shape (int4 g64, K = 8), every version (v1, v2, mma)
     in turn, each checked against numpy and timed (gate/up, down, both); results written to `path` after each
     step, so that a fault or hang in a newer version still leaves the older ones' numbers."""
-    from coli.container.format import RecordLayout
-    from coli.container.quant import decode_matrix
     from coli.model.cuda_backend import CudaBackend
 
     gb = CudaBackend()
@@ -163,24 +192,9 @@ def moe_compare(a, path: Path) -> int:
     del src, dst
     save()
 
-    lay = RecordLayout.make(H, IM, "int4", 64, 512)
-    host_recs, pool, nrec = record_pool(rt, lay, a.sets * K, rng)
-    tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
-              for s in range(a.sets)]
-    x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
-    wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
-    y = gb.empty((1, H))
-    xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
-    want_h, want_y = [], np.zeros(H, np.float64)
-    for k in range(K):
-        rec = host_recs[k % len(host_recs)]
-        G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
-        g, u = G.astype(np.float64) @ xs, U.astype(np.float64) @ xs
-        hk = g / (1 + np.exp(-g)) * u
-        want_h.append(hk)
-        want_y += w_h[k] * (D.astype(np.float64) @ hk.astype(F32))
-    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
-    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
+    m = moe_bench_setup(gb, rng, a.sets)
+    lay, tables, x, wts, y = m.lay, m.tables, m.x, m.wts, m.y
+    want_h, want_y, gu_bytes, dn_bytes = m.want_h, m.want_y, m.gu_bytes, m.dn_bytes
     out.update(gu_bytes=gu_bytes, dn_bytes=dn_bytes)
 
     for ver in VERSIONS:

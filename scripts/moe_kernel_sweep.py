@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_kernels import F32, H, IM, K, Timer, record_pool  # noqa: E402
+from bench_kernels import H, IM, K, Timer, moe_bench_setup  # noqa: E402
 
 # name -> -D settings of cuda/moe_mma.cu: MMA_D gate/up steps in flight per warp; MMA_DT down tiles (16 rows)
 # per warp, MMA_DD down steps in flight; MMA_MINB blocks per SM for the register allocator
@@ -79,8 +79,6 @@ def main() -> int:
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
 
-    from coli.container.format import RecordLayout
-    from coli.container.quant import decode_matrix
     from coli.model.cuda_backend import CudaBackend
 
     gb = CudaBackend()
@@ -101,24 +99,9 @@ def main() -> int:
     copy_bw = out["d2d_copy_GBps"] = round(2 * n / copy_us / 1e3, 1)
     del src, dst
 
-    lay = RecordLayout.make(H, IM, "int4", 64, 512)
-    host_recs, pool, nrec = record_pool(rt, lay, a.sets * K, rng)
-    tables = [rt.to_device(np.array([int(pool) + (s * K + k) * lay.nbytes for k in range(K)], np.uint64))
-              for s in range(a.sets)]
-    x = gb.upload(rng.standard_normal((1, H)).astype(F32))
-    wts = gb.upload(rng.uniform(0.1, 0.5, K).astype(F32))
-    y = gb.empty((1, H))
-    xs, w_h = rt.to_host(x)[0], rt.to_host(wts)
-    want_h, want_y = [], np.zeros(H, np.float64)
-    for k in range(K):
-        rec = host_recs[k % len(host_recs)]
-        G, U, D = (decode_matrix(rec[m.offset:m.end], m) for m in lay.matrices)
-        g, u = G.astype(np.float64) @ xs, U.astype(np.float64) @ xs
-        hk = g / (1 + np.exp(-g)) * u
-        want_h.append(hk)
-        want_y += w_h[k] * (D.astype(np.float64) @ hk.astype(F32))
-    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
-    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
+    m = moe_bench_setup(gb, rng, a.sets)
+    lay, tables, x, wts, y = m.lay, m.tables, m.x, m.wts, m.y
+    want_h, want_y, gu_bytes, dn_bytes = m.want_h, m.want_y, m.gu_bytes, m.dn_bytes
     out.update(gu_bytes=gu_bytes, dn_bytes=dn_bytes)
     frac = lambda nb, us: round(nb / us / 1e3 / copy_bw, 3)   # noqa: E731
 
