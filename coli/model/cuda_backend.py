@@ -19,6 +19,7 @@ with the routing-weighted sum; prefill is a grouped GEMM per expert over the tok
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -567,7 +568,6 @@ class CudaBackend:
                 self._mma_usable = True
             except CudaError as e:
                 self._mma_usable = False
-                import logging
                 logging.getLogger("coli.cuda").warning("tensor-core MoE kernels unavailable, using the scalar "
                                                        "ones: %s", str(e)[:300])
         return self._mma_usable
