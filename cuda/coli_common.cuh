@@ -181,6 +181,18 @@ __device__ inline float row_scale(const u8 *meta) {
     return FMT == FMT_INT8 ? half_at(meta) : 1.f;
 }
 
+__device__ inline float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ inline float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // NR rows (data/meta pointers) against the same staged x: out[r] = sum over the row of w * x, full scale
 // applied, summed over the warp (every lane gets the totals). nchunks = row_data / 16.
 template <int FMT, int NR, int U>
@@ -215,12 +227,7 @@ __device__ inline void warp_rows_dot(const u8 *const *data, const u8 *const *met
         }
     }
 #pragma unroll
-    for (int r = 0; r < NR; r++) {
-        float a = acc[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        out[r] = a * row_scale<FMT>(meta[r]);
-    }
+    for (int r = 0; r < NR; r++) out[r] = warp_sum(acc[r]) * row_scale<FMT>(meta[r]);
 }
 
 // ---- second version of the decode GEMV inner loop (moe_gateup_<fmt>, moe_down_<fmt>) ------------------------
@@ -320,27 +327,10 @@ __device__ inline void warp_rows_dot2(const u8 *const *data, const u8 *const *me
         }
     }
 #pragma unroll
-    for (int r = 0; r < NR; r++) {
-        float a = acc[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        out[r] = a * row_scale<FMT>(meta[r]);
-    }
+    for (int r = 0; r < NR; r++) out[r] = warp_sum(acc[r]) * row_scale<FMT>(meta[r]);
 }
 
 __device__ inline float silu_f(float g) { return __fdiv_rn(g, __fadd_rn(1.f, expf(-g))); }
-
-__device__ inline float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ inline float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 // Block-wide sum (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red` >= 32 floats.
 __device__ inline float block_sum(float v, float *red) {
