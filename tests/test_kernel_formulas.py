@@ -314,11 +314,15 @@ class _FakeRuntime:
     def module(self, name):
         return object()
 
+    def empty(self, shape, dtype=np.float32):
+        from coli.model.cuda_runtime import DeviceArray
+        return DeviceArray(0, shape, dtype)
+
 
 def _backend(rt, kernels="auto"):
     from coli.model.cuda_backend import CudaBackend
     gb = CudaBackend.__new__(CudaBackend)       # no PyCUDA: only the host-side choice is exercised
-    gb.rt, gb.moe_kernels, gb._mma_usable = rt, kernels, None
+    gb.rt, gb.moe_kernels, gb._mma_usable, gb._scratch = rt, kernels, None, {}
     return gb
 
 
@@ -363,3 +367,23 @@ def test_allow_smem_raises_the_limit_when_static_plus_dynamic_passes_48k(static,
             rt.set_calls.append((attr, value))
     assert CudaRuntime.allow_smem(rt, Fn(), dynamic)
     assert bool(rt.set_calls) == raised
+
+
+def test_moe_scratch_is_kept_per_layout_k_and_version():
+    """The fused decode's buffers are made once per (layout, K, version asked), not per layer and token (the
+    decode step is host-bound); a different K or version gets its own, and the cache stays bounded."""
+    from coli.container.format import RecordLayout
+    glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
+    gb = _backend(_FakeRuntime())
+    a = gb.moe_scratch(glm, 8)
+    assert gb.moe_scratch(glm, 8) is a and a.version == "mma" and a.hq is not None
+    assert gb.moe_scratch(glm, 7) is not a
+    v2 = gb.moe_scratch(glm, 8, version="v2")
+    assert v2 is not a and v2.version == "v2" and v2.hq is None
+    gb.moe_kernels = "v2"
+    assert gb.moe_scratch(glm, 8).version == "v2"
+    for k in range(1, 9):
+        for ver in ("v1", "v2", "mma", "auto"):
+            for lay in (glm, RecordLayout.make(6144, 2048, "int4", 128, 512), RecordLayout.make(6144, 1024, "int4", 64, 512)):
+                gb.moe_scratch(lay, k, version=ver)
+    assert len(gb._scratch) <= 64

@@ -131,6 +131,7 @@ class CudaBackend:
         self.busy = None                     # coli.gpu.busy.BusyClock: marks on the compute stream (SM busy)
         self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
         self._mma_usable: bool | None = None  # moe_mma.cu compiled here (see _mma_fits)
+        self._scratch: dict[tuple, MoeScratch] = {}   # fused-decode buffers by (layout, K, version asked)
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -532,7 +533,18 @@ class CudaBackend:
     # `table` is the device address of K record pointers; x [H], wts [K], y [H] are device addresses.
     def moe_scratch(self, lay, K: int, version: str | None = None) -> "MoeScratch":
         """The kernel version for K experts of layout `lay` and its device buffers (h, and for the tensor-core
-        kernels x and h split into int8 parts)."""
+        kernels x and h split into int8 parts). Kept per (layout, K, version asked): a decode step asks for the
+        same few every layer, and reusing them is safe for the same reason the memory pool is -- every kernel runs
+        in order on the one compute stream, so the next user of a buffer is queued after the last one."""
+        key = (lay, K, version or self.moe_kernels)
+        sc = self._scratch.get(key)
+        if sc is None:
+            if len(self._scratch) >= 64:            # bounded: layouts x K x versions seen by this backend
+                self._scratch.clear()
+            sc = self._scratch[key] = self._new_moe_scratch(lay, K, version)
+        return sc
+
+    def _new_moe_scratch(self, lay, K: int, version: str | None) -> "MoeScratch":
         ver = self._moe_version(lay, K, version)
         H, Im = lay.gate.cols, lay.gate.rows
         sc = MoeScratch(ver, lay, K, self.empty((K, Im)))
