@@ -445,26 +445,33 @@ def main() -> int:
         print(f"{r['kernel']:<{w}}  {r['us']:>10.2f}  {r.get('GBps', ''):>8}  {r.get('of_copy', ''):>7}  "
               f"{r.get('note', '')}")
     cmp_res = res.get("moe_compare", {})
-    print(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), every kernel version, same run "
-          f"(child's copy {cmp_res.get('d2d_copy_GBps')} GB/s; target: layer >= 60% of the copy, <= ~63 us):")
+    summary: list[str] = []          # the MoE lines, also kept in the JSON (gpu_suite.sh prints them)
+
+    def say(text: str) -> None:
+        summary.append(text.strip("\n"))
+        print(text)
+
+    say(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), every kernel version, same run "
+        f"(child's copy {cmp_res.get('d2d_copy_GBps')} GB/s; target: layer >= 60% of the copy, <= ~63 us):")
     for ver in VERSIONS:
         v = cmp_res.get(ver, {})
         if v.get("layer_us"):
-            print(f"  {ver}: gate/up {v['gateup_us']:.1f} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']:.1f} us "
-                  f"({100 * v['down_frac']:.1f}%), layer {v['layer_us']:.1f} us ({100 * v['layer_frac']:.1f}%; "
-                  f"repeat {v['layer_us_repeat']:.1f} us)  rel err h {v.get('gateup_rel_err', float('nan')):.1e} "
-                  f"y {v.get('down_rel_err', float('nan')):.1e}  {'ok' if v.get('ok') else 'WRONG'}")
+            say(f"  {ver}: gate/up {v['gateup_us']:.1f} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']:.1f} us "
+                f"({100 * v['down_frac']:.1f}%), layer {v['layer_us']:.1f} us ({100 * v['layer_frac']:.1f}%; "
+                f"repeat {v['layer_us_repeat']:.1f} us)  rel err h {v.get('gateup_rel_err', float('nan')):.1e} "
+                f"y {v.get('down_rel_err', float('nan')):.1e}  {'ok' if v.get('ok') else 'WRONG'}")
         else:
-            print(f"  {ver}: FAILED {v.get('error', '')} {json.dumps(v)[:300]}")
+            say(f"  {ver}: FAILED {v.get('error', '')} {json.dumps(v)[:300]}")
     v1 = cmp_res.get("v1", {})
     for ver in VERSIONS[1:]:
         v = cmp_res.get(ver, {})
         if v1.get("layer_us") and v.get("layer_us"):
-            print(f"  speed-up {ver}/v1: gate/up {v1['gateup_us'] / v['gateup_us']:.2f}x, down "
-                  f"{v1['down_us'] / v['down_us']:.2f}x, layer {v1['layer_us'] / v['layer_us']:.2f}x")
+            say(f"  speed-up {ver}/v1: gate/up {v1['gateup_us'] / v['gateup_us']:.2f}x, down "
+                f"{v1['down_us'] / v['down_us']:.2f}x, layer {v1['layer_us'] / v['layer_us']:.2f}x")
     if "moe_layer_GBps" in res:
-        print(f"fused MoE decode ({res['moe_kernels']}, gate/up + down): {res['moe_layer_GBps']} GB/s = "
-              f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
+        say(f"fused MoE decode ({res['moe_kernels']}, gate/up + down): {res['moe_layer_GBps']} GB/s = "
+            f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
+    res["moe_summary"] = summary
     line = json.dumps(res)
     if a.json_out:
         a.json_out.write_text(line + "\n")
