@@ -5,10 +5,10 @@ stay flat after warm-up.
 
 The bound is derived from the leak it must catch: the RAM tier used to keep ~124 B per expert request
 (a never-pruned request -> peer map; ~9 GB per million GLM-5 tokens). Growth must stay under 16 B per
-request the run handled, plus a fixed slack of 512 KiB for allocator granularity (RSS moves in pages
-and in pymalloc/glibc arenas; measured here: under 100 KiB per stage over 40,000 requests). A leak of
-16 B/request or more is caught once it outgrows the slack; the old 124 B/request leak overshoots the
-bound ~3x at this N (checked by putting the map back: the RAM tier grew 3.4 MB, bound 0.86 MB)."""
+request the run handled plus a fixed slack of 512 KiB for allocator granularity (RSS moves in pages and
+in pymalloc/glibc arenas; measured here: at most ~140 KiB per process). A leak of L B/request fails the
+test once (L - 16) x N > 512 KiB: at N ~ 20,000 requests, any leak above ~42 B/request. The old map
+overshoots the bound ~3x (checked by putting it back: the RAM tier grew 3.4 MB, bound 0.86 MB)."""
 
 import json
 import random
