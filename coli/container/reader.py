@@ -107,6 +107,7 @@ class ContainerReader:
         # files: sizes and headers
         self._check_file(m.dense_file.name, m.dense_file.size, KIND_DENSE, 0)
         self.expert_paths = [self.dir / f.name for f in m.expert_files]
+        self._resolved_paths = [str(p.resolve()) for p in self.expert_paths]  # record_location is per read: no syscalls there
         for i, f in enumerate(m.expert_files):
             self._check_file(f.name, f.size, KIND_EXPERTS, i)
         for f in m.copied:
@@ -222,7 +223,7 @@ class ContainerReader:
     # ---- experts -------------------------------------------------------------------------------------------
     def record_location(self, layer: int, expert: int) -> RecordLocation:
         row = self.index[self._index_row(layer, expert)]
-        return RecordLocation(str(self.expert_paths[int(row["file"])].resolve()), int(row["offset"]),
+        return RecordLocation(self._resolved_paths[int(row["file"])], int(row["offset"]),
                               int(row["length"]), int(row["xxh64"]))
 
     def _index_row(self, layer: int, expert: int) -> int:

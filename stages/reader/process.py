@@ -57,8 +57,9 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
 
     def refusal(req: ReadRequest) -> str | None:
         """Why this run cannot serve `req` (naming the field), checked before any byte moves."""
-        why = geometry.read_request_problem(req.layer, req.expert, req.slot, str((root / req.file).resolve()),
-                                            req.offset, req.length, req.checksum, record_of)
+        # `file` must be the index's own resolved path, byte for byte (what the RAM tier sends)
+        why = geometry.read_request_problem(req.layer, req.expert, req.slot, req.file, req.offset, req.length,
+                                            req.checksum, record_of)
         if why or table is None:
             return why
         key = req.layer * cfg.n_routed_experts + req.expert
@@ -84,7 +85,7 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
             why = refusal(req)
             if why:
                 raise RecordError(f"ReadRequest refused: {why}")
-            path = (root / req.file).resolve()
+            path = req.file  # checked above: exactly the index's path of this record
             gen = int(table.gen[req.slot]) if table is not None else 0
             view = arena.slot_view(req.slot)
             n = read_record(files, str(path), req.offset, req.length, req.checksum, view, verify=True)
