@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from coli.client import Client
+from coli.serve.client import Client
 from coli.protocol.messages import ExpertFailed, ExpertRelease, ExpertRequest
 from hostile import Intruder, container_of
 from oracles import load_oracle
