@@ -42,7 +42,10 @@ class StopRequested(Exception):
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
-                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None) -> None:
+                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
+                  control: bytes | None = None) -> None:
+    """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
+    control messages from any other peer are refused. None accepts any peer."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -67,8 +70,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     "load_s": round(time.perf_counter() - t_load, 3)}
             if state["vram"]:
                 info.update(vram=state["vram"], gpu_name=state["gpu_name"])
-            if greet(sock, peer, msg, STAGE, info, log):
+            if greet(sock, peer, msg, STAGE, info, log, control=control):
                 state["supervisor"] = peer
+        elif control is not None and peer != control:
+            # clients reach the executor through the supervisor only (its checks and its fairness)
+            log.error("protocol_error", peer=repr(peer),
+                      error=f"{type(msg).__name__} refused: the executor takes messages only from the supervisor")
         elif isinstance(msg, Cancel):
             if state["current"] == msg.request_id:
                 raise Cancelled()

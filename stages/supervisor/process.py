@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -181,13 +182,17 @@ class Supervisor:
         from coli.stages.reader.process import reader_main
 
         base = str(rd.base)
+        # Our routing identity on the stages' sockets, secret to this run (it reaches the stages through the
+        # spawn pipe, not argv): a stage takes Hello/Shutdown/requests as the supervisor's from it alone.
+        control = f"supervisor-{secrets.token_hex(16)}".encode()
         targets = {
             "reader": (reader_main, (o.name, base, arena.name, str(container), o.reader_threads, o.queue_depth,
-                                     o.log_level)),
+                                     o.log_level, table.name, control)),
             "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
-                                       o.queue_depth, o.log_level)),
+                                       o.queue_depth, o.log_level, control)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
-                                         str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu))),
+                                         str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu),
+                                         control)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
@@ -198,7 +203,7 @@ class Supervisor:
             p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name), name=f"coli-{o.name}-{name}",
                            daemon=False)
             p.start()
-            sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=b"supervisor")
+            sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=control)
             send(sock, make_hello("supervisor"))
             self.stages[name] = StageProc(name, p, sock)
         self._write_state("starting")
