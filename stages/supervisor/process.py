@@ -25,7 +25,7 @@ from coli.protocol.errors import ProtocolError
 from coli.protocol.handshake import check_hello, make_hello
 from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, Cancel, Done, Error, GenerateRequest,
                                     Hello, Ready, Shutdown, StageDead, Stats, StatusReply, StatusRequest, Token)
-from coli.protocol.rundir import RunDir
+from coli.protocol.rundir import RunClaimed, RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
 from coli.stages.ramtier.core import ResidencyTable
@@ -123,15 +123,22 @@ class Supervisor:
     def start(self) -> None:
         o = self.opts
         rd = RunDir(o.name, o.run_base, create=True)
-        if rd.is_live():
-            pid = rd.read_pid()[0]
-            raise StartupError(f"run {o.name!r} is already up (supervisor pid {pid}); stop it with "
-                               f"`coli down --name {o.name}` or pick another --name")
-        if rd.is_stale():
-            clean_stale(rd, self.say)
-            rd = RunDir(o.name, o.run_base, create=True)
+        try:
+            rd.claim()  # atomic: of two `coli up` of one name at the same instant, exactly one gets here
+        except RunClaimed as e:
+            raise StartupError(str(e)) from None
+        try:
+            if rd.is_live():  # a holder of the claim would have kept it: a run of an older install
+                pid = rd.read_pid()[0]
+                raise StartupError(f"run {o.name!r} is already up (supervisor pid {pid}); stop it with "
+                                   f"`coli down --name {o.name}` or pick another --name")
+            if rd.is_stale():
+                clean_stale(rd, self.say)
+            rd.write_pid()
+        except BaseException:
+            rd.release()
+            raise
         self.rd = rd
-        rd.write_pid()
         self.log = configure_logging(rd.log_path("supervisor"), "supervisor", o.log_level)
         try:
             self._start_stages()
@@ -500,6 +507,7 @@ class Supervisor:
             except Exception as e:  # never let cleanup mask the reason we are stopping
                 if log:
                     log.error("cleanup_failed", error=str(e))
+            self.rd.release()
         if log:
             log.info("stopped", reason=reason)
 
