@@ -102,10 +102,18 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
                       pilot=ahead, gpu=dict(gpu or {}))
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
     run_supervisor(opts, say)
+
+
+def _say_while_the_terminal_lasts(message: str) -> None:
+    # a closed terminal (SIGHUP) turns stderr into EIO: the run must still stop cleanly, and its log says why
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
@@ -162,6 +170,11 @@ def _down(name, timeout):
     from coli.protocol.rundir import RunDir
     from coli.stages.supervisor.process import clean_stale
 
+    from coli.stages.supervisor.sweep import describe, sweep_dead_segments
+
+    swept = sweep_dead_segments()  # leftovers of SIGKILLed runs of any name
+    if swept:
+        print(describe(swept))
     try:
         rd = RunDir(name, create=False)
     except RunDirError:

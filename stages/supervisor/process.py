@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,11 @@ from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
 from coli.stages.ramtier.core import ResidencyTable
 from coli.stages.supervisor.core import Pending, RequestBook
+from coli.stages.supervisor.sweep import describe, segment_name, sweep_dead_segments
 
 STAGES = ("reader", "ramtier", "executor")
+# what stops a run cleanly: SIGHUP is the terminal of a foreground `coli up` closing
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StartupError(ColiError):
@@ -135,6 +139,9 @@ class Supervisor:
             if rd.is_stale():
                 clean_stale(rd, self.say)
             rd.write_pid()
+            swept = sweep_dead_segments()  # other names' leftovers too (a SIGKILLed process group)
+            if swept:
+                self.say(describe(swept))
         except BaseException:
             rd.release()
             raise
@@ -163,10 +170,9 @@ class Supervisor:
             raise StartupError(f"--ram-gb must be > 0 (got {o.ram_gb})")
         n_slots = max(1, min(n_total, int(o.ram_gb * 1e9 // slot_bytes)))
         n_keys = cfg.num_hidden_layers * cfg.n_routed_experts
-        tag = f"coli-{o.name}-{os.getpid()}"
-        arena = Arena.create(f"{tag}-experts", slot_bytes, n_slots)
+        arena = Arena.create(segment_name(o.name, os.getpid(), "experts"), slot_bytes, n_slots)
         self.arenas.append(arena)
-        table = Arena.create(f"{tag}-residency", ResidencyTable.nbytes(n_keys, n_slots), 1)
+        table = Arena.create(segment_name(o.name, os.getpid(), "residency"), ResidencyTable.nbytes(n_keys, n_slots), 1)
         self.arenas.append(table)
         self.model_info = {"model": str(o.model or "demo"), "container": str(container), "layers": cfg.num_hidden_layers,
                            "experts_per_layer": cfg.n_routed_experts, "moe_layers": len(cfg.moe_layers),
@@ -267,7 +273,7 @@ class Supervisor:
         os.set_blocking(wake_r, False)
         old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         got: list[int] = []
-        handlers = {sig: signal.signal(sig, lambda s, f: got.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {sig: signal.signal(sig, lambda s, f: got.append(s)) for sig in STOP_SIGNALS}
         poller = zmq.Poller()
         poller.register(self.client_sock, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
@@ -464,6 +470,9 @@ class Supervisor:
     def shutdown(self, reason: str) -> None:
         """The one shutdown path: clients told, stages asked to stop, joined with a deadline, killed,
         shared memory unlinked, run dir removed (logs kept)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:  # a second Ctrl-C / SIGTERM / SIGHUP must not cut the cleanup short
+                signal.signal(sig, signal.SIG_IGN)
         log = getattr(self, "log", None)
         if log:
             log.info("shutting_down", reason=reason)
@@ -529,7 +538,10 @@ def _stage_entry(fn, args, arena_names, stage) -> None:
         orphan_cleanup(*arena_names)
         raise SystemExit(0)
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us in order
+    # Ctrl-C and a closing terminal (SIGHUP) reach the whole foreground process group: the supervisor
+    # handles them and stops us in order; dying here at once would leave it nothing to stop cleanly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_term)
     try:
         from coli.stages.faults import Faults
@@ -542,8 +554,18 @@ def _stage_entry(fn, args, arena_names, stage) -> None:
             orphan_cleanup(*arena_names)
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during start-up: unwinds through start()'s one shutdown path like Ctrl-C."""
+
+
+def _stop_during_startup(signum, frame):
+    raise StopSignal(f"signal {signal.Signals(signum).name} during start-up")
+
+
 def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> str:
     sup = Supervisor(opts, say)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # serve() installs its own; the default would leak the arena
+        signal.signal(sig, _stop_during_startup)
     sup.start()
     reason = "stopped"
     try:
