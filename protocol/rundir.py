@@ -50,6 +50,14 @@ def _process_start(pid: int) -> int | None:
     return int(raw[raw.rindex(b")") + 2 :].split()[19])
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return raw[raw.rindex(b")") + 2 :][:1] == b"Z"
+
+
 def _alive(pid: int, start: int | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -57,6 +65,8 @@ def _alive(pid: int, start: int | None) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else: alive, but maybe a reused pid
+    if _zombie(pid):
+        return False  # dead, only not reaped yet by its parent (a shell, a test harness)
     if start is not None:
         now = _process_start(pid)
         if now is not None and now != start:

@@ -22,6 +22,9 @@ def up(
     device: str = typer.Option("auto", "--device", help="auto | cpu | gpu."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return once the run is ready."),
     startup_timeout: float = typer.Option(120.0, "--startup-timeout", help="Seconds each stage gets to become ready."),
+    stage_timeout: float = typer.Option(5.0, "--stage-timeout", min=0.5,
+                                        help="Seconds a ready stage may send no heartbeat before it is called "
+                                             "unresponsive: its requests fail naming it, `coli status` says so."),
     reader_threads: int = typer.Option(4, "--reader-threads", min=1, help="NVMe reader threads."),
     queue_depth: int = typer.Option(16, "--queue-depth", min=1, help="Reads in flight at most."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
@@ -48,7 +51,7 @@ def up(
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu)
+            record_routing, pilot, gpu, stage_timeout)
         ok = True
     finally:  # foreground: the run has stopped; detached: only if the run did not come up
         if gateway is not None and (not detach or not ok) and gateway.poll() is None:
@@ -85,7 +88,7 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
 
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None, pilot="off", gpu=None):
+        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0):
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
@@ -97,11 +100,11 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         raise ColiError(f"--model {model}: no such directory")
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead, gpu)
+                       record_routing, ahead, gpu, stage_timeout)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
-                      pilot=ahead, gpu=dict(gpu or {}))
+                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout)
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -117,12 +120,12 @@ def _say_while_the_terminal_lasts(message: str) -> None:
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None):
+            pilot=0, gpu=None, stage_timeout=5.0):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
             "--startup-timeout", str(startup_timeout), "--reader-threads", str(reader_threads),
-            "--queue-depth", str(queue_depth), "--log-level", log_level]
+            "--queue-depth", str(queue_depth), "--log-level", log_level, "--stage-timeout", str(stage_timeout)]
     if model is not None:
         args += ["--model", str(model.resolve())]
     if record_routing is not None:
@@ -214,9 +217,13 @@ def _status(name, as_json):
               f"up {st['uptime_s']:.0f} s, {st['queued']} request(s) queued")
     con.print(f"RAM tier: {st['ram_slots']} slots × {st['slot_bytes'] / 2**20:.2f} MiB "
               f"({100 * st['ram_fraction_of_experts']:.0f}% of the experts, --ram-gb {st['ram_gb']}), device {st['device']}")
-    t = Table("stage", "pid", "state", "uptime s")
+    t = Table("stage", "pid", "state", "uptime s", "last heartbeat")
     for n, s in st["stages"].items():
-        t.add_row(n, str(s["pid"]), s["state"], f"{s['uptime_s']:.0f}")
+        state = s["state"]
+        if state == "unresponsive":  # say why, from the supervisor's look at the process
+            state = f"[bold red]unresponsive[/]: {s.get('info', {}).get('unresponsive', '')}"
+        age = s.get("heartbeat_age_s")
+        t.add_row(n, str(s["pid"]), state, f"{s['uptime_s']:.0f}", "-" if age is None else f"{age:.1f} s ago")
     con.print(t)
 
 

@@ -24,8 +24,9 @@ from coli.errors import ColiError
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
 from coli.protocol.handshake import check_hello, make_hello
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, Cancel, Done, Error, GenerateRequest,
-                                    Hello, Ready, Shutdown, StageDead, Stats, StatusReply, StatusRequest, Token)
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STAGE_UNRESPONSIVE, Cancel, Done, Error,
+                                    GenerateRequest, Heartbeat, Hello, Ready, Shutdown, StageDead, Stats, StatusReply,
+                                    StatusRequest, Token)
 from coli.protocol.rundir import RunClaimed, RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
@@ -58,6 +59,7 @@ class RunOptions:
     record_routing: str | None = None
     pilot: int = 0  # router lookahead: prefetch layer l+pilot's predicted experts (0 = off)
     gpu: dict = field(default_factory=dict)  # coli.loader.GpuOptions fields: vram_gb, vram_slots, policy, ...
+    stage_timeout: float = 5.0  # a ready stage silent (no heartbeat) this long is unresponsive
 
 
 @dataclass
@@ -70,6 +72,7 @@ class StageProc:
     info: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     hello: bool = False
+    last_beat: float = 0.0  # time.monotonic() of its last Heartbeat (or of becoming ready)
 
 
 def clean_stale(rd: RunDir, say: Callable[[str], None]) -> None:
@@ -203,10 +206,13 @@ class Supervisor:
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
         self.pub = make_socket(self.ctx, zmq.PUB, rd.endpoint("stats"), bind=True, hwm=64)
+        # bound before any stage starts, so a stage's first beat has somewhere to go
+        self.beats = make_socket(self.ctx, zmq.PULL, rd.endpoint("heartbeat"), bind=True, hwm=256)
         mp = multiprocessing.get_context("spawn")
         for name in STAGES:
             fn, args = targets[name]
-            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name), name=f"coli-{o.name}-{name}",
+            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name, rd.endpoint("heartbeat")),
+                           name=f"coli-{o.name}-{name}",
                            daemon=False)
             p.start()
             sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=b"supervisor")
@@ -254,6 +260,7 @@ class Supervisor:
                         elif isinstance(msg, Ready) and s.hello:
                             s.state, s.info = "ready", dict(msg.info)
                             s.t_start = time.time()
+                            s.last_beat = time.monotonic()
                         elif isinstance(msg, Stats):
                             s.stats = dict(msg.counters)
 
@@ -276,6 +283,7 @@ class Supervisor:
         handlers = {sig: signal.signal(sig, lambda s, f: got.append(s)) for sig in STOP_SIGNALS}
         poller = zmq.Poller()
         poller.register(self.client_sock, zmq.POLLIN)
+        poller.register(self.beats, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
         for s in self.stages.values():
             poller.register(s.sock, zmq.POLLIN)
@@ -301,6 +309,9 @@ class Supervisor:
                 for s in self.stages.values():
                     if s.sock in events:
                         self._from_stage(s)
+                if self.beats in events:
+                    self._heartbeats()
+                self._check_heartbeats()
                 if self.client_sock in events:
                     self._from_clients()
                 self._dispatch()
@@ -326,6 +337,58 @@ class Supervisor:
         for p in self.book.clear():
             self._to_client(p.client, StageDead(s.name, reason, code))
         self.stop_reason = reason
+
+    # ---- liveness: heartbeats --------------------------------------------------------------------
+    def _heartbeats(self) -> None:
+        while True:
+            try:
+                msg = recv(self.beats, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                self.log.error("protocol_error", error=str(e), peer="heartbeat")
+                continue
+            s = self.stages.get(msg.stage) if isinstance(msg, Heartbeat) else None
+            if s is None or msg.pid != s.proc.pid:
+                continue  # not one of our stages (a stage's pid is the one we spawned)
+            s.last_beat = time.monotonic()
+            if s.state == "unresponsive":
+                s.state = "ready"
+                self.log.warning("stage_responsive", stage=s.name, pid=s.proc.pid)
+                self.say(f"stage {s.name!r} (pid {s.proc.pid}) is responsive again; the run takes requests")
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for s in self.stages.values():
+            if s.state == "ready" and now - s.last_beat > self.opts.stage_timeout:
+                self._stage_unresponsive(s, now - s.last_beat)
+
+    def _stage_unresponsive(self, s: StageProc, silent_s: float) -> None:
+        """Every request waiting fails now, naming the stage; the run stays up (a stopped stage may be
+        continued: SIGCONT, a debugger letting go), refuses new requests with the same error while the
+        stage is silent and takes them again at its next heartbeat."""
+        s.state = "unresponsive"
+        cond = _process_condition(s.proc.pid)
+        s.info = {**s.info, "unresponsive": cond}
+        reason = (f"stage {s.name!r} (pid {s.proc.pid}) is unresponsive: no heartbeat for {silent_s:.1f} s ({cond}); "
+                  f"requests fail until it answers again (limit: --stage-timeout {self.opts.stage_timeout:g})")
+        self.log.error("stage_unresponsive", stage=s.name, pid=s.proc.pid, silent_s=round(silent_s, 2), condition=cond)
+        self.say(reason)
+        current = self.book.current
+        for p in self.book.clear():
+            if p is current:
+                self._cancel_running(p, f"stage {s.name!r} is unresponsive")
+            self.counters["failed"] += 1
+            self._to_client(p.client, Error(ERROR_STAGE_UNRESPONSIVE, reason, p.request_id))
+
+    def _unresponsive_reason(self) -> str | None:
+        for s in self.stages.values():
+            if s.state == "unresponsive":
+                return (f"stage {s.name!r} (pid {s.proc.pid}) is unresponsive ({s.info.get('unresponsive', '?')}): "
+                        f"no heartbeat for {time.monotonic() - s.last_beat:.1f} s (limit: --stage-timeout "
+                        f"{self.opts.stage_timeout:g})")
+        return None
 
     def _from_stage(self, s: StageProc) -> None:
         while True:
@@ -437,6 +500,13 @@ class Supervisor:
             self.log.error("protocol_error", error=f"unexpected {type(msg).__name__} from a client", peer=repr(peer))
 
     def _dispatch(self) -> None:
+        stuck = self._unresponsive_reason()
+        while stuck is not None and (p := self.book.next()) is not None:
+            self.book.finish(p.request_id)
+            self.counters["failed"] += 1
+            self._to_client(p.client, Error(ERROR_STAGE_UNRESPONSIVE, stuck, p.request_id))
+        if stuck is not None:
+            return
         p = self.book.next()
         if p is None:
             return
@@ -462,7 +532,9 @@ class Supervisor:
             **self.model_info, "name": self.opts.name, "supervisor_pid": os.getpid(),
             "uptime_s": round(now - self.t_start, 3), "queued": len(self.book),
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
+                           "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},
+            "stage_timeout_s": self.opts.stage_timeout,
             "stats": self.stats_out,
         }
 
@@ -495,7 +567,7 @@ class Supervisor:
                 s.proc.join(2.0)
         for s in self.stages.values():
             s.sock.close(linger=0)
-        for sock in (getattr(self, "client_sock", None), getattr(self, "pub", None)):
+        for sock in (getattr(self, "client_sock", None), getattr(self, "pub", None), getattr(self, "beats", None)):
             if sock is not None:
                 sock.close(linger=0)
         if hasattr(self, "ctx"):
@@ -521,7 +593,20 @@ class Supervisor:
             log.info("stopped", reason=reason)
 
 
-def _stage_entry(fn, args, arena_names, stage) -> None:
+def _process_condition(pid: int) -> str:
+    """Why a process may be silent, from its /proc state letter."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        letter = raw[raw.rindex(b")") + 2 :].split()[0].decode()
+    except (OSError, ValueError, IndexError):
+        return "process state unknown"
+    return {"T": "the process is stopped: SIGSTOP or Ctrl-Z; SIGCONT resumes it",
+            "t": "the process is stopped by a debugger",
+            "D": "the process is in uninterruptible IO (disk or driver)",
+            "Z": "the process has exited"}.get(letter, f"process state {letter}: running but not answering")
+
+
+def _stage_entry(fn, args, arena_names, stage, heartbeat_endpoint=None) -> None:
     """Runs in the spawned child: a clean signal state, then the stage's main. If the supervisor died
     (SIGKILL: the kernel sends us SIGTERM through PR_SET_PDEATHSIG, or our loop sees its sentinel), the
     run's shared memory is unlinked on the way out so nothing of the run outlives it. The unlink is done
@@ -543,6 +628,9 @@ def _stage_entry(fn, args, arena_names, stage) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_term)
+    from coli.stages.common import HeartbeatThread
+
+    beat = HeartbeatThread(heartbeat_endpoint, stage).start() if heartbeat_endpoint else None
     try:
         from coli.stages.faults import Faults
         if Faults.from_env().hit(f"start_crash_{stage}"):
@@ -550,6 +638,8 @@ def _stage_entry(fn, args, arena_names, stage) -> None:
         fn(*args)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if beat is not None:
+            beat.stop()
         if os.getppid() != ppid:
             orphan_cleanup(*arena_names)
 
