@@ -53,6 +53,8 @@ def up(
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
             record_routing, pilot, gpu, stage_timeout)
         ok = True
+        if gateway is not None and detach:
+            _confirm_gateway(gateway, name, http, startup_timeout)
     finally:  # foreground: the run has stopped; detached: only if the run did not come up
         if gateway is not None and (not detach or not ok) and gateway.poll() is None:
             gateway.terminate()
@@ -60,12 +62,14 @@ def up(
 
 # ---- --http: the gateway (coli serve) as a process beside the run; it waits for the run and exits with it ----
 def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
-    from coli.cli.serve import parse_http
+    from coli.cli.serve import bind_socket, parse_http
     from coli.protocol.rundir import RunDir, default_base
     from coli.protocol.errors import RunDirError
 
     try:
-        parse_http(http)
+        host, port = parse_http(http)
+        if port:  # fail now, before starting a run that would come up without its gateway
+            bind_socket(host, port).close()
         live = RunDir(name, create=False).is_live()
     except RunDirError:
         live = False
@@ -84,6 +88,32 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
                                 start_new_session=True)
     print(f"HTTP gateway starting on {http} beside run {name!r} (pid {proc.pid}; log {base / f'{name}.serve.log'})")
     return proc
+
+
+def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> None:
+    """--http with --detach: the run is up; return once its gateway listens. A gateway that exits instead
+    (the port taken meanwhile, a bad --http host) takes the run down with it and `coli up` fails."""
+    from coli.client import Client
+    from coli.protocol.rundir import default_base
+
+    log = default_base() / f"{name}.serve.log"
+    deadline = time.monotonic() + startup_timeout + 60
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "listening on" in text:
+            return
+        if gateway.poll() is not None:
+            break
+        time.sleep(0.1)
+    try:
+        with Client(name) as c:
+            c.down("its HTTP gateway did not start", wait=30)
+    except ColiError:
+        pass
+    if gateway.poll() is None:
+        gateway.terminate()
+    tail = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1] if log.exists() else ""
+    fail(f"--http {http}: the HTTP gateway did not start ({tail}); run {name!r} was stopped (log {log})", code=1)
 
 
 @clean_errors
@@ -108,7 +138,9 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
-    run_supervisor(opts, say)
+    stopped = run_supervisor(opts, say)
+    if stopped.failed:  # the run died (a stage crashed): a script or a unit file must see it
+        raise typer.Exit(1)
 
 
 def _say_while_the_terminal_lasts(message: str) -> None:

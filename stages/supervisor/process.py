@@ -120,6 +120,7 @@ class Supervisor:
         self.stages: dict[str, StageProc] = {}
         self.book = RequestBook()
         self.stop_reason: str | None = None
+        self.failed = False  # the run stopped because something died, not because it was asked to
         self.t_start = time.time()
         self.stats_out: dict[str, dict] = {}
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "clients": 0,
@@ -211,7 +212,8 @@ class Supervisor:
         mp = multiprocessing.get_context("spawn")
         for name in STAGES:
             fn, args = targets[name]
-            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name, rd.endpoint("heartbeat")),
+            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name, rd.endpoint("heartbeat"),
+                                                       str(rd.log_path(name))),
                            name=f"coli-{o.name}-{name}",
                            daemon=False)
             p.start()
@@ -246,7 +248,9 @@ class Supervisor:
             for s in self.stages.values():
                 if s.proc.sentinel in events or not s.proc.is_alive():
                     s.proc.join(0.1)
-                    raise StartupError(f"stage {s.name!r} exited with code {s.proc.exitcode} during start-up "
+                    cause = _last_error(self.rd.log_path(s.name))
+                    raise StartupError(f"stage {s.name!r} exited with code {s.proc.exitcode} during start-up"
+                                       f"{': ' + cause if cause else ''} "
                                        f"(see `coli logs --name {self.opts.name} --stage {s.name}`)")
                 if s.sock in events:
                     while s.sock.poll(0):
@@ -337,6 +341,7 @@ class Supervisor:
         for p in self.book.clear():
             self._to_client(p.client, StageDead(s.name, reason, code))
         self.stop_reason = reason
+        self.failed = True
 
     # ---- liveness: heartbeats --------------------------------------------------------------------
     def _heartbeats(self) -> None:
@@ -606,7 +611,46 @@ def _process_condition(pid: int) -> str:
             "Z": "the process has exited"}.get(letter, f"process state {letter}: running but not answering")
 
 
-def _stage_entry(fn, args, arena_names, stage, heartbeat_endpoint=None) -> None:
+def _last_error(log_path: Path) -> str | None:
+    """The `error` field of the last error record in a stage's log (its cause of death), if any."""
+    import json
+
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("level") == "error" and rec.get("error"):
+            return str(rec["error"])[:300]
+    return None
+
+
+def _log_failure(log_path: str | None, stage: str, exc: BaseException) -> None:
+    """The cause of a stage's death, as one JSON line in its own log: `coli up` points the user to `coli logs
+    --stage <stage>`, and a failure before (or outside) the stage's logging would otherwise leave it empty,
+    the traceback only on the terminal of `coli up`."""
+    import datetime
+    import json
+    import traceback
+
+    if log_path is None:
+        return
+    rec = {"ts": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"), "level": "error",
+           "stage": stage, "pid": os.getpid(), "event": "stage_failed", "error": f"{type(exc).__name__}: {exc}",
+           "traceback": "".join(traceback.format_exception(exc))[-8000:]}
+    try:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError:
+        pass
+
+
+def _stage_entry(fn, args, arena_names, stage, heartbeat_endpoint=None, log_path=None) -> None:
     """Runs in the spawned child: a clean signal state, then the stage's main. If the supervisor died
     (SIGKILL: the kernel sends us SIGTERM through PR_SET_PDEATHSIG, or our loop sees its sentinel), the
     run's shared memory is unlinked on the way out so nothing of the run outlives it. The unlink is done
@@ -636,6 +680,13 @@ def _stage_entry(fn, args, arena_names, stage, heartbeat_endpoint=None) -> None:
         if Faults.from_env().hit(f"start_crash_{stage}"):
             raise SystemExit(f"injected start-up crash of stage {stage!r} (COLI_INJECT)")
         fn(*args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            _log_failure(log_path, stage, e)
+        raise
+    except BaseException as e:
+        _log_failure(log_path, stage, e)
+        raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if beat is not None:
@@ -652,7 +703,13 @@ def _stop_during_startup(signum, frame):
     raise StopSignal(f"signal {signal.Signals(signum).name} during start-up")
 
 
-def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> str:
+@dataclass(frozen=True)
+class Stopped:
+    reason: str
+    failed: bool  # a stage died: `coli up` exits non-zero
+
+
+def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> Stopped:
     sup = Supervisor(opts, say)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # serve() installs its own; the default would leak the arena
         signal.signal(sig, _stop_during_startup)
@@ -663,4 +720,4 @@ def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> str:
     finally:
         sup.shutdown(reason)
         say(f"run {opts.name!r} stopped: {reason}")
-    return reason
+    return Stopped(reason, sup.failed)
