@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from coli.client import (RequestError, RunGone, RunNotFound, StageDeadError, StageUnresponsiveError,  # noqa: F401
-                         request_error)
+                         not_up_message, request_error)
 from coli.errors import ColiError
 from coli.protocol.codec import decode, encode
 from coli.protocol.errors import ProtocolError, RunDirError
@@ -108,7 +108,7 @@ class AsyncClient:
         except RunDirError:
             raise RunNotFound(f"no run named {name!r} is up (start one with `coli up --name {name}`)") from None
         if not rd.is_live():
-            raise RunNotFound(f"run {name!r} is not up (its supervisor is gone; `coli up --name {name}` cleans up)")
+            raise RunNotFound(not_up_message(rd))
         identity = f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self = cls(rd, name, ctx or zmq.asyncio.Context(), ctx is None, identity)
         try:

@@ -69,6 +69,27 @@ class GenerateResult:
     timing: dict
 
 
+def ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def not_up_message(rd: RunDir) -> str:
+    """Why the run of an existing run dir is not up: stopped (when, why), dead, or never started."""
+    name = rd.name
+    try:
+        rec, state = rd.read_pid(), rd.read_state() or {}
+    except RunDirError as e:
+        return f"run {name!r} is not up ({e})"
+    if rec is not None:
+        return (f"run {name!r} is not up: its supervisor (pid {rec[0]}) died without stopping it "
+                f"(`coli down --name {name}` cleans up)")
+    if state.get("state") == "stopped":
+        return (f"run {name!r} is not up: it stopped {ago(state.get('stopped', time.time()))} ago "
+                f"({state.get('reason', 'no reason recorded')}); start it with `coli up --name {name}`")
+    return f"run {name!r} is not up (start it with `coli up --name {name}`)"
+
+
 class Client:
     def __init__(self, name: str = "default", base: str | None = None, timeout: float = 10.0):
         try:
@@ -76,7 +97,7 @@ class Client:
         except RunDirError:
             raise RunNotFound(f"no run named {name!r} is up (start one with `coli up --name {name}`)") from None
         if not self.rd.is_live():
-            raise RunNotFound(f"run {name!r} is not up (its supervisor is gone; `coli up --name {name}` cleans up)")
+            raise RunNotFound(not_up_message(self.rd))
         self.name = name
         self.supervisor = self.rd.read_pid()  # (pid, start time): who must stay alive while we wait
         self.ctx = zmq.Context()

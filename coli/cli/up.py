@@ -40,6 +40,8 @@ def up(
     vram_policy: str = typer.Option("freq", "--vram-policy", help="VRAM slot replacement: freq | lru | rdf | lfu."),
     stream_tile_kb: int = typer.Option(1024, "--stream-tile-kb", min=4, help="GPU: tile of the speculative copy lane in KiB (a demand waits behind at most one)."),
     max_context: int = typer.Option(4096, "--max-context", min=16, help="KV positions the VRAM budget reserves."),
+    http_shown: Optional[str] = typer.Option(None, "--http-shown", hidden=True,  # set by --detach for its child
+                                             help="The --http address a gateway beside this run listens on."),
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
@@ -51,7 +53,7 @@ def up(
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu, stage_timeout)
+            record_routing, pilot, gpu, stage_timeout, http or http_shown)
         ok = True
         if gateway is not None and detach:
             _confirm_gateway(gateway, name, http, startup_timeout)
@@ -118,7 +120,7 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0):
+        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None):
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
@@ -130,11 +132,11 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         raise ColiError(f"--model {model}: no such directory")
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead, gpu, stage_timeout)
+                       record_routing, ahead, gpu, stage_timeout, http)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
-                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout)
+                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http)
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -152,7 +154,7 @@ def _say_while_the_terminal_lasts(message: str) -> None:
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None, stage_timeout=5.0):
+            pilot=0, gpu=None, stage_timeout=5.0, http=None):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
@@ -164,6 +166,8 @@ def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_
         args += ["--record-routing", str(record_routing.resolve())]
     if pilot:
         args += ["--pilot", str(pilot)]
+    if http:
+        args += ["--http-shown", http]  # the gateway is ours to start (done above); the run only records it
     for k, v in (gpu or {}).items():
         if v is not None:
             args += [{"policy": "--vram-policy", "tile_kb": "--stream-tile-kb"}.get(k, "--" + k.replace("_", "-")), str(v)]
@@ -214,8 +218,8 @@ def _down(name, timeout):
         rd = RunDir(name, create=False)
     except RunDirError:
         raise ColiError(f"no run named {name!r}") from None
-    if rd.is_stale() or (rd.read_pid() is None and not rd.is_live()):
-        clean_stale(rd, print)
+    if not rd.is_live():
+        _down_not_live(rd)
         return
     try:
         with Client(name) as c:
@@ -224,6 +228,27 @@ def _down(name, timeout):
         clean_stale(rd, print)
         return
     print(f"run {name!r} stopped")
+
+
+def _down_not_live(rd) -> None:
+    """A run dir whose run is not up: clean what a dead supervisor left, or say it is stopped already.
+    The claim is taken first, so this never races a `coli up` of the same name."""
+    from coli.client import not_up_message
+    from coli.protocol.rundir import RunClaimed
+    from coli.stages.supervisor.process import clean_stale
+
+    try:
+        rd.claim()
+    except RunClaimed:
+        raise ColiError(f"run {rd.name!r} is starting (or being cleaned up by another `coli down`): "
+                        f"try again in a moment") from None
+    try:
+        if rd.is_stale():
+            clean_stale(rd, print)
+        else:
+            print(not_up_message(rd).replace("start it with", "nothing to stop; start it with"))
+    finally:
+        rd.release()
 
 
 def status(name: str = typer.Option("default", "--name", help="Run name."),

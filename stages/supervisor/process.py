@@ -60,6 +60,7 @@ class RunOptions:
     pilot: int = 0  # router lookahead: prefetch layer l+pilot's predicted experts (0 = off)
     gpu: dict = field(default_factory=dict)  # coli.loader.GpuOptions fields: vram_gb, vram_slots, policy, ...
     stage_timeout: float = 5.0  # a ready stage silent (no heartbeat) this long is unresponsive
+    http: str | None = None  # the --http address of the gateway `coli up` started beside the run (for coli ps)
 
 
 @dataclass
@@ -91,8 +92,17 @@ def clean_stale(rd: RunDir, say: Callable[[str], None]) -> None:
                 pass
     removed = [n for n in state.get("arenas", []) if Arena.unlink_name(n)]
     rd.cleanup(keep_logs=True)
+    rd.write_state(stopped_state(state, f"its supervisor (pid {rec[0] if rec else '?'}) died; cleaned up", True))
     say(f"cleaned up stale run {rd.name!r} (supervisor pid {rec[0] if rec else '?'} is gone): "
         f"{len(removed)} shared-memory segment(s) removed, {killed} leftover stage process(es) killed")
+
+
+def stopped_state(state: dict, reason: str, failed: bool) -> dict:
+    """What a run dir keeps after its run stopped (beside its logs): when, why, and what it served, so
+    `coli status`, `coli down` and `coli ps` can say "stopped" instead of guessing from a missing pid."""
+    keep = ("name", "model", "container", "device", "started", "supervisor_pid", "http")
+    return {**{k: state[k] for k in keep if k in state}, "state": "stopped", "stopped": time.time(),
+            "reason": reason, "failed": failed}
 
 
 def sessions_dir(container: Path) -> Path:
@@ -269,12 +279,16 @@ class Supervisor:
                             s.stats = dict(msg.counters)
 
     def _write_state(self, state: str) -> None:
-        self.rd.write_state({
+        self.rd.write_state(self._state_dict(state))
+
+    def _state_dict(self, state: str) -> dict:
+        return {
             "state": state, "name": self.opts.name, "supervisor_pid": os.getpid(), "started": self.t_start,
+            "http": self.opts.http,
             "arenas": [a.name for a in self.arenas], **getattr(self, "model_info", {}),
             "stages": {n: {"pid": s.proc.pid, "start": _proc_start(s.proc.pid) if s.proc.pid else None,
                            "state": s.state} for n, s in self.stages.items()},
-        })
+        }
 
     # ---- serve -------------------------------------------------------------------------------------
     def serve(self) -> str:
@@ -590,6 +604,7 @@ class Supervisor:
         if self.rd is not None:
             try:
                 self.rd.cleanup(keep_logs=True)
+                self.rd.write_state(stopped_state(self._state_dict("stopping"), reason, self.failed))
             except Exception as e:  # never let cleanup mask the reason we are stopping
                 if log:
                     log.error("cleanup_failed", error=str(e))
