@@ -14,6 +14,8 @@ import typer
 from coli.cli.common import clean_errors, fail
 from coli.errors import ColiError
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def up(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container or Hugging Face checkpoint (default: the built-in demo model)."),
@@ -124,6 +126,8 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
+    if log_level not in LOG_LEVELS:
+        raise ColiError(f"--log-level {log_level!r} is not a level: choose from {', '.join(LOG_LEVELS)}")
     try:
         ahead = parse_pilot(pilot)
     except ValueError as e:

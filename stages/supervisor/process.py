@@ -134,7 +134,7 @@ class Supervisor:
         self.t_start = time.time()
         self.stats_out: dict[str, dict] = {}
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "clients": 0,
-                         "protocol_errors": 0, "last_latency_s": 0.0, "queued": 0}
+                         "protocol_errors": 0, "last_latency_s": 0.0, "queued": 0, "running": 0}
         self.clients: set[bytes] = set()
 
     # ---- start -----------------------------------------------------------------------------------
@@ -537,7 +537,9 @@ class Supervisor:
             self._to_client(p.client, Error("internal", f"executor unreachable: {e}", p.request_id))
 
     def _publish_own_stats(self) -> None:
-        self.counters["queued"] = len(self.book)
+        running = 1 if self.book.current is not None else 0
+        self.counters["queued"] = len(self.book) - running  # waiting, not the one the executor is on
+        self.counters["running"] = running
         c = dict(self.counters, uptime_s=time.time() - self.t_start)
         self.stats_out["supervisor"] = {"t": time.time(), **c}
         try:
@@ -549,7 +551,8 @@ class Supervisor:
         now = time.time()
         return {
             **self.model_info, "name": self.opts.name, "supervisor_pid": os.getpid(),
-            "uptime_s": round(now - self.t_start, 3), "queued": len(self.book),
+            "uptime_s": round(now - self.t_start, 3), "queued": len(self.book) - (self.book.current is not None),
+            "running": int(self.book.current is not None),
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
                            "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},
