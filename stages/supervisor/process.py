@@ -161,6 +161,10 @@ class Supervisor:
             raise
         self.rd = rd
         self.log = configure_logging(rd.log_path("supervisor"), "supervisor", o.log_level)
+        # every run of a name appends to the same logs: this record starts the run's part (`coli logs` draws
+        # it as a dated separator)
+        self.log.info("run_started", run=o.name, supervisor_pid=os.getpid(), model=str(o.model or "demo"),
+                      date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.t_start)))
         try:
             self._start_stages()
         except BaseException:
