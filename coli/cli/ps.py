@@ -57,7 +57,7 @@ def _ps(as_json, up_only):
     from rich.console import Console
     from rich.table import Table
 
-    from coli.client import ago
+    from coli.serve.client import ago
 
     runs = [r for r in describe_runs() if not up_only or r["state"] in ("starting", "ready")]
     if as_json:

@@ -97,7 +97,7 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
 def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> None:
     """--http with --detach: the run is up; return once its gateway listens. A gateway that exits instead
     (the port taken meanwhile, a bad --http host) takes the run down with it and `coli up` fails."""
-    from coli.client import Client
+    from coli.serve.client import Client
     from coli.protocol.rundir import default_base
 
     log = default_base() / f"{name}.serve.log"
@@ -208,7 +208,7 @@ def down(name: str = typer.Option("default", "--name", help="Run name."),
 
 @clean_errors
 def _down(name, timeout):
-    from coli.client import Client, RunNotFound
+    from coli.serve.client import Client, RunNotFound
     from coli.protocol.errors import RunDirError
     from coli.protocol.rundir import RunDir
     from coli.stages.supervisor.process import clean_stale
@@ -237,7 +237,7 @@ def _down(name, timeout):
 def _down_not_live(rd) -> None:
     """A run dir whose run is not up: clean what a dead supervisor left, or say it is stopped already.
     The claim is taken first, so this never races a `coli up` of the same name."""
-    from coli.client import not_up_message
+    from coli.serve.client import not_up_message
     from coli.protocol.rundir import RunClaimed
     from coli.stages.supervisor.process import clean_stale
 
@@ -263,7 +263,7 @@ def status(name: str = typer.Option("default", "--name", help="Run name."),
 
 @clean_errors
 def _status(name, as_json):
-    from coli.client import Client
+    from coli.serve.client import Client
 
     with Client(name) as c:
         st = c.status()

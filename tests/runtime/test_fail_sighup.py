@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from coli.client import Client, RequestError
+from coli.serve.client import Client, RequestError
 from harness import assert_run_gone, shm_left
 from oracles import load_oracle
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from coli.client import Client, StageUnresponsiveError
+from coli.serve.client import Client, StageUnresponsiveError
 from failures import drain_until_error
 from harness import assert_run_gone
 from oracles import load_oracle

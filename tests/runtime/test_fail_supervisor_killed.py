@@ -44,7 +44,7 @@ def test_coli_down_cleans_a_dead_run(default_oracle, start_run):
 
 @pytest.mark.timeout(120)
 def test_client_waiting_on_a_killed_supervisor_is_told_within_2s(default_oracle, start_run):
-    from coli.client import RunGone
+    from coli.serve.client import RunGone
     from failures import drain_until_error
 
     o = load_oracle(default_oracle)

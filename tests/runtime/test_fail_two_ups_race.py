@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from coli.client import Client
+from coli.serve.client import Client
 from harness import Run, assert_run_gone, env_for
 from oracles import load_oracle
 
