@@ -18,7 +18,7 @@ def test_sighup_of_the_group_stops_the_run_cleanly(default_oracle, start_run):
     o = load_oracle(default_oracle)
     run = start_run(default_oracle)
     c = Client(run.name, base=str(run.run_base))
-    it = c.stream(o["prompt_ids"], 100000, greedy=True, ignore_eos=True, token_timeout=30)
+    it = c.stream(o["prompt_ids"], 3000, greedy=True, ignore_eos=True, token_timeout=30)
     assert isinstance(next(it), int)
     os.killpg(run.proc.pid, signal.SIGHUP)  # the terminal closed: the supervisor and every stage get it
     t0 = time.monotonic()

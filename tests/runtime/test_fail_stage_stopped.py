@@ -25,7 +25,7 @@ def test_stopped_stage_is_named_within_the_stage_timeout(default_oracle, start_r
     run = start_run(default_oracle, ram_gb=0.0004, args=("--stage-timeout", str(STAGE_TIMEOUT)))
     pid = run.stage_pids[stage]
     c = Client(run.name, base=str(run.run_base))
-    it = c.stream(o["prompt_ids"], 100000, greedy=True, ignore_eos=True, token_timeout=60)
+    it = c.stream(o["prompt_ids"], 3000, greedy=True, ignore_eos=True, token_timeout=60)
     assert isinstance(next(it), int)
     os.kill(pid, signal.SIGSTOP)
     try:

@@ -16,7 +16,7 @@ from oracles import load_oracle
 def test_stats_json_streams_lines_at_hz(default_oracle, start_run):
     o = load_oracle(default_oracle)
     run = start_run(default_oracle, ram_gb=0.0004)
-    c, it = long_stream(run, o, max_tokens=100000)
+    c, it = long_stream(run, o)
     try:
         p = subprocess.Popen([sys.executable, "-m", "coli.cli.main", "stats", "--name", run.name, "--json", "--hz",
                               "5"], env=run.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
