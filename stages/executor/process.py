@@ -6,6 +6,7 @@ Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients);
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -333,7 +334,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()
+        # every numpy view over the arenas must be gone before they unmap: the model, its expert source and
+        # the residency table hold them, also through `state` and the closures above, and cycles among them
+        # wait for the collector
+        state["model"] = state["vx"] = None
         del model, experts, table, sessions
+        gc.collect()
         for a in (tarena, arena):
             try:
                 a.close()
