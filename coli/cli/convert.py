@@ -27,7 +27,8 @@ def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),
     dst: Path = typer.Argument(..., help="Container directory to create (or an unfinished one to resume)."),
     experts: str = typer.Option("int4", "--experts", help="Routed expert format: int4 | int8 | int2 | bf16 | f32."),
-    dense: str = typer.Option("int8", "--dense", help="Dense core format: int4 | int8 | int2 | bf16 | f32."),
+    dense: str = typer.Option("int8", "--dense", help="Dense core format: int4 | int8 | int2 | bf16 | f32 (GLM-5 at "
+                              "int8 needs a 22 GB GPU, at int4 16 GB: `coli plan` says which fits)."),
     group: int = typer.Option(64, "--group", help="Inputs per scale group for int4/int2: 32 | 64 | 128."),
     tile_kb: int = typer.Option(512, "--tile-kb", help="Tile size in KiB (whole rows per tile, each tile "
                                                        "dequantises on its own)."),
