@@ -47,14 +47,14 @@ def _sizes(model, preset, experts, dense, group):
     from coli.config import load_config
     from coli.config import preset as get_preset
     from coli.container.format import MANIFEST_NAME
+    from coli.model_store import check_model_dir
     from coli.plan import sizes_from_config, sizes_from_container
 
     if (model is None) == (preset is None):
         raise ColiError("give exactly one of --model DIR and --preset NAME (e.g. --preset glm5)")
     if preset is not None:
         return sizes_from_config(get_preset(preset), f"preset {preset}", experts, dense, group)
-    if not model.is_dir():
-        raise ColiError(f"--model {model}: no such directory")
+    check_model_dir(model)
     if (model / MANIFEST_NAME).is_file():
         return sizes_from_container(model)
     return sizes_from_config(load_config(model), model.name, experts, dense, group)

@@ -86,6 +86,8 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
         record_routing=None, pilot="off", gpu=None):
+    from coli.cli.common import require_device
+    from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
@@ -93,8 +95,9 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         ahead = parse_pilot(pilot)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    if model is not None and not model.is_dir():
-        raise ColiError(f"--model {model}: no such directory")
+    if model is not None:
+        check_model_dir(model)
+    require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
                        record_routing, ahead, gpu)
