@@ -37,6 +37,7 @@ class Session:
     name: str
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # exactly the positions held by `cache`
+    ephemeral: bool = False   # memory only: never saved, dropped instead of spilled (a `coli chat` session)
 
     def reuse(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one prompt token must stay new so the
@@ -68,7 +69,7 @@ class SessionStore:
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.session"
 
-    def get(self, name: str, create: bool) -> Session:
+    def get(self, name: str, create: bool, ephemeral: bool = False) -> Session:
         if not _NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-128 letters, digits, '.', '_' or '-'")
         if name in self.live:
@@ -78,12 +79,22 @@ class SessionStore:
         if s is None:
             if not create:
                 raise SessionError(f"unknown session {name!r}")
-            s = Session(name, self.new_cache())
+            s = Session(name, self.new_cache(), ephemeral=ephemeral)
         self.live[name] = s
         while len(self.live) > self.max_in_memory:
             old_name, old = self.live.popitem(last=False)
-            self.save(old)
+            if not old.ephemeral:
+                self.save(old)
         return s
+
+    def drop(self, name: str) -> bool:
+        """Forget a session, in memory and on disk; False when there was none."""
+        s = self.live.pop(name, None)
+        p = self.path(name)
+        on_disk = _NAME.match(name) is not None and p.is_file()
+        if on_disk:
+            p.unlink()
+        return s is not None or on_disk
 
     # ---- persistence -------------------------------------------------------------------------------
     def save(self, s: Session) -> Path:
@@ -103,7 +114,7 @@ class SessionStore:
         return final
 
     def save_all(self) -> list[Path]:
-        return [self.save(s) for s in self.live.values()]
+        return [self.save(s) for s in self.live.values() if not s.ephemeral]
 
     def load(self, name: str) -> Session:
         p = self.path(name)

@@ -72,3 +72,16 @@ def test_load_refuses_other_model_version_and_damage(tmp_path):
     write_safetensors(p, arrays, meta)
     with pytest.raises(SessionError, match=r"0\.lat has shape \(4, 3\)"):
         store(tmp_path).get("a", create=False)
+
+
+def test_ephemeral_sessions_live_only_in_memory_and_drop_forgets_any_session(tmp_path):
+    st = store(tmp_path)
+    filled(st.get("chat-1", create=True, ephemeral=True), 3)
+    filled(st.get("kept", create=True), 3)
+    assert st.save_all() == [tmp_path / "kept.session"]          # an ephemeral session is never written
+    filled(st.get("other", create=True), 3)                      # evicts chat-1 (max 2 in memory): dropped, not spilled
+    assert "chat-1" not in st.live and not (tmp_path / "chat-1.session").exists()
+    with pytest.raises(SessionError, match="unknown session 'chat-1'"):
+        st.get("chat-1", create=False)
+    assert st.drop("kept") and not (tmp_path / "kept.session").exists() and "kept" not in st.live
+    assert st.drop("other") and not st.drop("other") and not st.drop("never")
