@@ -46,7 +46,7 @@ def test_the_runtime_imports_without_matplotlib():
     import sys
 
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "import coli.cli.main, coli.gateway, coli.bench.stream, coli.bench.plots\n"
+            "import coli.cli.main, coli.serve.gateway, coli.bench.stream, coli.bench.plots\n"
             "import coli.stages.executor.process, coli.stages.supervisor.process, coli.stages.ramtier.process\n"
             "import coli.stages.reader.process\n"
             "from coli.cli.main import app\n"
