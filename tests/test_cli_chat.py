@@ -183,8 +183,10 @@ def test_lines_are_edited_kept_in_history_and_turns_reuse_the_kv_cache(run):
         assert "^[[" not in t.text and "[1~" not in t.text
     finally:
         t.close()
-    hist = (run["base"] / "s" / "coli" / "chat_history").read_text()
+    hist_file = run["base"] / "s" / "coli" / "chat_history"
+    hist = hist_file.read_text()
     assert QUESTION in hist and "What does os.path.split do?" in hist
+    assert hist_file.stat().st_mode & 0o777 == 0o600 and hist_file.parent.stat().st_mode & 0o777 == 0o700
     # the chat's session is dropped as the chat ends (memory only: it was never going to be saved)
     dropped = [e for e in log_events(run, "executor", "session_dropped") if e["session"].startswith("chat-")]
     assert dropped and dropped[-1]["found"] is True

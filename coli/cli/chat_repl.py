@@ -81,8 +81,9 @@ class Conversation:
     def describe_session(self) -> str:
         kind = ("this chat's own: memory only, dropped when you quit" if self.ephemeral
                 else "kept between turns and across coli down / coli up")
-        held = (f"; it holds {self.turns[-1].prompt_tokens + self.turns[-1].generated} tokens of this conversation"
-                if self.turns else "; empty until the first answer")
+        last = self.turns[-1] if self.turns else None
+        held = (f"; after turn {len(self.turns)} it caches up to {last.prompt_tokens + last.generated} tokens "
+                f"(that turn's prompt and answer)" if last else "; empty until the first answer")
         return f"session {self.session} ({kind}){held}"
 
     def describe_turns(self) -> str:
@@ -113,7 +114,10 @@ class LineReader:
             from prompt_toolkit.history import FileHistory
 
             p = history_path()
-            p.parent.mkdir(parents=True, exist_ok=True)
+            p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # the history is the user's side of every conversation: private, as the session files are
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+            os.chmod(p, 0o600)
             self.session = PromptSession(history=FileHistory(str(p)))
 
     def read(self) -> str:
