@@ -29,14 +29,43 @@ def _fingerprint(src: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def unfinished_conversion(d: Path) -> str | None:
+    """The error for a directory `coli convert` was writing when it stopped (its journal, no manifest yet), naming
+    the options it was started with; None for anything else."""
+    from coli.container.format import JOURNAL_NAME, MANIFEST_NAME
+
+    if (d / MANIFEST_NAME).is_file() or not (d / JOURNAL_NAME).is_file():
+        return None
+    from coli.container.writer import Journal
+    try:
+        head, sums = Journal.read(d / JOURNAL_NAME)
+    except Exception:   # noqa: BLE001 -- a torn journal is still an unfinished conversion; convert repairs it
+        head, sums = None, []
+    args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ((head or {}).get("args") or {}).items())
+    return (f"{d} is an unfinished conversion ({len(sums)} units done): rerun `coli convert SRC {d}"
+            f"{' ' + args if args else ''}` to resume it")
+
+
+def check_model_dir(d: str | Path, option: str = "--model") -> Path:
+    """A model directory a command is given, or a one-line error naming what is wrong with it."""
+    d = Path(d)
+    lead = f"{option} " if option else ""
+    if not d.exists():
+        raise ColiError(f"{lead}{d} does not exist (no such directory)")
+    if not d.is_dir():
+        raise ColiError(f"{lead}{d}: not a directory (give the model's directory)")
+    why = unfinished_conversion(d)
+    if why:
+        raise ColiError(lead + why)
+    return d
+
+
 def resolve_container(model: str | Path | None, report: Callable[[str], None] = print,
                       experts: str = "f32", dense: str = "f32") -> Path:
     from coli.container.format import MANIFEST_NAME
     from coli.container.writer import ConvertOptions, convert
 
-    src = DEMO_DIR if model is None else Path(model)
-    if not src.is_dir():
-        raise ColiError(f"model directory {src} does not exist")
+    src = DEMO_DIR if model is None else check_model_dir(model)
     if (src / MANIFEST_NAME).is_file():
         return src
     if not (src / "config.json").is_file():

@@ -686,6 +686,10 @@ def _plots(res: dict, plots_dir, ceil, report) -> None:
         try:
             fn(p)
             res["plots"][name] = str(p)
+        except mod.PlotsUnavailable as e:   # said once, not once per plot
+            res["notes"].append(f"no plots: {e}")
+            report(f"no plots: {e}")
+            return
         except Exception as e:   # noqa: BLE001
             res["notes"].append(f"plot {name} failed: {type(e).__name__}: {e}")
 

@@ -128,6 +128,11 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
         raise ColiError(f"coli bench stream needs a CUDA GPU: {e}") from None
     except ImportError as e:
         raise ColiError(f"coli bench stream needs a CUDA GPU: PyCUDA is not importable ({e})") from None
+    if plots is not None:
+        from coli.bench.plots import missing
+        why = missing()
+        if why:   # say it before minutes of benchmark, not after; the numbers are still worth having
+            stderr_note(f"--plots {plots}: {why}; the benchmark runs without them")
     run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
                   plots_dir=plots, peer="peer" in names, report=stderr_note)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from coli.cli.common import clean_errors, stderr_note
+from coli.cli.common import LazyProgress, clean_errors, stderr_note
 
 HELP = """Convert a Hugging Face glm_moe_dsa checkpoint directory (bf16/fp16/fp32, or FP8-e4m3 with 128x128 weight_scale_inv blocks; one file or shards + model.safetensors.index.json) into a ColiStream container.
 
@@ -27,7 +27,8 @@ def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),
     dst: Path = typer.Argument(..., help="Container directory to create (or an unfinished one to resume)."),
     experts: str = typer.Option("int4", "--experts", help="Routed expert format: int4 | int8 | int2 | bf16 | f32."),
-    dense: str = typer.Option("int8", "--dense", help="Dense core format: int4 | int8 | int2 | bf16 | f32."),
+    dense: str = typer.Option("int8", "--dense", help="Dense core format: int4 | int8 | int2 | bf16 | f32 (GLM-5 at "
+                              "int8 needs a 22 GB GPU, at int4 16 GB: `coli plan` says which fits)."),
     group: int = typer.Option(64, "--group", help="Inputs per scale group for int4/int2: 32 | 64 | 128."),
     tile_kb: int = typer.Option(512, "--tile-kb", help="Tile size in KiB (whole rows per tile, each tile "
                                                        "dequantises on its own)."),
@@ -51,18 +52,8 @@ def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, 
     if no_progress:
         result = run_convert(src, dst, opts, report=stderr_note, threads=threads, commit_bytes=commit_mb << 20)
     else:
-        from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-        console = Console(stderr=True)
-        with Progress(TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=console, transient=False) as bar:
-            task = bar.add_task("convert", total=None)
-
-            def progress(done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
-
-            result = run_convert(src, dst, opts, progress=progress, report=lambda m: console.print(m), threads=threads,
+        with LazyProgress("converting", eta=True) as bar:   # appears once the input has been checked
+            result = run_convert(src, dst, opts, progress=bar.update, report=bar.print, threads=threads,
                                  commit_bytes=commit_mb << 20)
     if result.status == "already complete":
         stderr_note(f"{dst}: already a complete container made with these options; nothing to do")

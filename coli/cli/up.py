@@ -123,6 +123,8 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
         record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None):
+    from coli.cli.common import require_device
+    from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
@@ -132,8 +134,9 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         ahead = parse_pilot(pilot)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    if model is not None and not model.is_dir():
-        raise ColiError(f"--model {model}: no such directory")
+    if model is not None:
+        check_model_dir(model)
+    require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
                        record_routing, ahead, gpu, stage_timeout, http)

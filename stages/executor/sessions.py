@@ -47,6 +47,7 @@ class Session:
     name: str
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # exactly the positions held by `cache`
+    ephemeral: bool = False   # memory only: never saved, dropped instead of spilled (a `coli chat` session)
 
     def reuse(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one prompt token must stay new so the
@@ -100,7 +101,7 @@ class SessionStore:
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.session"
 
-    def get(self, name: str, create: bool) -> Session:
+    def get(self, name: str, create: bool, ephemeral: bool = False) -> Session:
         if not _NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-128 letters, digits, '.', '_' or '-'")
         if name in self.live:
@@ -111,8 +112,9 @@ class SessionStore:
         if s is None:
             if not create:
                 raise SessionError(f"unknown session {name!r}")
-            self._check_writable(name)
-            s = Session(name, self.new_cache())
+            if not ephemeral:               # an ephemeral session never touches the disk
+                self._check_writable(name)
+            s = Session(name, self.new_cache(), ephemeral=ephemeral)
         self.live[name] = s
         self._evict()
         return s
@@ -123,8 +125,22 @@ class SessionStore:
         self.live.pop(name, None)
         self.clean.discard(name)
 
-    def commit(self, s: Session) -> Path:
-        """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file."""
+    def drop(self, name: str) -> bool:
+        """Forget a session, in memory and on disk; False when there was none."""
+        s = self.live.pop(name, None)
+        self.clean.discard(name)
+        p = self.path(name)
+        on_disk = _NAME.match(name) is not None and p.is_file()
+        if on_disk:
+            p.unlink()
+        return s is not None or on_disk
+
+    def commit(self, s: Session) -> Path | None:
+        """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file.
+        An ephemeral session is not saved (None) but counts as clean: evicted, it is dropped, not spilled."""
+        if s.ephemeral:
+            self.clean.add(s.name)
+            return None
         try:
             p = self.save(s)
         except OSError as e:
@@ -184,8 +200,8 @@ class SessionStore:
         return final
 
     def save_all(self) -> list[Path]:
-        """On shutdown: what is not on disk yet (every committed turn already is)."""
-        return [self.commit(s) for n, s in list(self.live.items()) if n not in self.clean]
+        """On shutdown: what is not on disk yet (every committed turn already is); never an ephemeral one."""
+        return [self.commit(s) for n, s in list(self.live.items()) if n not in self.clean and not s.ephemeral]
 
     def load(self, name: str) -> Session:
         p = self.path(name)

@@ -25,9 +25,9 @@ from coli.errors import ColiError
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
 from coli.protocol.handshake import check_hello, make_hello
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STAGE_UNRESPONSIVE, Cancel, Done, Error,
-                                    GenerateRequest, Heartbeat, Hello, Ready, Shutdown, StageDead, Stats, StatusReply,
-                                    StatusRequest, Token)
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STAGE_UNRESPONSIVE, Cancel, Done,
+                                    DropSession, Error, GenerateRequest, Heartbeat, Hello, Ready, Shutdown, StageDead,
+                                    Stats, StatusReply, StatusRequest, Token)
 from coli.protocol.rundir import RunClaimed, RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
@@ -526,6 +526,11 @@ class Supervisor:
             else:
                 self.counters["cancelled"] += 1
                 self._to_client(peer, Done(msg.request_id, "cancelled", 0, {}))
+        elif isinstance(msg, DropSession):   # the executor owns the sessions (one in use goes when it ends)
+            try:
+                send(self.stages["executor"].sock, msg, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         elif isinstance(msg, StatusRequest):
             self._to_client(peer, StatusReply(msg.request_id, self.status()))
         elif isinstance(msg, Shutdown):
