@@ -254,23 +254,36 @@ def check_disk(dst: Path, cache: Path, container_bytes: int, shard_bytes: int, m
                report: Callable[[str], None]) -> None:
     """Refuse to start when the container plus `max_shards` of the largest shards cannot fit; say what it needs."""
     (dev_d, free_d), (dev_c, free_c) = _free(dst), _free(cache)
-    report(f"disk: the container needs {container_bytes / 1e9:.2f} GB more in {dst}, at most {max_shards} shard(s) "
-           f"at once up to {shard_bytes / 1e9:.2f} GB in {cache}; free: {free_d / 1e9:.2f} GB"
-           + ("" if dev_d == dev_c else f" there, {free_c / 1e9:.2f} GB in the cache"))
+    report(f"disk: the container needs {_size(container_bytes)} more in {dst}, at most {max_shards} shard(s) at "
+           f"once up to {_size(shard_bytes)} in {cache}; free: {_size(free_d)}"
+           + ("" if dev_d == dev_c else f" there, {_size(free_c)} in the cache"))
+    problem = disk_shortfall(dst, cache, container_bytes, shard_bytes, max_shards, free_d,
+                             None if dev_d == dev_c else free_c)
+    if problem:
+        raise HubError(problem)
+
+
+def disk_shortfall(dst, cache, container_bytes: int, shard_bytes: int, max_shards: int, free_dst: int,
+                   free_cache: int | None) -> str | None:
+    """Why the disk cannot hold the conversion, or None. free_cache None: the cache is on DST's file system."""
     fix = "free space, convert to a DST on a larger disk, or lower --max-shards-on-disk"
-    if dev_d == dev_c:
-        if container_bytes + shard_bytes > free_d:
-            raise HubError(f"not enough disk: {(container_bytes + shard_bytes) / 1e9:.2f} GB needed (container "
-                           f"{container_bytes / 1e9:.2f} + shards {shard_bytes / 1e9:.2f}), {free_d / 1e9:.2f} GB "
-                           f"free at {dst}: {fix}")
-        return
-    if container_bytes > free_d:
-        raise HubError(f"not enough disk at {dst}: the container needs {container_bytes / 1e9:.2f} GB, "
-                       f"{free_d / 1e9:.2f} GB are free: {fix}")
-    if shard_bytes > free_c:
-        raise HubError(f"not enough disk for the download cache {cache}: {max_shards} shard(s) need "
-                       f"{shard_bytes / 1e9:.2f} GB, {free_c / 1e9:.2f} GB are free: {fix} (or point HF_HUB_CACHE "
-                       f"elsewhere)")
+    if free_cache is None:
+        if container_bytes + shard_bytes > free_dst:
+            return (f"not enough disk: {_size(container_bytes + shard_bytes)} needed (container "
+                    f"{_size(container_bytes)} + {max_shards} shard(s) {_size(shard_bytes)}), {_size(free_dst)} free "
+                    f"at {dst}: {fix}")
+        return None
+    if container_bytes > free_dst:
+        return (f"not enough disk at {dst}: the container needs {_size(container_bytes)}, {_size(free_dst)} free: "
+                f"{fix}")
+    if shard_bytes > free_cache:
+        return (f"not enough disk for the download cache {cache}: {max_shards} shard(s) need {_size(shard_bytes)}, "
+                f"{_size(free_cache)} free: {fix} (or point HF_HUB_CACHE elsewhere)")
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def hub_convert(ref: HubRef, dst: str | Path, opts: ConvertOptions, *, max_shards: int = 2, threads: int = 2,

@@ -30,6 +30,7 @@ class Repo:
     commit: str = "0123456789abcdef0123456789abcdef01234567"
     branches: dict[str, str] = field(default_factory=dict)
     token: str | None = None          # gated: this bearer token is required
+    listed_size: dict[str, int] = field(default_factory=dict)   # sizes the listing claims instead of the real ones
 
     def lfs(self, name: str) -> bool:
         return not name.endswith(_TEXT)
@@ -148,7 +149,7 @@ class HubServer:
                     return
                 siblings = []
                 for name, data in repo.files.items():
-                    s = {"rfilename": name, "size": len(data), "blobId": git_blob_id(data)}
+                    s = {"rfilename": name, "size": repo.listed_size.get(name, len(data)), "blobId": git_blob_id(data)}
                     if repo.lfs(name):
                         s["lfs"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
                     siblings.append(s)
