@@ -85,9 +85,27 @@ def resolve_container(model: str | Path | None, report: Callable[[str], None] = 
                 registry.remove(old.name)
                 report(f"removed the stale conversion {old.path} ({src} changed since)")
         dst.parent.mkdir(parents=True, exist_ok=True)
+        _check_room(src, dst, opts)
         report(f"converting {src} into a container at {dst} (--experts {opts.experts} --dense {opts.dense}; once; "
                f"`coli models` lists it, `coli models rm {name}` removes it)")
         convert(src, dst, opts, report=report, progress=progress)
     if registry.get(name) is None:
         registry.put(registry.Entry(name, str(dst), "converted", source, fmt, registry.dir_size(dst), True))
     return dst
+
+
+def _check_room(src: Path, dst: Path, opts) -> None:
+    """Refuse before writing when the cache's disk cannot hold the container (a resumed one: what is left)."""
+    import shutil
+
+    from coli.config import load_config
+    from coli.container.writer import make_plan
+    from coli.hub.progress import human_bytes
+    from coli.hub.registry import dir_size
+
+    need = make_plan(load_config(src), opts).total_bytes - (dir_size(dst) if dst.is_dir() else 0)
+    free = shutil.disk_usage(dst.parent).free
+    if need > free:
+        raise ColiError(f"converting {src} for --model needs {human_bytes(need)} in {dst.parent}, "
+                        f"{human_bytes(free)} free: free space, point COLI_CACHE at a larger disk, or choose a "
+                        f"smaller --experts/--dense")

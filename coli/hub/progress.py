@@ -6,6 +6,10 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 
+def human_bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
 @contextmanager
 def transfer_bars(enabled: bool, *rows: tuple[str, str]) -> Iterator[tuple[Callable, ...]]:
     """Yields (note, update_row_1, update_row_2, ...): note(message) prints a line above the bars; update(done,

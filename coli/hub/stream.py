@@ -36,6 +36,7 @@ from coli.container.writer import (
 from coli.errors import WeightError
 from coli.hub.client import HubClient, HubError, HubRef, hub_errors
 from coli.hub.journal import JOURNAL, JournalWriter, read_journal
+from coli.hub.progress import human_bytes as _size
 from coli.model.tensors import dense_shapes, expert_shapes, expert_tensor_name, layer_of
 from coli.safetensors_io import SafetensorsFile, TensorInfo
 
@@ -280,10 +281,6 @@ def disk_shortfall(dst, cache, container_bytes: int, shard_bytes: int, max_shard
         return (f"not enough disk for the download cache {cache}: {max_shards} shard(s) need {_size(shard_bytes)}, "
                 f"{_size(free_cache)} free: {fix} (or point HF_HUB_CACHE elsewhere)")
     return None
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def hub_convert(ref: HubRef, dst: str | Path, opts: ConvertOptions, *, max_shards: int = 2, threads: int = 2,
