@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -393,29 +394,29 @@ class _Run:
         total_dl = sum(files[s].size for s in self.shards)
         self.dl_done = sum(files[s].size for s in st.consumed)
         fetched = 0
-        present: list[str] = []              # shards on disk, oldest first
+        present: list[str] = []              # shards on disk, oldest first (a prefetch in flight counts)
         paths: dict[str, Path] = {}
+        ahead: _Fetch | None = None          # the next shard, downloading while this one converts
         try:
             self._progress(total_dl)
             self._produce()                  # units that need nothing (headers) or only staged tensors
-            for s in todo:
-                while len(present) >= self.max_shards:
-                    self._stage_out(present.pop(0), paths)
-                before = self.dl_done
-
-                def on_bytes(n, total=total_dl):
-                    self.dl_done += n
-                    if self.on_download:
-                        self.on_download(self.dl_done, total)
-                path = self.client.download(s, on_bytes=on_bytes)
-                self.dl_done = before + files[s].size
+            for k, s in enumerate(todo):
+                if ahead is None:
+                    while len(present) >= self.max_shards:
+                        self._stage_out(present.pop(0), paths)
+                    ahead = _Fetch(self, s, total_dl)
+                    present.append(s)
+                path = ahead.result()
+                ahead = None
                 fetched += 1
                 self._open_shard(s, path)
-                present.append(s)
                 paths[s] = path
                 self._progress(total_dl)
+                if k + 1 < len(todo) and len(present) < self.max_shards:
+                    ahead = _Fetch(self, todo[k + 1], total_dl)   # bounded: it takes a free place in `present`
+                    present.append(todo[k + 1])
                 self._produce()
-                for q in [q for q in present if not self._needed(paths[q])]:
+                for q in [q for q in present if q in paths and not self._needed(paths[q])]:
                     present.remove(q)
                     self._consume(q, paths[q])
                 self._drop_unneeded_stage()
@@ -440,6 +441,17 @@ class _Run:
         return HubConvertResult(self.dst, "resumed" if resuming else "converted", len(plan.units), skipped_before,
                                 fetched, sum(files[s].size for s in self.shards if s not in st.consumed),
                                 time.monotonic() - self.t0, manifest)
+
+    def _download(self, name: str, total_dl: int) -> Path:
+        before = [0]
+
+        def on_bytes(n: int) -> None:
+            before[0] += n
+            if self.on_download:
+                self.on_download(self.dl_done + before[0], total_dl)
+        path = self.client.download(name, on_bytes=on_bytes)
+        self.dl_done += self.client.remote(name).size
+        return path
 
     def _progress(self, total_dl: int) -> None:
         if self.on_download:
@@ -560,6 +572,30 @@ class _Run:
         if self.weight_map is not None:
             fp["index_xxh64"] = f"{xxhash.xxh64((self.snap / INDEX).read_bytes()).intdigest():016x}"
         return fp
+
+
+class _Fetch:
+    """One shard downloading on a daemon thread (an interrupted run does not wait for it to finish)."""
+
+    def __init__(self, run: _Run, name: str, total_dl: int):
+        self.path: Path | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._go, args=(run, name, total_dl), daemon=True,
+                                       name=f"coli-hub-fetch-{name}")
+        self.thread.start()
+
+    def _go(self, run: _Run, name: str, total_dl: int) -> None:
+        try:
+            self.path = run._download(name, total_dl)
+        except BaseException as e:  # noqa: BLE001 - handed to the converting thread
+            self.error = e
+
+    def result(self) -> Path:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.path is not None
+        return self.path
 
 
 def convert_hf(ref_text: str, dst: Path, opts: ConvertOptions, **kw) -> HubConvertResult:
