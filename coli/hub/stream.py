@@ -439,7 +439,7 @@ class _Run:
         self.jpath.unlink(missing_ok=True)
         _fsync_dir(self.dst)
         return HubConvertResult(self.dst, "resumed" if resuming else "converted", len(plan.units), skipped_before,
-                                fetched, sum(files[s].size for s in self.shards if s not in st.consumed),
+                                fetched, sum(files[s].size for s in todo),
                                 time.monotonic() - self.t0, manifest)
 
     def _download(self, name: str, total_dl: int) -> Path:

@@ -49,6 +49,7 @@ class HubServer:
         self.repos = repos
         self.corrupt: dict[tuple[str, str], int] = {}     # (repo, file) -> offset of a flipped byte when served
         self.drop_once: dict[tuple[str, str], int] = {}   # (repo, file) -> bytes sent before the connection drops
+        self.fail_status: int | None = None                 # answer every request with this status (endpoint down)
         self.chunk_delay = 0.0
         self.chunk = 1 << 16
         self.requests: list[tuple[str, str, str | None]] = []   # (method, path, Range header)
@@ -131,6 +132,8 @@ class HubServer:
                 with server.lock:
                     server.requests.append((self.command, path, self.headers.get("Range")))
                 parts = path.strip("/").split("/")
+                if server.fail_status is not None:
+                    return self._error(server.fail_status, None, "Service Unavailable")
                 if parts[:2] == ["api", "models"]:
                     return self._api(parts[2:])
                 if len(parts) >= 5 and parts[2] == "resolve":

@@ -46,6 +46,20 @@ def test_no_network(tmp_path):
     assert "cannot reach the Hub" in line and "HF_ENDPOINT" in line and "rerun" in line
 
 
+@pytest.mark.parametrize("command", ["convert", "pull"])
+def test_endpoint_answering_503(hub, tmp_path, command):
+    hub.fail_status = 503
+    args = ("convert", "hf://org/tiny", tmp_path / "d", *ARGS) if command == "convert" else ("pull", "org/tiny")
+    line = _one_line_error(coli(hub_env(hub.url, tmp_path), *args))
+    assert "answered 503" in line and "down or busy" in line and "rerun" in line
+
+
+def test_pull_from_a_gated_repo_says_how_to_log_in(small_ckpt, tmp_path):
+    with HubServer({"org/gated": repo_from_dir(small_ckpt, token="hf_right")}) as hub:
+        line = _one_line_error(coli(hub_env(hub.url, tmp_path), "pull", "org/gated", "--no-progress"))
+    assert "org/gated is gated" in line and "hf auth login" in line
+
+
 @pytest.mark.parametrize("token", [None, "hf_wrong"])
 def test_gated_repo_says_how_to_log_in(small_ckpt, tmp_path, token):
     with HubServer({"org/gated": repo_from_dir(small_ckpt, token="hf_right")}) as hub:
