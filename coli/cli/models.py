@@ -50,6 +50,8 @@ def _list(as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from coli.hub.progress import human_bytes
+
     t = Table(box=None, pad_edge=False)
     for col in ("NAME", "SIZE", "FORMAT", "SOURCE", "VERIFIED", "PATH"):
         t.add_column(col, overflow="fold")
@@ -57,7 +59,7 @@ def _list(as_json: bool) -> None:
         ver = "yes" if r["verified"] else "no"
         if not r["present"]:
             ver = "missing"
-        t.add_row(r["name"], f"{r['size'] / 1e9:.2f} GB", r["format"], r["source"], ver, r["path"])
+        t.add_row(r["name"], human_bytes(r["size"]), r["format"], r["source"], ver, r["path"])
     Console(width=200).print(t)
 
 

@@ -24,13 +24,13 @@ def pull(
 
 @clean_errors
 def _pull(repo, dest, no_progress):
-    from coli.hub.progress import transfer_bars
+    from coli.hub.progress import human_bytes, transfer_bars
     from coli.hub.pull import pull as run_pull
 
     with transfer_bars(not no_progress, ("downloading", "bytes"), ("verifying", "bytes")) as (note, dl, vf):
         r = run_pull(repo, dest, report=note, on_download=dl, on_verify=vf)
-    stderr_note(f"{r.name}: verified ({r.checked} checksums, {r.size / 1e9:.3f} GB) at {r.path}; downloaded "
-                f"{r.downloaded / 1e9:.3f} GB. Serve it with `coli up --model {r.name}`")
+    stderr_note(f"{r.name}: verified ({r.checked} checksums, {human_bytes(r.size)}) at {r.path}; downloaded "
+                f"{human_bytes(r.downloaded)}. Serve it with `coli up --model {r.name}`")
 
 
 def register(app: typer.Typer) -> None:

@@ -40,4 +40,4 @@ def transfer_bars(enabled: bool, *rows: tuple[str, str]) -> Iterator[tuple[Calla
                 else:
                     bar.update(t, amount=mofn.render(task))
             updates.append(update)
-        yield (lambda m: console.print(m), *updates)
+        yield (lambda m: console.print(m, soft_wrap=True, highlight=False), *updates)

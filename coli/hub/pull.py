@@ -15,6 +15,7 @@ from typing import Callable
 from coli.container.format import MANIFEST_NAME, ContainerError
 from coli.hub import registry
 from coli.hub.client import HubClient, HubError, HubRef, hub_errors
+from coli.hub.progress import human_bytes
 
 
 @dataclass
@@ -59,9 +60,9 @@ def _pull(ref, dest, report, on_download, on_verify) -> PullResult:
     have = sum(f.size for n, f in listing.files.items() if (d / n).is_file() and (d / n).stat().st_size == f.size)
     free = shutil.disk_usage(d).free
     if total - have > free:
-        raise HubError(f"not enough disk at {d}: {ref} needs {(total - have) / 1e9:.2f} GB more, {free / 1e9:.2f} GB "
+        raise HubError(f"not enough disk at {d}: {ref} needs {human_bytes(total - have)} more, {human_bytes(free)} "
                        f"free: free space or pull into another DIR")
-    report(f"pulling {ref} (commit {listing.commit[:12]}, {len(names)} files, {total / 1e9:.2f} GB) into {d}")
+    report(f"pulling {ref} (commit {listing.commit[:12]}, {len(names)} files, {human_bytes(total)}) into {d}")
     registry.put(registry.Entry(ref.repo, str(d.resolve()), "pulled", f"hf://{ref.repo}@{listing.commit}",
                                 verified=False))
     done = fetched = 0

@@ -324,6 +324,7 @@ class _Run:
         self.cache_dir, self.report, self.on_download, self.on_convert = cache_dir, report, on_download, on_convert
         self.commit_bytes, self.t0 = commit_bytes, t0
         self.jpath = dst / JOURNAL
+        self._skip_reported: set[int] = set()
         self.stage = dst / STAGE_DIR
 
     # -- set-up: listing, small files, plan, journal ------------------------------------------------------------
@@ -476,7 +477,8 @@ class _Run:
             skipped = sorted({layer_of(n) for n in tensors if layer_of(n) is not None and layer_of(n) >= L})
             self.journal.append({"shard": name, "fp": shard_fingerprint(path, name), "skipped": skipped})
             self.state.shards[name] = {"fp": shard_fingerprint(path, name), "skipped": skipped}
-            if skipped:
+            if set(skipped) - self._skip_reported:
+                self._skip_reported |= set(skipped)
                 self.report(f"skipping tensors of layer(s) {skipped} in {name} (>= num_hidden_layers {L}: the MTP "
                             f"layer, unused by the forward pass)")
 

@@ -123,3 +123,35 @@ def test_up_with_an_unknown_name_says_where_models_come_from(tmp_path):
     env = hub_env("http://127.0.0.1:9", tmp_path)
     line = _one_line_error(coli(env, "up", "--model", "org/never-pulled"))
     assert "coli models" in line and "coli pull" in line
+
+
+def test_killed_pull_stays_unusable_and_the_rerun_keeps_finished_files(published, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    container, _ = published
+    with HubServer({"org/tiny-coli": repo_from_dir(container)}) as hub:
+        hub.chunk_delay = 0.02
+        env = hub_env(hub.url, tmp_path)
+        d = Path(env["COLI_CACHE"]) / "models" / f"org--tiny-coli--{hub.repos['org/tiny-coli'].commit[:12]}"
+        p = subprocess.Popen([sys.executable, "-m", "coli.cli.main", "pull", "org/tiny-coli", "--no-progress"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None and \
+                not (d.is_dir() and len([f for f in d.iterdir() if f.is_file()]) >= 2):
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        done = sorted(f.name for f in d.iterdir() if f.is_file())
+        assert 2 <= len(done) < len(list(container.iterdir())), done
+        assert not _models(env)["org/tiny-coli"]["verified"]
+        assert "not verified" in _one_line_error(coli(env, "up", "--model", "org/tiny-coli"))
+        hub.chunk_delay = 0.0
+        n = len(hub.requests)
+        r = coli(env, "pull", "org/tiny-coli", "--no-progress")
+        assert r.returncode == 0, r.stderr
+        refetched = {path.rsplit("/", 1)[1] for m, path, _ in hub.requests[n:] if m == "GET" and "/resolve/" in path}
+        assert not refetched & set(done), refetched & set(done)
+    assert _models(env)["org/tiny-coli"]["verified"]
