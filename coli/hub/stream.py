@@ -472,6 +472,11 @@ class _Run:
             if self.weight_map is not None and self.weight_map.get(n, name) != name:
                 raise WeightError(f"{self.ref}: {name} holds tensor {n!r}, which {INDEX} places in "
                                   f"{self.weight_map[n]}")
+        if self.weight_map is not None:
+            lost = [n for n, f in self.weight_map.items() if f == name and n not in tensors]
+            if lost:
+                raise WeightError(f"{self.ref}: {INDEX} places tensor {lost[0]!r} in {name}, which does not hold it "
+                                  f"({len(lost)} missing); the repo's index and shards disagree")
         if name not in self.state.shards:
             L = self.src.config.num_hidden_layers
             skipped = sorted({layer_of(n) for n in tensors if layer_of(n) is not None and layer_of(n) >= L})

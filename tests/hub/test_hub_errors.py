@@ -139,3 +139,16 @@ def test_not_enough_disk_is_refused_with_what_is_needed_and_free(tmp_path):
     assert disk_shortfall(tmp_path / "d", tmp_path / "c", 385 * GB, 10 * GB, 2, 400 * GB, None) is None
     cache = disk_shortfall(tmp_path / "d", tmp_path / "c", 385 * GB, 10 * GB, 2, 400 * GB, 5 * GB)
     assert "download cache" in cache and "HF_HUB_CACHE" in cache
+
+
+def test_index_placing_a_tensor_in_a_shard_without_it_is_refused(small_ckpt, tmp_path):
+    import json
+
+    repo = repo_from_dir(small_ckpt)
+    index = json.loads(repo.files["model.safetensors.index.json"])
+    moved = next(n for n, f in index["weight_map"].items() if f.startswith("model-00003"))
+    index["weight_map"][moved] = "model-00001-of-00003.safetensors"
+    repo.files["model.safetensors.index.json"] = json.dumps(index).encode()
+    with HubServer({"org/tiny": repo}) as hub:
+        line = _one_line_error(coli(hub_env(hub.url, tmp_path), "convert", "hf://org/tiny", tmp_path / "d", *ARGS))
+    assert repr(moved) in line and "model-00001-of-00003.safetensors" in line and "disagree" in line
