@@ -173,7 +173,7 @@ def moe_compare(a, path: Path) -> int:
     """Child process: the fused MoE decode at GLM-5's expert shape (int4 g64, K = 8), every version (v1, v2, mma)
     in turn, each checked against numpy and timed (gate/up, down, both); results written to `path` after each
     step, so that a fault or hang in a newer version still leaves the older ones' numbers."""
-    from coli.model.cuda_backend import CudaBackend
+    from coli.gpu.cuda_backend import CudaBackend
 
     gb = CudaBackend()
     rt = gb.rt
@@ -250,8 +250,8 @@ def main() -> int:
 
     from coli.container.format import RecordLayout
     from coli.model.backend import cos_sin_table
-    from coli.model.cuda_backend import CudaBackend, DeviceMask
-    from coli.model.cuda_weights import DeviceRecord, HeadView, QWeight
+    from coli.gpu.cuda_backend import CudaBackend, DeviceMask
+    from coli.gpu.cuda_weights import DeviceRecord, HeadView, QWeight
 
     gb = CudaBackend()
     rt = gb.rt
@@ -361,7 +361,7 @@ def main() -> int:
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
     def qw(rows_, cols_, fmt, group=64):
         b, l = random_matrix_bytes(rows_, cols_, fmt, group, rng)
-        from coli.model.cuda_weights import upload_stored
+        from coli.gpu.cuda_weights import upload_stored
         return upload_stored(rt, b, l, (rows_, cols_), "bench")
 
     x1 = gb.upload(rng.standard_normal((1, H)).astype(F32))

@@ -26,7 +26,7 @@ MLA_SHAPES = [  # nh, dn, dr, dv, Lkv, T, S
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("masking", ["dense", "topk"])
 def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking):
-    from coli.model.cuda_weights import HeadView
+    from coli.gpu.cuda_weights import HeadView
     buf, lay, kv_b = stored_matrix(nh * (dn + dv), Lkv, fmt, rng, group=32)
     w = qweight(gb, buf, lay)
     w_kb, w_vb = HeadView(w, 0, dn + dv, dn, nh), HeadView(w, dn, dn + dv, dv, nh)
@@ -40,7 +40,7 @@ def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking):
         allowed &= keep
         mask = allowed
     else:
-        from coli.model.cuda_backend import DeviceMask
+        from coli.gpu.cuda_backend import DeviceMask
         mask = DeviceMask(S, T, start)
     got = gb.to_host(gb.mla_attend(gb.upload(q).reshape(S, nh, dn + dr), gb.upload(lat), gb.upload(kpe),
                                    w_kb, w_vb, mask, (dn + dr) ** -0.5))
