@@ -3,9 +3,6 @@ layout (scripts/make_fp8_checkpoint.py), and `coli` run as a subprocess with HF_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,21 +26,6 @@ def big_ckpt(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("hub-big") / "ckpt"
     mk.build_checkpoint(d, seed=3, experts=80, random_codes=True, tokenizer=False, shards=5)
     return d
-
-
-def hub_env(url: str, home: Path, token: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=url, HF_HOME=str(home / "hf-home"), HF_HUB_CACHE=str(home / "hf-cache"),
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1", COLI_CACHE=str(home / "coli-cache"),
-               HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
-    if token:
-        env["HF_TOKEN"] = token
-    return env
-
-
-def coli(env: dict, *args, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coli.cli.main", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kw)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import coli, hub_env
+from hub_cli import coli, hub_env
 from hub_server import HubServer, repo_from_dir
 from coli.hub.journal import JOURNAL, read_journal
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import coli, hub_env
+from hub_cli import coli, hub_env
 from hub_server import HubServer, repo_from_dir
 
 ARGS = ["--experts", "int4", "--dense", "int8", "--no-progress"]

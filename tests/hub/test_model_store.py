@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import coli
+from hub_cli import coli
 from coli.container.format import parse_manifest
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import coli, hub_env
+from hub_cli import coli, hub_env
 from harness import Run, assert_run_gone
 from hub_server import HubServer, repo_from_dir
 from oracles import load_oracle, oracle_dir
