@@ -49,6 +49,8 @@ def _pull(ref, dest, report, on_download, on_verify) -> PullResult:
         raise HubError(f"{ref} is not a ColiStream container (no {MANIFEST_NAME}); to convert a Hugging Face "
                        f"checkpoint use `coli convert hf://{ref} DST`")
     d = Path(dest) if dest else default_dir(ref, listing.commit)
+    if d.is_dir() and any(d.iterdir()) and not (d / ".cache" / "huggingface").is_dir():
+        raise HubError(f"DIR {d} is not empty and holds no earlier pull; choose an empty or new directory")
     d.mkdir(parents=True, exist_ok=True)
     old = registry.get(ref.repo)
     if old is not None and Path(old.path).resolve() != d.resolve() and Path(old.path).exists():

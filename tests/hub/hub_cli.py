@@ -4,6 +4,7 @@ conftest): the environment that points huggingface_hub at the local Hub, and `co
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +23,12 @@ def hub_env(url: str, home: Path, token: str | None = None) -> dict:
 def coli(env: dict, *args, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "coli.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, **kw)
+
+
+def small_tmpfs(path: Path, size: str) -> bool:
+    """A real file system of `size` at path, for disk-full refusals (root and mount(8) only: False elsewhere)."""
+    path.mkdir(parents=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_cli import coli, hub_env
+from hub_cli import coli, hub_env, small_tmpfs
 from hub_server import HubServer, repo_from_dir
 
 ARGS = ["--experts", "int4", "--dense", "int8", "--no-progress"]
@@ -152,3 +152,19 @@ def test_index_placing_a_tensor_in_a_shard_without_it_is_refused(small_ckpt, tmp
     with HubServer({"org/tiny": repo}) as hub:
         line = _one_line_error(coli(hub_env(hub.url, tmp_path), "convert", "hf://org/tiny", tmp_path / "d", *ARGS))
     assert repr(moved) in line and "model-00001-of-00003.safetensors" in line and "disagree" in line
+
+
+def test_convert_onto_a_disk_too_small_is_refused_before_fetching_shards(hub, tmp_path):
+    import subprocess
+
+    small = tmp_path / "small-disk"
+    if not small_tmpfs(small, "1m"):
+        pytest.skip("needs a small file system: root and mount(8) make a 1 MiB tmpfs")
+    try:
+        env = hub_env(hub.url, tmp_path)
+        env["HF_HUB_CACHE"] = str(small / "hf-cache")     # the cache and DST on one small disk
+        line = _one_line_error(coli(env, "convert", "hf://org/tiny", small / "dst", *ARGS))
+        assert "not enough disk" in line and "needed" in line and "free" in line and "--max-shards-on-disk" in line
+        assert not [r for r in hub.requests if r[0] == "GET" and r[1].endswith(".safetensors")]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_cli import coli
+from hub_cli import coli, small_tmpfs
 from coli.container.format import parse_manifest
 
 
@@ -80,17 +80,9 @@ def test_detached_up_converts_in_the_foreground(ckpt, tmp_path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True)
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_a_disk_too_small_is_refused_with_needed_and_free(ckpt, tmp_path):
     small = tmp_path / "small-disk"
-    if not _tmpfs(small, "256k"):
+    if not small_tmpfs(small, "256k"):
         pytest.skip("needs a small file system: root and mount(8) make a 256 KiB tmpfs")
     try:
         env = {**os.environ, "COLI_CACHE": str(small)}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_cli import coli, hub_env
+from hub_cli import coli, hub_env, small_tmpfs
 from harness import Run, assert_run_gone
 from hub_server import HubServer, repo_from_dir
 from oracles import load_oracle, oracle_dir
@@ -155,3 +155,30 @@ def test_killed_pull_stays_unusable_and_the_rerun_keeps_finished_files(published
         refetched = {path.rsplit("/", 1)[1] for m, path, _ in hub.requests[n:] if m == "GET" and "/resolve/" in path}
         assert not refetched & set(done), refetched & set(done)
     assert _models(env)["org/tiny-coli"]["verified"]
+
+
+def test_pull_into_a_dir_holding_other_files_is_refused(published, tmp_path):
+    container, _ = published
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with HubServer({"org/tiny-coli": repo_from_dir(container)}) as hub:
+        line = _one_line_error(coli(hub_env(hub.url, tmp_path), "pull", "org/tiny-coli", tmp_path / "mine",
+                                    "--no-progress"))
+    assert "is not empty" in line and (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_pull_onto_a_disk_too_small_is_refused_before_downloading(published, tmp_path):
+    import subprocess
+
+    container, _ = published
+    small = tmp_path / "small-disk"
+    if not small_tmpfs(small, "256k"):
+        pytest.skip("needs a small file system: root and mount(8) make a 256 KiB tmpfs")
+    try:
+        with HubServer({"org/tiny-coli": repo_from_dir(container)}) as hub:
+            line = _one_line_error(coli(hub_env(hub.url, tmp_path), "pull", "org/tiny-coli", small / "c",
+                                        "--no-progress"))
+            assert not [r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]
+        assert "not enough disk" in line and "MB more" in line and "free" in line
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
