@@ -31,6 +31,15 @@ class Repo:
     branches: dict[str, str] = field(default_factory=dict)
     token: str | None = None          # gated: this bearer token is required
     listed_size: dict[str, int] = field(default_factory=dict)   # sizes the listing claims instead of the real ones
+    older: dict[str, dict[str, bytes]] = field(default_factory=dict)   # earlier commits, still served by hash
+
+    def push(self, files: dict[str, bytes], commit: str) -> None:
+        """A new commit on main; the old one stays reachable by its hash (as on the Hub)."""
+        self.older[self.commit] = self.files
+        self.files, self.commit = files, commit
+
+    def files_at(self, commit: str) -> dict[str, bytes]:
+        return self.files if commit == self.commit else self.older[commit]
 
     def lfs(self, name: str) -> bool:
         return not name.endswith(_TEXT)
@@ -116,6 +125,8 @@ class HubServer:
             def _commit(self, repo: Repo, rev: str) -> str | None:
                 if rev in ("main", repo.commit):
                     return repo.commit
+                if rev in repo.older:
+                    return rev
                 if rev in repo.branches:
                     return repo.branches[rev]
                 self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
@@ -151,7 +162,7 @@ class HubServer:
                 if commit is None:
                     return
                 siblings = []
-                for name, data in repo.files.items():
+                for name, data in repo.files_at(commit).items():
                     s = {"rfilename": name, "size": repo.listed_size.get(name, len(data)), "blobId": git_blob_id(data)}
                     if repo.lfs(name):
                         s["lfs"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
@@ -167,17 +178,18 @@ class HubServer:
                 commit = self._commit(repo, rev)
                 if commit is None:
                     return
-                if name not in repo.files:
+                files = repo.files_at(commit)
+                if name not in files:
                     self._send(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit,
                                      "X-Error-Message": "Entry not found"}, b"Entry not found")
                     return
-                data = repo.files[name]
+                data = files[name]
                 key = (repo_id, name)
                 if key in server.corrupt:
                     b = bytearray(data)
                     b[server.corrupt[key]] ^= 0x01
                     data = bytes(b)
-                sha = hashlib.sha256(repo.files[name]).hexdigest() if repo.lfs(name) else git_blob_id(repo.files[name])
+                sha = hashlib.sha256(files[name]).hexdigest() if repo.lfs(name) else git_blob_id(files[name])
                 h = {"X-Repo-Commit": commit, "ETag": f'"{sha}"', "Accept-Ranges": "bytes",
                      "Content-Type": "application/octet-stream"}
                 if repo.lfs(name):

@@ -127,3 +127,31 @@ def test_dropped_connection_is_retried_and_the_result_is_identical(small_ckpt, t
         assert len(gets) == 2 and gets[0] is None and (gets[1] is None or gets[1].startswith("bytes=")), gets
     assert coli(os.environ, "convert", small_ckpt, tmp_path / "local", *ARGS).returncode == 0
     assert _files(tmp_path / "hub") == _files(tmp_path / "local")
+
+
+def test_resume_keeps_the_commit_it_started_from_when_the_branch_moves(big_ckpt, local_ref, tmp_path):
+    import make_fp8_checkpoint as mk
+
+    other = tmp_path / "other"
+    mk.build_checkpoint(other, seed=4, experts=80, random_codes=True, tokenizer=False, shards=5)
+    dst = tmp_path / "dst"
+    with HubServer({"org/big": repo_from_dir(big_ckpt)}) as hub:
+        hub.chunk_delay = 0.004
+        env = hub_env(hub.url, tmp_path)
+        p = subprocess.Popen([sys.executable, "-m", "coli.cli.main", "convert", "hf://org/big@main", str(dst), *ARGS],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not read_journal(dst / JOURNAL).consumed and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        p.kill()
+        p.wait()
+        assert read_journal(dst / JOURNAL).consumed, "the kill should land after a shard was consumed"
+        first = hub.repos["org/big"].commit
+        hub.repos["org/big"].push(repo_from_dir(other).files, "f" * 40)   # main moves on
+        hub.chunk_delay = 0.0
+        n = len(hub.requests)
+        r = coli(env, "convert", "hf://org/big@main", dst, *ARGS)
+        assert r.returncode == 0, r.stderr
+        resolved = [path for m, path, _ in hub.requests[n:] if "/resolve/" in path]
+        assert resolved and all(f"/resolve/{first}/" in path for path in resolved)
+    assert _files(dst) == local_ref
