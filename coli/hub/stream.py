@@ -488,10 +488,12 @@ class _Run:
                             f"layer, unused by the forward pass)")
 
     def _pending_inputs(self) -> set[str]:
+        if not hasattr(self, "_inputs"):   # per unit, once: GLM-5 has ~20k units
+            self._inputs = [unit_inputs(self.plan, u) for u in self.plan.units]
         out: set[str] = set()
-        for i, u in enumerate(self.plan.units):
+        for i, names in enumerate(self._inputs):
             if i not in self.done:
-                out |= unit_inputs(self.plan, u)
+                out |= names
         return out
 
     def _needed(self, path: Path) -> list[str]:
