@@ -71,7 +71,7 @@ def resolve_container(model: str | Path | None, report: Callable[[str], None] = 
         return src
     if not (src / "config.json").is_file():
         raise ColiError(f"{src} is neither a ColiStream container nor a Hugging Face checkpoint (no config.json)")
-    demo = model is None
+    demo = src.resolve() == DEMO_DIR.resolve()   # however it is named, the demo stays exact
     opts = ConvertOptions(experts=experts or ("f32" if demo else ConvertOptions.experts),
                           dense=dense or ("f32" if demo else ConvertOptions.dense))
     opts.validate()

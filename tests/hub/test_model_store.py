@@ -92,3 +92,13 @@ def test_a_disk_too_small_is_refused_with_needed_and_free(ckpt, tmp_path):
         assert line.startswith("error: ") and "needs" in line and "free" in line and "COLI_CACHE" in line, r.stderr
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_the_demo_model_named_by_its_path_stays_lossless(cache):
+    from coli.model_store import DEMO_DIR, resolve_container
+
+    if not (DEMO_DIR / "config.json").is_file():
+        pytest.skip("the demo model (coli/demo/model) is not built")
+    dst = resolve_container(DEMO_DIR, report=lambda m: None)
+    args = parse_manifest(dst / "coli-manifest.json").args
+    assert (args["experts"], args["dense"]) == ("f32", "f32")
