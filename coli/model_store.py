@@ -69,6 +69,9 @@ def resolve_container(model: str | Path | None, report: Callable[[str], None] = 
         return lookup(str(model))
     if (src / MANIFEST_NAME).is_file():
         return src
+    unfinished = _unfinished(src)
+    if unfinished:
+        raise ColiError(f"{src} is an unfinished conversion: {unfinished}")
     if not (src / "config.json").is_file():
         raise ColiError(f"{src} is neither a ColiStream container nor a Hugging Face checkpoint (no config.json)")
     demo = src.resolve() == DEMO_DIR.resolve()   # however it is named, the demo stays exact
@@ -109,3 +112,23 @@ def _check_room(src: Path, dst: Path, opts) -> None:
         raise ColiError(f"converting {src} for --model needs {human_bytes(need)} in {dst.parent}, "
                         f"{human_bytes(free)} free: free space, point COLI_CACHE at a larger disk, or choose a "
                         f"smaller --experts/--dense")
+
+
+def _unfinished(d: Path) -> str | None:
+    """What to rerun for a container directory whose conversion stopped half-way (its journal says), or None."""
+    import json
+
+    from coli.container.format import JOURNAL_NAME
+    from coli.hub.journal import JOURNAL
+
+    hub = d / JOURNAL
+    if hub.is_file():
+        try:
+            head = json.loads(hub.read_bytes().split(b"\n", 1)[0])
+            ref = head["repo"] + (f"@{head['revision']}" if head.get("revision") else "")
+        except (OSError, ValueError, KeyError, TypeError):
+            ref = "ORG/REPO"
+        return f"rerun `coli convert hf://{ref} {d}` with its options to resume it"
+    if (d / JOURNAL_NAME).is_file():
+        return f"rerun the same `coli convert SRC {d}` to resume it"
+    return None

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -102,3 +103,26 @@ def test_the_demo_model_named_by_its_path_stays_lossless(cache):
     dst = resolve_container(DEMO_DIR, report=lambda m: None)
     args = parse_manifest(dst / "coli-manifest.json").args
     assert (args["experts"], args["dense"]) == ("f32", "f32")
+
+
+def test_up_on_an_unfinished_hub_conversion_says_how_to_resume(small_ckpt, tmp_path):
+    import signal
+
+    from hub_cli import hub_env
+    from hub_server import HubServer, repo_from_dir
+
+    dst = tmp_path / "dst"
+    with HubServer({"org/tiny": repo_from_dir(small_ckpt)}) as hub:
+        hub.chunk_delay = 0.05
+        env = hub_env(hub.url, tmp_path)
+        p = subprocess.Popen([sys.executable, "-m", "coli.cli.main", "convert", "hf://org/tiny", str(dst),
+                              "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not (dst / "coli-hub.journal").is_file() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    r = coli(env, "up", "--model", dst)
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "unfinished conversion" in line and f"coli convert hf://org/tiny {dst}" in line
