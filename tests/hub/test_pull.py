@@ -20,10 +20,15 @@ from oracles import load_oracle, oracle_dir
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory) -> tuple[Path, dict]:
+def oracle_ckpt(tmp_path_factory) -> Path:
+    """The default oracle: a tiny glm_moe_dsa saved by transformers."""
+    return oracle_dir(tmp_path_factory.mktemp("hub-oracle"), "default")
+
+
+@pytest.fixture(scope="module")
+def published(oracle_ckpt) -> tuple[Path, dict]:
     """The default oracle converted lossless into a container, as someone would publish it."""
-    root = tmp_path_factory.mktemp("hub-oracle")
-    d = oracle_dir(root, "default")
+    root, d = oracle_ckpt.parent, oracle_ckpt
     dst = root / "container"
     r = coli(os.environ, "convert", d, dst, "--experts", "f32", "--dense", "f32", "--no-progress")
     assert r.returncode == 0, r.stderr
@@ -182,3 +187,13 @@ def test_pull_onto_a_disk_too_small_is_refused_before_downloading(published, tmp
         assert "not enough disk" in line and "MB more" in line and "free" in line
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_hf_convert_of_the_oracle_checkpoint_matches_the_local_convert(oracle_ckpt, tmp_path):
+    args = ("--experts", "f32", "--dense", "f32", "--no-progress")
+    with HubServer({"org/oracle": repo_from_dir(oracle_ckpt)}) as hub:
+        r = coli(hub_env(hub.url, tmp_path), "convert", "hf://org/oracle", tmp_path / "hub", *args)
+        assert r.returncode == 0, r.stderr
+    assert coli(os.environ, "convert", oracle_ckpt, tmp_path / "local", *args).returncode == 0
+    want = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hub").iterdir()} == want
