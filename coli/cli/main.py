@@ -68,6 +68,9 @@ def _register() -> None:
     from coli.cli import bench, chat, convert, doctor, inspect, logs, plan, ps, run, serve, sim, stats, up, verify
     for module in (run, convert, inspect, verify, up, ps, chat, logs, stats, serve, sim, plan, doctor, bench):
         module.register(app)
+    from coli.cli import models, pull   # getting models: coli pull, coli models [rm]
+    for module in (pull, models):
+        module.register(app)
 
 
 _register()

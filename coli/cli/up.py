@@ -18,7 +18,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def up(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container or Hugging Face checkpoint (default: the built-in demo model)."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container, Hugging Face checkpoint, or a name "
+                                         "`coli models` lists (ORG/REPO from `coli pull`); default: the built-in demo model."),
     name: str = typer.Option("default", "--name", help="Run name (several runs can be up at once)."),
     ram_gb: float = typer.Option(4.0, "--ram-gb", help="RAM tier budget for expert slots, in GB."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | gpu."),
@@ -47,8 +48,13 @@ def up(
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
+    experts: Optional[str] = typer.Option(None, "--experts", help="When --model is a checkpoint: the routed expert "
+                                          "format it is converted to once (default as `coli convert`: int4)."),
+    dense: Optional[str] = typer.Option(None, "--dense", help="When --model is a checkpoint: the dense core format "
+                                        "(default as `coli convert`: int8)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
+    model = _container_for(model, experts, dense)
     gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
     ok = False
     try:
@@ -62,6 +68,20 @@ def up(
     finally:  # foreground: the run has stopped; detached: only if the run did not come up
         if gateway is not None and (not detach or not ok) and gateway.poll() is None:
             gateway.terminate()
+
+
+# ---- --model: a registry name or a checkpoint becomes a container here, in the foreground (progress shown, also
+# before --detach), so the run itself only ever opens a container ----
+@clean_errors
+def _container_for(model: Optional[Path], experts: Optional[str], dense: Optional[str]) -> Optional[Path]:
+    from coli.model_store import resolve_container
+
+    if model is None and experts is None and dense is None:
+        return None   # the demo model: the supervisor converts it (f32, tiny)
+    from coli.hub.progress import transfer_bars
+
+    with transfer_bars(sys.stderr.isatty(), ("converting", "bytes")) as (note, bar):
+        return resolve_container(model, report=note, experts=experts, dense=dense, progress=bar)
 
 
 # ---- --http: the gateway (coli serve) as a process beside the run; it waits for the run and exits with it ----
@@ -135,7 +155,7 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
     except ValueError as e:
         raise ColiError(str(e)) from None
     if model is not None:
-        check_model_dir(model)
+        model = check_model_dir(model, names=True)   # a directory, or a name `coli models` lists
     require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
