@@ -47,6 +47,95 @@ __device__ void gemv_body(QMat W, int wrow0, int wz, int N, const float *x, long
     }
 COLI_FOR_FORMATS(GEMV_KERNEL)
 
+// ---- gemv_t_<fmt> ---------------------------------------------------------------------------------------
+// y[z][n] = sum_k x[z][k] * W[wrow0 + z*wz + k, n]      k < K (rows), n < W.cols, z = blockIdx.x
+//   x @ W with W's rows as the reduction: the absorbed-MLA query q_abs[h] = q_nope[h] @ w_kb[h] of one token
+//   (gemm_nn would run 64 x 64 tiles for one row). x [Z, x_z], y [Z, y_z] fp32.
+//   grid (Z), block B (B % nchunks == 0, nchunks = W.row_data / 16 <= B), dynamic smem = B * VALS * 4 bytes.
+//   Thread (r, c) = (tid / nchunks, tid % nchunks) reads 16-byte chunk c of rows r, r + R, ... (R = B / nchunks),
+//   GEMV_T_U rows loaded before any is used, and keeps the chunk's VALS column sums; the R partial sums of each
+//   column are added in order of r at the end (deterministic, no atomics).
+#define GEMV_T_U 4
+template <int FMT>
+__device__ inline void chunk_vals(const uint4 &w, float *v) {   // the chunk's codes as floats, before scales
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
+        else if (FMT == FMT_BF16) {
+            v[2 * i] = __uint_as_float(ws[i] << 16);
+            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
+        } else if (FMT == FMT_INT8) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
+                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
+                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
+            }
+        }
+    }
+}
+
+template <int FMT>
+__device__ void gemv_t_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
+                            long long y_z) {
+    extern __shared__ float4 smem4[];
+    float *part = reinterpret_cast<float *>(smem4);           // [R][nchunks * V]
+    constexpr int V = Chunk<FMT>::VALS;
+    const int z = blockIdx.x;
+    const int nchunks = W.row_data / 16, R = blockDim.x / nchunks;
+    const int c = threadIdx.x % nchunks, r0 = threadIdx.x / nchunks;
+    const float *xz = x + z * x_z;
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] = 0.f;
+    for (int k0 = r0; k0 < K; k0 += GEMV_T_U * R) {
+        uint4 w[GEMV_T_U];
+        float s[GEMV_T_U], xk[GEMV_T_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_T_U; u++) {
+            const int k = k0 + u * R;
+            s[u] = 0.f;
+            if (k < K) {
+                const u8 *d, *m;
+                qmat_row(W, wrow0 + z * wz + k, d, m);
+                w[u] = ld_stream(d + 16 * c);
+                s[u] = chunk_scale<FMT>(m, c, W.group) * row_scale<FMT>(m);
+                xk[u] = xz[k];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_T_U; u++) {
+            if (k0 + u * R < K) {
+                float v[V];
+                chunk_vals<FMT>(w[u], v);
+                // v * s is the stored weight exactly (dequantize()), so each term is numpy's x[k] * W[k, n]
+#pragma unroll
+                for (int i = 0; i < V; i++) acc[i] = fmaf(xk[u], v[i] * s[u], acc[i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) part[r0 * nchunks * V + c * V + i] = acc[i];
+    __syncthreads();
+    for (int n = threadIdx.x; n < W.cols; n += blockDim.x) {
+        float a = 0.f;
+        for (int r = 0; r < R; r++) a += part[r * nchunks * V + n];
+        y[z * y_z + n] = a;
+    }
+}
+
+#define GEMV_T_KERNEL(NAME, FMT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(512) gemv_t_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int K, \
+                                                                    const float *x, long long x_z, float *y,  \
+                                                                    long long y_z) {                          \
+        gemv_t_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, K, x, x_z, y, y_z);                                   \
+    }
+COLI_FOR_FORMATS(GEMV_T_KERNEL)
+
 // ---- moe_gateup (first version: moe_gateup_int4_v1) -------------------------------------------------------------------------------
 // For the K routed experts of one token: h[k][j] = silu(gate_k[j] . x) * (up_k[j] . x)
 //   table: [K] device pointers to the experts' records (or NULL: every k uses `base`, for a dense SwiGLU)
