@@ -466,6 +466,131 @@ __device__ void moe_down2_body(const u8 *const *table, const u8 *base, long long
     }
 COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
 
+// ---- gemv2_<fmt>: the dense decode GEMV, second version (gemv_<fmt> above is kept for the benchmark) ---------
+// Same result as gemv_<fmt>: y[z][n] = sum_k W[wrow0 + z*wz + n, k] * x[z][k], n < N, z = blockIdx.y.
+// The first version gives a 2048 x 6144 int4 matrix (q_a) 1,024 warps that each stage x (24 KiB) before their
+// first weight load and then walk a row pair twice; at GLM-5's small dense shapes it runs at 15-30 % of the
+// device copy, latency-bound. Here:
+//   * split-K: the 8 warps of a block are P = 8 / ks row pairs x ks segments of the columns (ks in 1, 2, 4, 8,
+//     the host's choice: enough warps to fill the device for short matrices like the router's 256 rows); the
+//     segments' partial sums meet in shared memory and are added in segment order (deterministic);
+//   * the block's first rows are prefetched into L2 BEFORE x is staged (16-byte loads), so HBM works while x
+//     arrives; each later group's rows are prefetched while the current one is computed;
+//   * weights and int4 group scales are loaded together, U chunks per lane per row (warp_rows_dot2's loop over
+//     one segment), int4 nibbles converted in place (chunk_dot2).
+//   grid (<= resident blocks, Z), block 256, dynamic smem = padded cols * 4. x 16-byte aligned (x_z % 4 == 0);
+//   int4 groups 32/64/128 (the host keeps gemv_<fmt> otherwise).
+#define GEMV2_WARPS 8
+template <int FMT> struct Gemv2Cfg { static constexpr int U = FMT == FMT_INT4 ? 6 : 4; };
+
+template <int FMT>
+__device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y,
+                           long long y_z, int ks) {
+    extern __shared__ float4 smem4[];
+    float *xs = reinterpret_cast<float *>(smem4);
+    __shared__ float red[2][GEMV2_WARPS][2];
+    constexpr int V = Chunk<FMT>::VALS, U = Gemv2Cfg<FMT>::U;
+    const int z = blockIdx.y;
+    const int nchunks = W.row_data / 16;
+    const int gshift = group_shift(W.group);
+    const uint32_t M = opaque_magic(gshift);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int P = GEMV2_WARPS / ks, pp = warp / ks, seg = warp - pp * ks;
+    const int cps = (nchunks + ks - 1) / ks;
+    const int c_lo = min(nchunks, seg * cps), c_hi = min(nchunks, c_lo + cps);
+    const int npairs = (N + 1) / 2, ngroups = (npairs + P - 1) / P;
+    const int rbase = wrow0 + z * wz;
+    // lanes 0/1: data segment of row n0/n1, lanes 2/3: their metadata (segment 0 only)
+    auto prefetch = [&](int g) {
+        const int p = g * P + pp;
+        if (lane < 4 && g < ngroups && p < npairs && (lane < 2 || seg == 0)) {
+            const int n = min(2 * p + (lane & 1), N - 1);
+            const u8 *d, *m;
+            qmat_row(W, rbase + n, d, m);
+            if (lane < 2) l2_prefetch(d + 16 * c_lo, 16 * (c_hi - c_lo));
+            else l2_prefetch(m, W.row_meta);
+        }
+    };
+    prefetch(blockIdx.x);
+    {   // stage x: 16-byte loads, swizzled as stage_x does
+        const float4 *x4 = reinterpret_cast<const float4 *>(x + z * x_z);
+        const int n4 = nchunks * (V / 4), have4 = W.cols / 4;
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+            const int c = i / (V / 4), k = i - c * (V / 4);
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < have4) v = x4[i];
+            else if (4 * i < W.cols) {            // a ragged last float4 (cols % 4 != 0)
+                const float *xr = x + z * x_z;
+                v.x = xr[4 * i];
+                if (4 * i + 1 < W.cols) v.y = xr[4 * i + 1];
+                if (4 * i + 2 < W.cols) v.z = xr[4 * i + 2];
+            }
+            reinterpret_cast<float4 *>(xs)[xs_slot<FMT>(c, k)] = v;
+        }
+    }
+    __syncthreads();
+    int buf = 0;
+    for (int g = blockIdx.x; g < ngroups; g += gridDim.x, buf ^= 1) {
+        prefetch(g + gridDim.x);
+        const int p = g * P + pp;
+        float acc[2] = {0.f, 0.f};
+        const u8 *d[2], *m[2];
+        if (p < npairs) {
+            qmat_row(W, rbase + 2 * p, d[0], m[0]);
+            qmat_row(W, rbase + min(2 * p + 1, N - 1), d[1], m[1]);
+            for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
+                uint4 w[2][U];
+                float sc[2][U];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const int c = c0 + 32 * u;
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        if (c < c_hi) {
+                            w[r][u] = ld_stream(d[r] + 16 * (long long)c);
+                            sc[r][u] = FMT == FMT_INT4 ? ld_half_nc(m[r] + 2 * (c >> gshift)) : 1.f;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const int c = c0 + 32 * u;
+                    if (c < c_hi) {
+                        float xv[V];
+                        load_x<FMT>(xs, c, xv);
+#pragma unroll
+                        for (int r = 0; r < 2; r++) acc[r] = fmaf(sc[r][u], chunk_dot2<FMT>(w[r][u], xv, M), acc[r]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++) acc[r] = warp_sum(acc[r]) * row_scale<FMT>(m[r]);
+        }
+        if (ks == 1) {
+            if (lane == 0 && p < npairs) {
+                y[z * y_z + 2 * p] = acc[0];
+                if (2 * p + 1 < N) y[z * y_z + 2 * p + 1] = acc[1];
+            }
+            continue;
+        }
+        if (lane == 0) { red[buf][warp][0] = acc[0]; red[buf][warp][1] = acc[1]; }
+        __syncthreads();              // red[buf] is rewritten two groups later, after the next barrier
+        if (seg == 0 && lane < 2 && p < npairs && 2 * p + lane < N) {
+            float a = 0.f;
+            for (int j = 0; j < ks; j++) a += red[buf][warp + j][lane];
+            y[z * y_z + 2 * p + lane] = a;
+        }
+    }
+}
+
+#define GEMV2_KERNEL(NAME, FMT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS) gemv2_##NAME(                               \
+        QMAT_PARAMS(w), int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z,       \
+        int ks) {                                                                                             \
+        gemv2_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z, ks);                                \
+    }
+COLI_FOR_FORMATS(GEMV2_KERNEL)
+
 // ---- read_ceiling: the bandwidth a kernel gets just READING the bytes a MoE launch reads -------------------
 // For the benchmark only: reads K regions of `nbytes` (at table[k] + off) with the same 16-byte streaming loads,
 // 8 per thread in flight, grid-stride; folds them into one word per thread so nothing is optimised away.

@@ -60,6 +60,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("elementwise", f"dequant_{f}")] = QM + "iP"
         s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
+        s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
@@ -99,6 +100,10 @@ INDEXER_CHUNK_BYTES = 256 << 20
 # mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "v1" the first version (one block per head and
 # row, the projections as tiled GEMMs), kept for scripts/bench_kernels.py's old-vs-new comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
+# Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
+# staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
+GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
+GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
 
 
 @dataclass
@@ -142,6 +147,7 @@ class CudaBackend:
         self._scratch: dict[tuple, MoeScratch] = {}   # fused-decode buffers by (layout, K, version asked)
         self.attn_kernels = ATTN_KERNELS     # "auto" or "v1" (see ATTN_KERNELS)
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
+        self.gemv_kernels = GEMV_KERNELS     # "v2" or "v1" (see GEMV_KERNELS)
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -267,8 +273,16 @@ class CudaBackend:
         """y[z][n] = W[wrow0 + z*wz + n] . x[z]; False when the GEMV kernel does not apply (use _gemm)."""
         if not w.vec_ok:
             return False
-        fn = self._fn("gemv", f"gemv_{w.fmt}")
         smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.group, x, x_z):
+            fn = self._fn("gemv", f"gemv2_{w.fmt}")
+            if self.rt.allow_smem(fn, smem):
+                ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
+                blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+                self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
+                return True
+        fn = self._fn("gemv", f"gemv_{w.fmt}")
         if not self.rt.allow_smem(fn, smem):
             return False
         pairs = -(-N // 2)
@@ -833,6 +847,21 @@ def mma_layout_ok(lay, K: int) -> bool:
             and d.rows == g.cols and d.cols == g.rows
             and u.rows == g.rows and u.cols == g.cols and u.group == g.group
             and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
+
+
+def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
+    """gemv2_<fmt> stages x with 16-byte loads and finds an int4 group by a shift."""
+    return x % 16 == 0 and x_z % 4 == 0 and (fmt != "int4" or group in (32, 64, 128))
+
+
+def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
+    """Column segments per row pair (ks) of gemv2: doubled (up to the block's 8 warps) while the matrix has fewer
+    warp tasks than two per-SM blocks' worth of warps and each segment keeps >= 2 chunks per lane -- the router's
+    256 x 6144 f32 gets 8, q_a's 2048 x 6144 int4 2, o_proj's 6144 rows 1."""
+    ks, pairs = 1, -(-N // 2)
+    while ks < GEMV2_WARPS and pairs * ks < 2 * GEMV2_WARPS * sm_count and nchunks // (2 * ks) >= 64:
+        ks *= 2
+    return ks
 
 
 def _chunk_vals(fmt: str) -> int:
