@@ -176,7 +176,7 @@ def moe_compare(a, path: Path) -> int:
     """Child process: the fused MoE decode at GLM-5's expert shape (int4 g64, K = 8), every version (v1, v2, mma)
     in turn, each checked against numpy and timed (gate/up, down, both); results written to `path` after each
     step, so that a fault or hang in a newer version still leaves the older ones' numbers."""
-    from coli.model.cuda_backend import CudaBackend
+    from coli.gpu.cuda_backend import CudaBackend
 
     gb = CudaBackend()
     rt = gb.rt
@@ -257,8 +257,8 @@ def main() -> int:
     from coli.container.format import RecordLayout
     from coli.model.backend import cos_sin_table
     from coli.gpu import attention_split
-    from coli.model.cuda_backend import CudaBackend, DeviceMask
-    from coli.model.cuda_weights import DeviceRecord, HeadView, QWeight
+    from coli.gpu.cuda_backend import CudaBackend, DeviceMask
+    from coli.gpu.cuda_weights import DeviceRecord, HeadView, QWeight
 
     gb = CudaBackend()
     rt = gb.rt
@@ -369,7 +369,7 @@ def main() -> int:
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
     def qw(rows_, cols_, fmt, group=64):
         b, l = random_matrix_bytes(rows_, cols_, fmt, group, rng)
-        from coli.model.cuda_weights import upload_stored
+        from coli.gpu.cuda_weights import upload_stored
         return upload_stored(rt, b, l, (rows_, cols_), "bench")
 
     def dev_copy(w):
@@ -391,7 +391,7 @@ def main() -> int:
     # the dense decode GEMVs, both versions (gemv_<fmt> v1, gemv2_<fmt> v2: cuda_backend.GEMV_KERNELS); each
     # matrix rotates over copies totalling > 120 MB so that L2 (60 MB) never holds the previous call's weights
     gemv_res = res["gemv"] = {}
-    from coli.model.cuda_backend import gemv2_split
+    from coli.gpu.cuda_backend import gemv2_split
     for name, (r_, c_, fmt) in {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
                                 "q_b_proj": (16384, 2048, "int4"), "o_proj": (H, 16384, "int4"),
                                 "shared gate (int4)": (2048, H, "int4"), "router (f32)": (256, H, "f32")}.items():

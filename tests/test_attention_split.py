@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coli.gpu import attention_split as AS
-from coli.model.cuda_runtime import kernels_dir
+from coli.gpu.cuda_runtime import kernels_dir
 from coli.model.numpy_backend import NumpyBackend
 
 F32 = np.float32

@@ -10,8 +10,8 @@ import re
 import numpy as np
 import pytest
 
-from coli.model.cuda_backend import GEMV2_WARPS, gemv2_fits, gemv2_split
-from coli.model.cuda_runtime import kernels_dir
+from coli.gpu.cuda_backend import GEMV2_WARPS, gemv2_fits, gemv2_split
+from coli.gpu.cuda_runtime import kernels_dir
 
 
 def coverage(N: int, nchunks: int, ks: int, grid: int) -> np.ndarray:

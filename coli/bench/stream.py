@@ -103,7 +103,7 @@ def full_dense_bytes(slice_dense_bytes: int, head_bytes: int, slice_layers: int,
 def scale_capacity(vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: int, workspace_bytes: int,
                    slot_bytes: int, slice_layers: int, top_k: int, moe_layers: int = GLM5_MOE_LAYERS) -> dict:
     """Per-layer VRAM/RAM expert slots the full model would have at this budget, and the slice's share."""
-    from coli.vram.pool import size_pool
+    from coli.gpu.pool import size_pool
     plan = size_pool(int(vram_gb * GB), dense_bytes, kv_bytes, workspace_bytes, slot_bytes, min_slots=0)
     floor = 2 * top_k
     full_vram = int(plan["slots"])
@@ -251,9 +251,9 @@ def run_peer(slice_dir: Path, vram_gb: float, tokens: int, timeout_s: int = 900)
 class _Runner:
     def __init__(self, slice_dir: Path, tokens: int, vram_gb: float, ram_gb: float, tile_kb: int,
                  report: Callable[[str], None]):
-        from coli.model.cuda_runtime import CudaUnavailable
+        from coli.gpu.cuda_runtime import CudaUnavailable
         try:
-            from coli.model.cuda_backend import CudaBackend
+            from coli.gpu.cuda_backend import CudaBackend
             self.b = CudaBackend()
         except CudaUnavailable as e:
             raise ColiError(f"coli bench stream needs a CUDA GPU: {e}") from None
@@ -512,7 +512,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
 
     if "warm" in names:
         def warm():
-            from coli.model.cuda_weights import ResidentExperts
+            from coli.gpu.cuda_weights import ResidentExperts
             res_x = ResidentExperts(r.b.rt, r.reader)
             r.model.experts = res_x
             try:

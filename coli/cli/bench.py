@@ -122,7 +122,7 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
     if not Path(dir).is_dir():
         raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
     try:
-        from coli.model.cuda_runtime import CudaUnavailable, get_runtime
+        from coli.gpu.cuda_runtime import CudaUnavailable, get_runtime
         get_runtime(0)
     except CudaUnavailable as e:
         raise ColiError(f"coli bench stream needs a CUDA GPU: {e}") from None

@@ -36,8 +36,8 @@ from coli.container.reader import decode_expert_record
 from coli.errors import ColiError
 from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
-from coli.model.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
-from coli.vram.pool import SlotPool
+from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
+from coli.gpu.pool import SlotPool
 from coli.weights import ExpertWeights
 
 SLOT_ALIGN = 4096

@@ -35,7 +35,7 @@ def attn_kernels(request, gb):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("masking", ["dense", "topk"])
 def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking, attn_kernels):
-    from coli.model.cuda_weights import HeadView
+    from coli.gpu.cuda_weights import HeadView
     buf, lay, kv_b = stored_matrix(nh * (dn + dv), Lkv, fmt, rng, group=32)
     w = qweight(gb, buf, lay)
     w_kb, w_vb = HeadView(w, 0, dn + dv, dn, nh), HeadView(w, dn, dn + dv, dv, nh)
@@ -49,7 +49,7 @@ def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking, attn_kerne
         allowed &= keep
         mask = allowed
     else:
-        from coli.model.cuda_backend import DeviceMask
+        from coli.gpu.cuda_backend import DeviceMask
         mask = DeviceMask(S, T, start)
     got = gb.to_host(gb.mla_attend(gb.upload(q).reshape(S, nh, dn + dr), gb.upload(lat), gb.upload(kpe),
                                    w_kb, w_vb, mask, (dn + dr) ** -0.5))
@@ -78,7 +78,7 @@ def _ctx64(qa, q, lat, kpe, keys, scale):
 def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk):
     """The split kernels at GLM-5's decode shape (64 heads, Lkv 512, rope 64, 3,000 keys) for every chunk size the
     benchmark sweeps, dense and DSA-selected, against float64 (the first version rides along)."""
-    from coli.model.cuda_backend import DeviceMask
+    from coli.gpu.cuda_backend import DeviceMask
     S, nh, Lkv, dr, T = 1, 64, 512, 64, 3000
     (qa, q, lat, kpe), (dqa, dq, dlat, dkpe) = _attn_inputs(gb, rng, S, nh, Lkv, dr, T)
     sel = np.sort(rng.choice(T, 2048, replace=False)).astype(np.int32)
@@ -101,7 +101,7 @@ def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk):
 def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng):
     """T_dev (CUDA-graph replay): one grid sized for the capacity, the cache length changed in device memory
     between launches; each result equals the attention over the first T keys."""
-    from coli.model.cuda_backend import DeviceMask
+    from coli.gpu.cuda_backend import DeviceMask
     S, nh, Lkv, dr, cap = 1, 64, 512, 64, 4096
     (qa, q, lat, kpe), (dqa, dq, dlat, dkpe) = _attn_inputs(gb, rng, S, nh, Lkv, dr, cap)
     t_dev = gb.rt.to_device(np.zeros(1, np.int32))

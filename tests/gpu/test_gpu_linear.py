@@ -38,7 +38,7 @@ def test_linear(gb, rng, rows, cols, fmt, group, S):
 def test_gemv_versions(gb, rng, rows, cols, fmt, group, version):
     """Both dense GEMV versions at one token: gemv_<fmt> and gemv2_<fmt> (split-K: the router's 256 x 6144 and
     kv_a's 576 x 6144 take 8 and 4 column segments; a ragged int4 row; fewer rows than one block's pairs)."""
-    from coli.model.cuda_backend import gemv2_split
+    from coli.gpu.cuda_backend import gemv2_split
     buf, lay, ref = stored_matrix(rows, cols, fmt, rng, group=group or 64)
     w = qweight(gb, buf, lay)
     x = rand(rng, 1, cols)

@@ -95,7 +95,7 @@ def _vram(d, slots, host_kind="memory", **kw):
     from coli.container.reader import ContainerReader
     from coli.gpu.host_records import ContainerHostTier, MemoryHostTier
     from coli.gpu.vram_experts import VramExperts
-    from coli.model.cuda_backend import CudaBackend
+    from coli.gpu.cuda_backend import CudaBackend
     r = ContainerReader(d)
     cfg = r.config
     b = CudaBackend()

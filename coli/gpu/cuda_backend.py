@@ -27,8 +27,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from coli.gpu import attention_split
-from coli.model.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
-from coli.model.cuda_weights import (
+from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
+from coli.gpu.cuda_weights import (
     FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
 )
 from coli.weights import ExpertWeights

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from coli.container.format import ALIGN, MatrixLayout, RecordLayout, align
-from coli.model.cuda_runtime import CudaError, CudaRuntime
+from coli.gpu.cuda_runtime import CudaError, CudaRuntime
 from coli.weights import ExpertWeights
 
 FMT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
