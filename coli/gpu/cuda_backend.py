@@ -274,7 +274,7 @@ class CudaBackend:
         if not w.vec_ok:
             return False
         smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
-        if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.group, x, x_z):
+        if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
             fn = self._fn("gemv", f"gemv2_{w.fmt}")
             if self.rt.allow_smem(fn, smem):
                 ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
