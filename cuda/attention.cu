@@ -126,13 +126,14 @@ MLA_KERNEL(16)
 #define ATT_HPW 2
 #define ATT_WARPS 8
 #define ATT_HPB (ATT_HPW * ATT_WARPS)
+#define ATT_RPW (ATT_TK / ATT_WARPS)   // rows of a tile each warp stages
 
 __device__ inline int attend_keys(const int *idx, const int *cnt, int start, const int *T_dev, int S, int s) {
     if (idx) return cnt[s];
     return (T_dev ? *T_dev - S : start) + s + 1;
 }
 
-template <int NJ>
+template <int NJ, bool PIPE>
 __device__ void mla_part_body(const float *qa, const float *q, int dq, int pe_off, const float *lat,
                               const float *kpe, const int *idx, const int *cnt, int kmax, int start,
                               const int *T_dev, int S, int nh, int Lkv, int dr, float scale, int chunk,
@@ -167,26 +168,73 @@ __device__ void mla_part_body(const float *qa, const float *q, int dq, int pe_of
         l[i] = 0.f;
     }
     const int l4 = Lkv >> 2, r4 = dr >> 2;
+    const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int t0 = lo; t0 < hi; t0 += ATT_TK) {
         const int nt = min(ATT_TK, hi - t0);
-        __syncthreads();                                      // the previous tile is consumed
-        if (threadIdx.x < ATT_TK) {
-            const int jj = t0 + threadIdx.x;
-            keys[threadIdx.x] = (int)threadIdx.x < nt ? (idx ? idx[(long long)s * kmax + jj] : jj) : -1;
+        if (PIPE) {
+            // Warp w stages keys w + ATT_WARPS k (k < ATT_RPW): every 16-byte load of its rows is issued into
+            // registers first -- before the barrier, while other warps finish the previous tile -- so a tile costs
+            // one memory round trip, not one per loop step; then the next tile's rows are prefetched into L2.
+            constexpr int U4 = (NJ + 3) / 4;                  // float4s of a latent row per lane (Lkv <= 32 NJ)
+            int tk[ATT_RPW];
+            float4 lv[ATT_RPW][U4], pv[ATT_RPW];
+#pragma unroll
+            for (int k = 0; k < ATT_RPW; k++) {
+                const int r = warp + ATT_WARPS * k, jj = t0 + r;
+                tk[k] = r < nt ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
+            }
+#pragma unroll
+            for (int k = 0; k < ATT_RPW; k++) {
+                const float4 *ls = reinterpret_cast<const float4 *>(lat + (long long)max(tk[k], 0) * Lkv);
+                const float4 *ps = reinterpret_cast<const float4 *>(kpe + (long long)max(tk[k], 0) * dr);
+#pragma unroll
+                for (int u = 0; u < U4; u++) {
+                    const int i = lane + 32 * u;
+                    lv[k][u] = tk[k] >= 0 && i < l4 ? __ldg(ls + i) : z4;
+                }
+                pv[k] = tk[k] >= 0 && lane < r4 ? __ldg(ps + lane) : z4;
+            }
+            __syncthreads();                                  // the previous tile is consumed
+#pragma unroll
+            for (int k = 0; k < ATT_RPW; k++) {
+                const int r = warp + ATT_WARPS * k;
+                float4 *ld = reinterpret_cast<float4 *>(lt + r * Lkv);
+#pragma unroll
+                for (int u = 0; u < U4; u++)
+                    if (lane + 32 * u < l4) ld[lane + 32 * u] = lv[k][u];
+                if (lane < r4) reinterpret_cast<float4 *>(pt + r * dr)[lane] = pv[k];
+            }
+            if (lane == 0) {
+#pragma unroll
+                for (int k = 0; k < ATT_RPW; k++) {
+                    const int jj = t0 + ATT_TK + warp + ATT_WARPS * k;
+                    if (jj < hi) {
+                        const int tn = idx ? __ldg(idx + (long long)s * kmax + jj) : jj;
+                        l2_prefetch(reinterpret_cast<const u8 *>(lat + (long long)tn * Lkv), 4 * Lkv);
+                        l2_prefetch(reinterpret_cast<const u8 *>(kpe + (long long)tn * dr), 4 * dr);
+                    }
+                }
+            }
+            __syncthreads();
+        } else {
+            __syncthreads();                                  // the previous tile is consumed
+            if (threadIdx.x < ATT_TK) {
+                const int jj = t0 + threadIdx.x;
+                keys[threadIdx.x] = (int)threadIdx.x < nt ? (idx ? idx[(long long)s * kmax + jj] : jj) : -1;
+            }
+            __syncthreads();
+            // stage the tile: warp w copies keys w, w + ATT_WARPS, ... (16-byte loads; absent keys are zeros)
+            for (int r = warp; r < ATT_TK; r += ATT_WARPS) {
+                const int t = keys[r];
+                const float4 *ls = reinterpret_cast<const float4 *>(lat + (long long)(t < 0 ? 0 : t) * Lkv);
+                const float4 *ps = reinterpret_cast<const float4 *>(kpe + (long long)(t < 0 ? 0 : t) * dr);
+                float4 *ld = reinterpret_cast<float4 *>(lt + r * Lkv);
+                float4 *pd = reinterpret_cast<float4 *>(pt + r * dr);
+                for (int i = lane; i < l4; i += 32) ld[i] = t >= 0 ? ls[i] : z4;
+                for (int i = lane; i < r4; i += 32) pd[i] = t >= 0 ? ps[i] : z4;
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        // stage the tile: warp w copies keys w, w + ATT_WARPS, ... (16-byte loads; absent keys are zeros)
-        for (int r = warp; r < ATT_TK; r += ATT_WARPS) {
-            const int t = keys[r];
-            const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            const float4 *ls = reinterpret_cast<const float4 *>(lat + (long long)(t < 0 ? 0 : t) * Lkv);
-            const float4 *ps = reinterpret_cast<const float4 *>(kpe + (long long)(t < 0 ? 0 : t) * dr);
-            float4 *ld = reinterpret_cast<float4 *>(lt + r * Lkv);
-            float4 *pd = reinterpret_cast<float4 *>(pt + r * dr);
-            for (int i = lane; i < l4; i += 32) ld[i] = t >= 0 ? ls[i] : z4;
-            for (int i = lane; i < r4; i += 32) pd[i] = t >= 0 ? ps[i] : z4;
-        }
-        __syncthreads();
         float sc[ATT_HPW][ATT_TK];                            // scores, then probabilities
 #pragma unroll
         for (int r = 0; r < ATT_TK; r++) {
@@ -261,19 +309,27 @@ __device__ void mla_part_body(const float *qa, const float *q, int dq, int pe_of
     }
 }
 
-#define MLA_PART_KERNEL(NJ)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) mla_attend_part_##NJ(                        \
+#define MLA_PART_KERNEL(NAME, NJ, PIPE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) NAME##_##NJ(                                 \
         const float *qa, const float *q, int dq, int pe_off, const float *lat, const float *kpe,              \
         const int *idx, const int *cnt, int kmax, int start, const int *T_dev, int S, int nh, int Lkv,        \
         int dr, float scale, int chunk, int nchunk, float *pm, float *pl, float *pc) {                        \
-        mla_part_body<NJ>(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, T_dev, S, nh, Lkv, dr, scale,   \
-                          chunk, nchunk, pm, pl, pc);                                                         \
+        mla_part_body<NJ, PIPE>(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, T_dev, S, nh, Lkv, dr,    \
+                                scale, chunk, nchunk, pm, pl, pc);                                            \
     }
-MLA_PART_KERNEL(1)
-MLA_PART_KERNEL(2)
-MLA_PART_KERNEL(4)
-MLA_PART_KERNEL(8)
-MLA_PART_KERNEL(16)
+// mla_attend_part_<NJ>: the staging with every load of a tile in flight at once and the next tile prefetched into L2;
+// mla_attend_part1_<NJ>: the first split version (a loop of load-then-store steps per tile: ~10 dependent memory
+// round trips per tile, ~9 us per tile on the H200), kept for the benchmark's comparison (COLI_ATTN_KERNELS=split1).
+MLA_PART_KERNEL(mla_attend_part, 1, true)
+MLA_PART_KERNEL(mla_attend_part, 2, true)
+MLA_PART_KERNEL(mla_attend_part, 4, true)
+MLA_PART_KERNEL(mla_attend_part, 8, true)
+MLA_PART_KERNEL(mla_attend_part, 16, true)
+MLA_PART_KERNEL(mla_attend_part1, 1, false)
+MLA_PART_KERNEL(mla_attend_part1, 2, false)
+MLA_PART_KERNEL(mla_attend_part1, 4, false)
+MLA_PART_KERNEL(mla_attend_part1, 8, false)
+MLA_PART_KERNEL(mla_attend_part1, 16, false)
 
 extern "C" __global__ void mla_attend_combine(const float *pm, const float *pl, const float *pc, const int *idx,
                                               const int *cnt, int start, const int *T_dev, int S, int nh, int Lkv,

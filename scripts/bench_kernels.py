@@ -449,12 +449,16 @@ def main() -> int:
                 continue
             c = attn[f"T={T} {cname}"] = {}
             nb = kvb.nbytes + 4 * nkeys * (L + dr)
-            for ver in ("v1", "auto"):
+            for ver in ("v1", "split1", "auto"):
                 gb.attn_kernels = ver
                 us = tm.per_call_us(lambda i: gb.mla_attend(q, lats[i % ncache], kpes[i % ncache], *heads[i % NKV],
                                                             mask, 1 / 16), a.iters, spin_us=400)
-                add(f"mla_attend decode T={T} {cname} [{'v1' if ver == 'v1' else 'split'}]", us, nb)
+                add(f"mla_attend decode T={T} {cname} [{'split' if ver == 'auto' else ver}]", us, nb)
                 c[ver] = round(us, 2)
+            gb.attn_kernels = "split1"
+            c["core_split1_us"] = round(tm.per_call_us(lambda i: gb.attend_core(
+                gb.empty((1, nh, L)), q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+            gb.attn_kernels = "auto"
             # the new op's three parts: q_abs (gemv_t), the split context (part + combine), o (gemv over heads)
             q_abs, ctx, o = gb.empty((1, nh, L)), gb.empty((1, nh, L)), gb.empty((1, nh * dv))
             c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
@@ -548,11 +552,11 @@ def main() -> int:
     res["moe_summary"] = summary
     att = res.get("mla_attend", {})
     if att:
-        print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), v1 vs split, same run:")
+        print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
         for k, c in att.items():
-            print(f"  {k}: v1 {c['v1']:.1f} us -> split {c['auto']:.1f} us ({c['v1'] / c['auto']:.1f}x); parts: "
-                  f"q_abs {c['q_abs_us']:.1f}, context {c['core_us']:.1f}, o {c['o_us']:.1f}; context by chunk "
-                  f"{c['core_us_by_chunk']}")
+            print(f"  {k}: v1 {c['v1']:.1f} us -> split1 {c['split1']:.1f} -> split {c['auto']:.1f} us "
+                  f"({c['v1'] / c['auto']:.1f}x); parts: q_abs {c['q_abs_us']:.1f}, context {c['core_us']:.1f} "
+                  f"(split1's {c['core_split1_us']:.1f}), o {c['o_us']:.1f}; context by chunk {c['core_us_by_chunk']}")
     gv = res.get("gemv", {})
     if gv:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")

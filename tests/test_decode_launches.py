@@ -60,6 +60,7 @@ def _weight(gb, rows, cols, fmt, group=64):
 
 @pytest.mark.parametrize("attn,want", [
     ("auto", ["gemv_t_int8", "mla_attend_part_16", "mla_attend_combine", "gemv2_int8"]),
+    ("split1", ["gemv_t_int8", "mla_attend_part1_16", "mla_attend_combine", "gemv2_int8"]),
     ("v1", ["gemm_nn_int8", "mla_attend_16", "gemm_nt_int8"]),
 ])
 @pytest.mark.parametrize("masking", ["dense", "topk"])
@@ -78,7 +79,7 @@ def test_glm5_decode_attention_launches(attn, want, masking):
     assert o.shape == (1, nh * dv)
     names = [x[0] for x in gb.rt.launches]
     assert names == want
-    if attn == "auto":
+    if attn != "v1":
         part = gb.rt.launches[1]
         assert part[1] == (32, 4, 1) and part[2] == 256       # 32 chunks of 64 keys x 4 head groups: one wave
 
@@ -118,3 +119,12 @@ def test_decode_linear_launches(rows, cols, fmt, group, gemv, want):
     out = gb.linear(gb.rt.empty((1, cols)), w)
     assert out.shape == (1, rows)
     assert [x[0] for x in gb.rt.launches] == [want]
+
+
+def test_a_kernel_version_setting_must_name_a_version():
+    from coli.gpu.cuda_backend import ATTN_VERSIONS, GEMV_VERSIONS, kernel_choice
+    assert kernel_choice("COLI_ATTN_KERNELS", "split1", ATTN_VERSIONS) == "split1"
+    with pytest.raises(ValueError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, split1, v1"):
+        kernel_choice("COLI_ATTN_KERNELS", "v2", ATTN_VERSIONS)
+    with pytest.raises(ValueError, match="COLI_GEMV_KERNELS='fast'"):
+        kernel_choice("COLI_GEMV_KERNELS", "fast", GEMV_VERSIONS)

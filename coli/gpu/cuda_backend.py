@@ -54,6 +54,7 @@ def _signatures() -> dict[tuple[str, str], str]:
     for nj in (1, 2, 4, 8, 16):
         s[("attention", f"mla_attend_{nj}")] = "PPiiPPPPiiiiifP"
         s[("attention", f"mla_attend_part_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
+        s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
     s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
@@ -97,13 +98,23 @@ MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts pe
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
 # MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks (cuda/attention.cu
-# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "v1" the first version (one block per head and
-# row, the projections as tiled GEMMs), kept for scripts/bench_kernels.py's old-vs-new comparison and bisecting.
+# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "split1" the same with the first split kernel
+# (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
+# row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
 # staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
+ATTN_VERSIONS = ("auto", "split1", "v1")
+GEMV_VERSIONS = ("v2", "v1")
+
+
+def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
+    """A kernel-version setting's value, or a one-line error naming the setting and what it takes."""
+    if value not in allowed:
+        raise ValueError(f"{setting}={value!r} is not a kernel version: use one of {', '.join(allowed)}")
+    return value
 
 
 @dataclass
@@ -145,9 +156,9 @@ class CudaBackend:
         self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
         self._mma_usable: bool | None = None  # moe_mma.cu compiled here (see _mma_fits)
         self._scratch: dict[tuple, MoeScratch] = {}   # fused-decode buffers by (layout, K, version asked)
-        self.attn_kernels = ATTN_KERNELS     # "auto" or "v1" (see ATTN_KERNELS)
+        self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
-        self.gemv_kernels = GEMV_KERNELS     # "v2" or "v1" (see GEMV_KERNELS)
+        self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -344,7 +355,7 @@ class CudaBackend:
         if n_max is None:
             n_max = mask.kmax if mask.idx is not None else mask.start + S
         chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
-        fn = self._fn("attention", f"mla_attend_part_{nj}")
+        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
         smem = attention_split.smem_bytes(Lkv, dr)
         if not self.rt.allow_smem(fn, smem):
             raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")

@@ -22,9 +22,10 @@ MLA_SHAPES = [  # nh, dn, dr, dv, Lkv, T, S
 ]
 
 
-@pytest.fixture(params=["auto", "v1"])
+@pytest.fixture(params=["auto", "split1", "v1"])
 def attn_kernels(request, gb):
-    """Both attention versions: the split-context decode (default) and the first (one block per head and row)."""
+    """Every attention version: the split-context decode (default), its first kernel, and the first version (one
+    block per head and row)."""
     before = gb.attn_kernels
     gb.attn_kernels = request.param
     yield request.param
@@ -74,10 +75,11 @@ def _ctx64(qa, q, lat, kpe, keys, scale):
     return (p / p.sum(axis=1, keepdims=True)) @ L
 
 
+@pytest.mark.parametrize("split", ["auto", "split1"])
 @pytest.mark.parametrize("chunk", [None, 16, 112, 4096])
-def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk):
+def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk, split):
     """The split kernels at GLM-5's decode shape (64 heads, Lkv 512, rope 64, 3,000 keys) for every chunk size the
-    benchmark sweeps, dense and DSA-selected, against float64 (the first version rides along)."""
+    benchmark sweeps, dense and DSA-selected, against float64 (both split kernels)."""
     from coli.gpu.cuda_backend import DeviceMask
     S, nh, Lkv, dr, T = 1, 64, 512, 64, 3000
     (qa, q, lat, kpe), (dqa, dq, dlat, dkpe) = _attn_inputs(gb, rng, S, nh, Lkv, dr, T)
@@ -85,20 +87,21 @@ def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk):
     topk = DeviceMask(S, T, T - S, gb.rt.to_device(np.ascontiguousarray(sel[None])),
                       gb.rt.to_device(np.array([sel.size], np.int32)), sel.size)
     masks = {"dense": (DeviceMask(S, T, T - S), np.arange(T)), "topk": (topk, sel)}
-    before = gb.attn_chunk
-    gb.attn_chunk = chunk
+    before = gb.attn_chunk, gb.attn_kernels
+    gb.attn_chunk, gb.attn_kernels = chunk, split
     try:
         for name, (mask, keys) in masks.items():
             want = _ctx64(qa[0], q[0], lat, kpe, keys, 0.07)
             got = gb.to_host(gb.attend_core(dqa, dq, 8, dlat, dkpe, mask, 0.07))[0]
             err = rel_err(got, want)
-            report("mla_attend_split", masking=name, chunk=chunk, rel_err=err)
+            report("mla_attend_split", masking=name, chunk=chunk, kernels=split, rel_err=err)
             assert err < 1e-5, (name, err)
     finally:
-        gb.attn_chunk = before
+        gb.attn_chunk, gb.attn_kernels = before
 
 
-def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng):
+@pytest.mark.parametrize("attn_kernels", ["auto", "split1"], indirect=True)
+def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng, attn_kernels):
     """T_dev (CUDA-graph replay): one grid sized for the capacity, the cache length changed in device memory
     between launches; each result equals the attention over the first T keys."""
     from coli.gpu.cuda_backend import DeviceMask
