@@ -122,9 +122,10 @@ def test_decode_linear_launches(rows, cols, fmt, group, gemv, want):
 
 
 def test_a_kernel_version_setting_must_name_a_version():
+    from coli.errors import ColiError
     from coli.gpu.cuda_backend import ATTN_VERSIONS, GEMV_VERSIONS, kernel_choice
     assert kernel_choice("COLI_ATTN_KERNELS", "split1", ATTN_VERSIONS) == "split1"
-    with pytest.raises(ValueError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, split1, v1"):
+    with pytest.raises(ColiError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, split1, v1"):
         kernel_choice("COLI_ATTN_KERNELS", "v2", ATTN_VERSIONS)
-    with pytest.raises(ValueError, match="COLI_GEMV_KERNELS='fast'"):
+    with pytest.raises(ColiError, match="COLI_GEMV_KERNELS='fast'"):
         kernel_choice("COLI_GEMV_KERNELS", "fast", GEMV_VERSIONS)

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from coli.errors import ColiError
 from coli.gpu import attention_split
 from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
 from coli.gpu.cuda_weights import (
@@ -113,7 +114,7 @@ GEMV_VERSIONS = ("v2", "v1")
 def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
     """A kernel-version setting's value, or a one-line error naming the setting and what it takes."""
     if value not in allowed:
-        raise ValueError(f"{setting}={value!r} is not a kernel version: use one of {', '.join(allowed)}")
+        raise ColiError(f"{setting}={value!r} is not a kernel version: use one of {', '.join(allowed)}")
     return value
 
 
