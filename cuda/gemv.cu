@@ -54,8 +54,11 @@ COLI_FOR_FORMATS(GEMV_KERNEL)
 //   grid (Z), block B (B % nchunks == 0, nchunks = W.row_data / 16 <= B), dynamic smem = B * VALS * 4 bytes.
 //   Thread (r, c) = (tid / nchunks, tid % nchunks) reads 16-byte chunk c of rows r, r + R, ... (R = B / nchunks),
 //   GEMV_T_U rows loaded before any is used, and keeps the chunk's VALS column sums; the R partial sums of each
-//   column are added in order of r at the end (deterministic, no atomics).
-#define GEMV_T_U 4
+//   column are added in order of r at the end (deterministic, no atomics). GEMV_T_U = 12: GLM-5's 192 rows per
+//   head are one pass at R = 16 (int8 and int4 at Lkv 512; 128 registers, no spills) -- with 4 (11 us on the H200
+//   for 64 heads of int8) each thread waited for three dependent round trips. The sum order over k is the same for
+//   any GEMV_T_U.
+#define GEMV_T_U 12
 template <int FMT>
 __device__ inline void chunk_vals(const uint4 &w, float *v) {   // the chunk's codes as floats, before scales
     const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
