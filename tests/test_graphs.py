@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from coli.errors import ColiError
-from coli.gpu.graphs import (StepLayout, build_slot_table, graphs_enabled, step_key, why_not_graphable)
+from coli.gpu.graphs import (StepLayout, build_slot_table, graphs_enabled, route_mode, step_key,
+                             why_not_graphable)
 from coli.model.backend import cos_sin_table
 
 DEMO = Path(__file__).resolve().parent.parent / "coli" / "demo" / "model"
@@ -76,19 +77,21 @@ def test_the_step_key_holds_while_the_cache_keeps_its_buffers(demo):
     tok = 1
     for _ in range(6):
         cache.reserve(1)
-        keys.append(step_key(cache, False, "auto"))
+        keys.append(step_key(cache, "router", "auto"))
         tok = demo.greedy([tok], cache)
     assert keys[0] == keys[1] == keys[2] == keys[3]            # capacity 4: positions 0..3
     assert keys[4] != keys[3] and keys[4][0] == 8              # it grew (new buffers): a new graph
     assert keys[5] == keys[4]
-    assert step_key(cache, True, "auto") != step_key(cache, False, "auto")
-    assert step_key(cache, False, "v2") != step_key(cache, False, "auto")
+    assert step_key(cache, "forced", "auto") != step_key(cache, "router", "auto")
+    assert step_key(cache, "dropped", "auto") != step_key(cache, "forced", "auto")
+    assert step_key(cache, "router", "v2") != step_key(cache, "router", "auto")
 
 
 def test_why_a_step_stays_eager(demo):
     assert demo.step_graphs is None                            # the numpy backend replays nothing
     assert "prefill" in why_not_graphable(demo, [1, 2])
-    assert "experts stream" in why_not_graphable(demo, [1])    # WeightExperts: no slot table
+    assert why_not_graphable(demo, [1]) is None               # the model side allows it (the experts are checked
+                                                              # by the decoder, with the routing)
     demo.routing_hook = lambda *a: None
     try:
         assert "routing hook" in why_not_graphable(demo, [1])
@@ -99,6 +102,18 @@ def test_why_a_step_stays_eager(demo):
         assert "top-p" in why_not_graphable(demo, [1])
     finally:
         demo.topp = None
+
+
+def test_route_mode():
+    K, E = 3, 8
+    r = lambda *ids: (np.array([ids]), np.full((1, len(ids)), 0.5, np.float32))   # noqa: E731
+    assert route_mode({0: r(1, 2, 3), 2: r(7, 0, 4)}, K, E) == ("forced", None)
+    assert route_mode({0: r(-1, -1, -1), 2: r(-1, -1, -1)}, K, E) == ("dropped", None)
+    assert "dropped slots" in route_mode({0: r(1, -1, 3)}, K, E)[1]
+    assert "outside 0..7" in route_mode({0: r(1, 8, 3)}, K, E)[1]
+    assert "some layers only" in route_mode({0: r(-1, -1, -1), 2: r(1, 2, 3)}, K, E)[1]
+    assert "keeps the router's choice at layer 2" in route_mode({0: r(1, 2, 3), 2: None}, K, E)[1]
+    assert "shape (1, 2)" in route_mode({0: r(1, 2)}, K, E)[1]
 
 
 # ---- the driver's ctypes prototypes against cuda.h -------------------------------------------------------------

@@ -430,6 +430,10 @@ class CudaBackend:
         for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
         _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch)."""
         st = self.step.check_rows(x.shape[0], "moe_step")
+        if st.mode == "dropped":             # every slot dropped: the eager step's routed sum is zeros too
+            out = self.empty((1, x.shape[1]))
+            self.rt.zero(out.ptr, out.nbytes)
+            return out
         idx_ptr, w_ptr = st.route_ptrs(layer, route)
         slots, lay = st.slots_row(layer), st.rec_layout
         out = self.empty((1, x.shape[1]))

@@ -254,11 +254,14 @@ class CudaRuntime:
 
     def begin_capture(self) -> None:
         """Capture everything queued on the compute stream from now on into a graph (coli/gpu/graphs.py)."""
-        from coli.gpu.driver import get_driver
+        from coli.gpu.driver import DriverError, get_driver
         if self._capture_keep is not None:
             raise CudaError("begin_capture: a capture is already in progress")
         self.synchronize()
-        get_driver().begin_capture(int(self.stream.handle))
+        try:
+            get_driver().begin_capture(int(self.stream.handle))
+        except DriverError as e:
+            raise CudaError(f"cannot capture the decode step into a CUDA graph: {e}") from None
         self._capture_keep = []
 
     def end_capture(self) -> "CudaGraph":

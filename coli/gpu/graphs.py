@@ -119,15 +119,37 @@ def buffer_address(a: Any) -> int:
     return int(a.ptr) if hasattr(a, "ptr") else int(a.ctypes.data)
 
 
-def step_key(cache, forced: bool, kernels: str) -> tuple:
-    """What a captured step bakes in besides the weights: the cache's capacity and buffer addresses, whether the
-    routing comes from the step's inputs, the MoE kernel version. The same key for every token of a cache until
+def step_key(cache, mode: str, kernels: str) -> tuple:
+    """What a captured step bakes in besides the weights: the cache's capacity and buffer addresses, where the
+    routing comes from (mode: "router", "forced" from the step's inputs, "dropped"), the MoE kernel version. The same key for every token of a cache until
     it grows (reallocates)."""
     ptrs = []
     for lc in cache.layers:
         ptrs += [buffer_address(lc.lat), buffer_address(lc.k_pe)]
         ptrs.append(buffer_address(lc.k_idx) if lc.k_idx is not None else 0)
-    return (int(cache.capacity), tuple(ptrs), bool(forced), str(kernels))
+    return (int(cache.capacity), tuple(ptrs), str(mode), str(kernels))
+
+
+def route_mode(routes: dict, K: int, E: int) -> tuple[str, str | None]:
+    """A forced routing's mode: ("forced", None) every slot an expert, ("dropped", None) every slot of every layer
+    dropped (the benchmarks' no-expert decode), or ("", why it cannot be replayed): a mix of dropped and kept
+    slots, a layer that keeps the router's choice, a shape other than [1, K], an expert id out of range."""
+    dropped = 0
+    for i, r in routes.items():
+        if r is None:
+            return "", f"the route override keeps the router's choice at layer {i}"
+        idx = np.asarray(r[0])
+        if idx.shape != (1, K) or np.asarray(r[1]).shape != (1, K):
+            return "", f"a forced routing of shape {idx.shape} at layer {i}"
+        if (idx < 0).all():
+            dropped += 1
+        elif (idx < 0).any() or (idx >= E).any():
+            return "", f"a forced routing with dropped slots or expert ids outside 0..{E - 1} at layer {i}"
+    if routes and dropped == len(routes):
+        return "dropped", None
+    if dropped:
+        return "", "a forced routing that drops every expert of some layers only"
+    return "forced", None
 
 
 def why_not_graphable(model, ids: Sequence[int]) -> str | None:
@@ -142,8 +164,6 @@ def why_not_graphable(model, ids: Sequence[int]) -> str | None:
         return "expert top-p pruning runs on the host"
     if getattr(model.backend, "faults", None) is not None:
         return "fault injection (tests, drills)"
-    if not hasattr(model.experts, "slot_table"):
-        return f"experts stream ({type(model.experts).__name__}: not every expert resident)"
     return None
 
 
@@ -153,7 +173,7 @@ class DeviceStep:
 
     def __init__(self, rt, layout: StepLayout, slots, E: int, rec_layout):
         self.rt, self.layout, self.E, self.rec_layout = rt, layout, E, rec_layout
-        self.slots = slots                                  # DeviceArray [L, E] uint64
+        self.slots = slots                                  # DeviceArray [L, E] uint64, None: none resident
         self.pinned_in = rt.drv.pagelocked_empty(layout.nbytes, np.uint8)
         self.pinned_in[:] = 0
         self.pinned_out = rt.drv.pagelocked_empty(1, np.int32)
@@ -162,7 +182,7 @@ class DeviceStep:
         # set for each capture:
         self.pos = 0              # the capture's host position (write_rows must write there)
         self.capacity = 0
-        self.forced = False
+        self.mode = "router"      # "router" (its top-k), "forced" (routes in the inputs), "dropped" (no experts)
         self.keep: list = []
 
     @property
@@ -196,12 +216,15 @@ class DeviceStep:
         from coli.gpu.cuda_runtime import CudaError
         if route.K != self.layout.K:
             raise CudaError(f"a router of top-{route.K} in a step laid out for top-{self.layout.K}")
-        if not self.forced:
+        if self.mode == "router":
             return route.idx.ptr, route.weights.ptr
         o = self.dyn.ptr + self.layout.route_offset(layer)
         return o, o + 4 * self.layout.K
 
     def slots_row(self, layer: int) -> int:
+        if self.slots is None:
+            from coli.gpu.cuda_runtime import CudaError
+            raise CudaError("a routed expert in a step without a slot table")
         return self.slots.ptr + layer * self.E * 8
 
 
@@ -236,50 +259,41 @@ class GraphDecoder:
         reason = why_not_graphable(m, ids)
         if reason is None and cache.backend is not self.b:
             reason = "the cache lives on another backend"
-        if reason is None:
-            reason = self._bind_experts()
         if reason is not None:
             self.last_reason = reason
             return None
         tok = int(ids[0])
         if not 0 <= tok < c.vocab_size:
             return None                            # the eager step raises the one-line error
-        cache.reserve(1)
-        forced = m.route_override is not None
-        key = step_key(cache, forced, self.b.moe_kernels)
-        if key in self.failed:
-            self.last_reason = self.failed[key]
+        resident = self._bind_experts()            # None: every expert resident (a slot table)
+        routes, mode = None, "router"
+        if m.route_override is not None:
+            routes = {i: m.route_override(i, 1) for i in c.moe_layers}
+            mode, bad = route_mode(routes, c.num_experts_per_tok, c.n_routed_experts)
+            if bad is None and mode == "forced" and resident is not None:
+                bad = resident
+            if bad is not None:
+                return self._eager(ids, cache, routes, bad)
+        elif resident is not None:
+            self.last_reason = resident
             return None
+        cache.reserve(1)
+        key = step_key(cache, mode, self.b.moe_kernels)
+        if key in self.failed:
+            return self._eager(ids, cache, routes, self.failed[key])
         g = self.graphs.get(key)
         if g is None and key not in self.seen:
             self.seen.add(key)
-            self.last_reason = "first step of this shape (eager: compiles and sizes what the capture needs)"
-            return None
+            return self._eager(ids, cache, routes, "first step of this shape (eager: compiles and sizes what the "
+                                                   "capture needs)")
         st = self._step
         pos = cache.length
-        routes = None
-        if forced:
-            routes = {i: m.route_override(i, 1) for i in c.moe_layers}
-            bad = self._unusable_routes(routes)
-            if bad is not None:                    # run it eagerly with the routes already drawn
-                self.last_reason = bad
-                saved, m.route_override = m.route_override, _Replay(routes)
-                try:
-                    return m.greedy_eager(ids, cache)
-                finally:
-                    m.route_override = saved
         cos, sin = cos_sin_table([pos], c.qk_rope_head_dim, c.rope_theta)
-        st.layout.pack(st.pinned_in, tok, pos, cos, sin, routes)
+        st.layout.pack(st.pinned_in, tok, pos, cos, sin, routes if mode == "forced" else None)
         if g is None:
-            g = self._capture(key, tok, cache, forced)
+            g = self._capture(key, tok, cache, mode)
             if g is None:
-                if routes is not None:
-                    saved, m.route_override = m.route_override, _Replay(routes)
-                    try:
-                        return m.greedy_eager(ids, cache)
-                    finally:
-                        m.route_override = saved
-                return None
+                return self._eager(ids, cache, routes, self.failed[key])
         self.graphs.move_to_end(key)
         busy = self.b.busy
         if busy is not None:
@@ -304,52 +318,54 @@ class GraphDecoder:
         self._step = None
 
     # ---- inside ----------------------------------------------------------------------------------------------
+    def _eager(self, ids, cache, routes, reason: str) -> int | None:
+        """Say why, and run the step eagerly: here with the routes already drawn from the override (None: the
+        caller runs it, nothing was drawn)."""
+        self.last_reason = reason
+        if routes is None:
+            return None
+        m = self.model
+        saved, m.route_override = m.route_override, _Replay(routes)
+        try:
+            return m.greedy_eager(ids, cache)
+        finally:
+            m.route_override = saved
+
     def _bind_experts(self) -> str | None:
-        """Build the slot table of model.experts (again when the model's expert source changed)."""
+        """Build the slot table of model.experts (again when the model's expert source changed); None when every
+        routed expert is resident, else why not. The step's device buffers exist either way (a routing that
+        drops every expert needs no table)."""
         ex = self.model.experts
         if self._experts_ref is not None and self._experts_ref() is ex:
             return self._bind_reason
         self.reset()
         self._experts_ref = weakref.ref(ex)      # weak: a graph must not keep a dropped expert source's VRAM
-        self._bind_reason = self._slot_table(ex)
-        return self._bind_reason
-
-    def _slot_table(self, ex) -> str | None:
         c, b = self.model.config, self.b
-        lay = getattr(ex, "layout", None)
-        if c.moe_layers and (lay is None or not b._decode_ok(lay)):
-            return "the experts' record layout has no fused decode kernels"
-        table = ex.slot_table(c.num_hidden_layers)                       # [L, E] uint64
-        missing = [i for i in c.moe_layers if not table[i].all()]
-        if missing:
-            return f"MoE layer(s) {missing[:4]} not resident"
-        slots = b.rt.to_device(table)
+        slots, lay, reason = None, getattr(ex, "layout", None), None
+        if not hasattr(ex, "slot_table"):
+            reason = f"experts stream ({type(ex).__name__}: not every expert resident)"
+        elif c.moe_layers and (lay is None or not b._decode_ok(lay)):
+            reason = "the experts' record layout has no fused decode kernels"
+        else:
+            table = ex.slot_table(c.num_hidden_layers)                   # [L, E] uint64
+            missing = [i for i in c.moe_layers if not table[i].all()]
+            if missing:
+                reason = f"MoE layer(s) {missing[:4]} not resident"
+            else:
+                slots = b.rt.to_device(table)
         layout = StepLayout(c.qk_rope_head_dim // 2, tuple(c.moe_layers), c.num_experts_per_tok)
         self._step = DeviceStep(b.rt, layout, slots, c.n_routed_experts, lay)
-        return None
+        self._bind_reason = reason
+        return reason
 
-    def _unusable_routes(self, routes: dict) -> str | None:
-        c = self.model.config
-        K, E = c.num_experts_per_tok, c.n_routed_experts
-        for i, r in routes.items():
-            if r is None:
-                return f"the route override keeps the router's choice at layer {i}"
-            idx = np.asarray(r[0])
-            if idx.shape != (1, K) or np.asarray(r[1]).shape != (1, K):
-                return f"a forced routing of shape {idx.shape} at layer {i}"
-            if (idx < 0).any() or (idx >= E).any():
-                return f"a forced routing with dropped slots at layer {i}"
-        return None
-
-    def _capture(self, key: tuple, tok: int, cache, forced: bool):
-        from coli.gpu.cuda_runtime import CudaError
+    def _capture(self, key: tuple, tok: int, cache, mode: str):
         b, rt, st = self.b, self.b.rt, self._step
-        st.pos, st.capacity, st.forced, st.keep = cache.length, cache.capacity, forced, []
-        for mod in ("graph", "indexer", "argmax"):       # compiled before: loading a module is no stream work
-            rt.module(mod)
+        st.pos, st.capacity, st.mode, st.keep = cache.length, cache.capacity, mode, []
         pos = cache.length
         busy, b.busy = b.busy, None
         try:
+            for mod in ("graph", "indexer", "argmax"):   # compiled before: loading a module is no stream work
+                rt.module(mod)
             rt.begin_capture()
             b.step = st
             rt.drv.memcpy_htod_async(st.dyn.ptr, st.pinned_in, rt.stream)
@@ -358,12 +374,12 @@ class GraphDecoder:
             rt.drv.memcpy_dtoh_async(st.pinned_out, st.out_d.ptr, rt.stream)
             b.step = None
             g = rt.end_capture()
-        except CudaError as e:
+        except Exception as e:   # noqa: BLE001 -- any failure leaves this shape eager (which raises a real error)
             b.step = None
             rt.abort_capture()
             cache.length = pos
-            self.failed[key] = f"capture failed: {e}"
-            log.warning("decode step not graphable, running it eagerly: %s", e)
+            self.failed[key] = f"capture failed: {type(e).__name__}: {e}"
+            log.warning("decode step not graphable, running it eagerly: %s", self.failed[key])
             return None
         except BaseException:
             b.step = None

@@ -111,10 +111,11 @@ def test_int4_graph_equals_eager_and_numpy(root, oracles, group, dense):
 
 class SeededRoutes:
     """A route override drawing K distinct experts and weights per (call, layer) from a seed: two models given
-    two instances with the same seed see the same routes. `drop` puts a -1 (a dropped slot) on that call."""
+    two instances with the same seed see the same routes. drop="one" puts a -1 (a dropped slot) on the 6th call's
+    first MoE layer; drop="all" drops every slot (the benchmarks' no-expert decode)."""
 
-    def __init__(self, cfg, seed, drop_call=None):
-        self.cfg, self.rng, self.drop_call = cfg, np.random.default_rng(seed), drop_call
+    def __init__(self, cfg, seed, drop=None):
+        self.cfg, self.rng, self.drop = cfg, np.random.default_rng(seed), drop
         self.calls = 0
         self.first = cfg.moe_layers[0]
 
@@ -124,13 +125,15 @@ class SeededRoutes:
             self.calls += 1
         idx = np.stack([self.rng.permutation(c.n_routed_experts)[:c.num_experts_per_tok] for _ in range(n_rows)])
         w = self.rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
-        if self.drop_call is not None and self.calls == self.drop_call and layer == self.first:
+        if self.drop == "one" and self.calls == 6 and layer == self.first:
             idx[:, -1], w[:, -1] = -1, 0.0
+        if self.drop == "all":
+            idx[:], w[:] = -1, 0.0
         return idx.astype(np.int64), w
 
 
-@pytest.mark.parametrize("drop_call", [None, 6])
-def test_forced_routing_from_the_step_inputs(root, oracles, drop_call):
+@pytest.mark.parametrize("drop", [None, "one", "all"])
+def test_forced_routing_from_the_step_inputs(root, oracles, drop):
     from coli.loader import load_model
     src, _ = oracles["graph-default"]
     o = load_oracle(src)
@@ -138,11 +141,13 @@ def test_forced_routing_from_the_step_inputs(root, oracles, drop_call):
     model, cfg = load_model(d, "gpu")
     ref, _ = load_model(d, "gpu")
     eager(ref)
-    model.route_override = SeededRoutes(cfg, 5, drop_call)
-    ref.route_override = SeededRoutes(cfg, 5, drop_call)
+    model.route_override = SeededRoutes(cfg, 5, drop)
+    ref.route_override = SeededRoutes(cfg, 5, drop)
     toks, cache = greedy(model, o["prompt_ids"], 16)
     r_toks, r_cache = greedy(ref, o["prompt_ids"], 16)
-    assert model.step_graphs.replays >= 10, model.step_graphs.last_reason
+    g = model.step_graphs
+    report("graphs_forced", drop=drop, replays=g.replays, last_reason=g.last_reason)
+    assert g.replays >= (9 if drop == "one" else 10), g.last_reason
     assert toks == r_toks
     assert_same_cache(cache, r_cache)
 
