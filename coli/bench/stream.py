@@ -301,11 +301,15 @@ class _Runner:
                 tok = m.greedy([tok], cache)
                 rt.synchronize()
                 times.append(time.perf_counter() - t)
+            g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
+            self.graphs = (None if g is None else
+                           {"replays": g.replays, "captures": g.captures, "eager_reason": g.last_reason})
             return times
         finally:
             m.route_override = saved
 
     _before: Callable[[], None] | None = None
+    graphs: dict | None = None     # the last decode's replay counters (None: every step eager)
 
     def head_time(self, reps: int = 20) -> float:
         b, rt = self.b, self.b.rt
@@ -490,6 +494,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         nomoe = float(np.mean(t))
         _, dense_layer = split_times(nomoe, nomoe, r.L, head_slice)
         res["nomoe_token_ms"] = summarise([x * 1e3 for x in t])
+        res["nomoe_graphs"] = r.graphs
         res["dense_layer_ms"] = dense_layer * 1e3
     except Exception as e:   # noqa: BLE001
         res["notes"].append(f"the no-routed-expert decode failed ({type(e).__name__}: {e}): no MoE/dense split, "
@@ -516,7 +521,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             res_x = ResidentExperts(r.b.rt, r.reader)
             r.model.experts = res_x
             try:
-                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": r.decode()}
+                t = r.decode()
+                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
             finally:
                 r.model.experts = _NoExperts()
                 del res_x
@@ -608,6 +614,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
                            nvme_peak=nvme_peak)
         row["token_s_raw"] = raw["token_s"]
+        if "graphs" in raw:
+            row["graphs"] = raw["graphs"]
         if raw.get("timeline"):
             row["timeline"] = raw["timeline"]
         res["rows"].append(row)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The replayed decode step on the device machine (an H200): `coli bench stream --scenario warm` over the 2-layer
+# GLM-5 slice of scripts/bench_stream.sh, with the decode step replayed from CUDA graphs (COLI_GRAPHS=1, the
+# default) and then eager (COLI_GRAPHS=0), in the same call; JSON + log to $OUT, a short table last.
+# Budget (~2.5 min on the H200): make-slice ~60 s when /tmp has no slice, then ~40 s per warm run.
+set -uo pipefail
+OUT=${OUT:-/tmp/bench_graphs_out}
+SLICE=${SLICE:-/tmp/coli_slice2}
+N=${N:-16}
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+mkdir -p "$OUT"
+LOG="$OUT/bench_graphs.log"
+{
+  echo "== $(date -u +%FT%TZ) replayed vs eager decode step: 2-layer slice, glm52 trace, --vocab 4096, N=$N"
+  if [ ! -f "$SLICE/coli-manifest.json" ]; then
+    t0=$(date +%s)
+    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
+      --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
+    echo "make-slice: $(( $(date +%s) - t0 )) s"
+  fi
+  for g in 1 0; do
+    t0=$(date +%s)
+    COLI_GRAPHS=$g timeout 200 "$PY" -m coli.cli.main bench stream "$SLICE" --scenario warm --tokens "$N" \
+      --vram-gb 16 --ram-gb 64 --json-out "$OUT/warm_graphs$g.json"
+    echo "COLI_GRAPHS=$g: exit $?, $(( $(date +%s) - t0 )) s"
+  done
+  "$PY" - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+print(f"{'COLI_GRAPHS':>11} {'token ms':>9} {'no-expert ms':>12} {'dense layer ms':>14} {'MoE layer ms':>12} {'GLM-5 tok/s':>11}")
+for g in ("1", "0"):
+    p = Path(sys.argv[1]) / f"warm_graphs{g}.json"
+    if not p.exists():
+        print(f"{g:>11} (no result)")
+        continue
+    j = json.loads(p.read_text())
+    row = next((r for r in j.get("rows", []) if r.get("scenario") == "warm"), {})
+    f = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else str(v)   # noqa: E731
+    print(f"{g:>11} {f(row.get('token_ms', {}).get('mean')):>9} {f(j.get('nomoe_token_ms', {}).get('mean')):>12} "
+          f"{f(j.get('dense_layer_ms')):>14} {f(row.get('moe_layer_ms')):>12} {f(row.get('tokens_per_s_glm5')):>11}"
+          f"  warm {row.get('graphs')}  no-expert {j.get('nomoe_graphs')}")
+PYEOF
+} 2>&1 | tee "$LOG"
