@@ -167,3 +167,18 @@ def test_what_cannot_be_a_graph_runs_eagerly_and_says_why(root, oracles):
     toks, _ = greedy(streaming, o["prompt_ids"], 6)
     assert streaming.step_graphs.replays == 0 and "stream" in streaming.step_graphs.last_reason
     assert toks == o["greedy_tokens"][:6]
+
+
+def test_greedy_generation_replays_its_decode_steps(root, oracles):
+    """`coli run`, the executor stage and the gateway decode through Generation: greedy takes the backend's argmax,
+    so its steps are replayed too, with transformers' tokens."""
+    from coli.generate import Generation
+    from coli.loader import load_model
+    src, _ = oracles["graph-topk"]
+    o = load_oracle(src)
+    d = container(root, src, "graph-topk-f32", experts="f32", dense="f32")
+    model, _ = load_model(d, "gpu")
+    n = len(o["greedy_tokens"])
+    toks = list(Generation(model, o["prompt_ids"], n, ignore_eos=True))
+    assert toks == o["greedy_tokens"]
+    assert model.step_graphs.replays >= n - 4, model.step_graphs.last_reason
