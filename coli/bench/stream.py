@@ -551,7 +551,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         for spec in (True, False):
             def spec_ram(spec=spec):
                 host = r.memory_tier()
-                vx = r.vram(host, 3 * r.K)
+                vx = r.vram(host, 3 * r.K, speculate=spec)     # on here whatever COLI_SPEC_COPIES says
                 pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                 name = "spec-ram" if spec else "spec-ram-off"
                 try:
@@ -584,7 +584,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         for spec in (True, False):
             def budget(spec=spec):
                 host = CachedHostTier(r.reader, scal["slice_ram_slots"], direct=True)
-                vx = r.vram(host, scal["slice_vram_slots"])
+                vx = r.vram(host, scal["slice_vram_slots"], speculate=spec)
                 pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                 try:
                     row = r.run_vx("budget" if spec else "budget-nospec", vx, host, source=pilot, nvme=host.direct)
