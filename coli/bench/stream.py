@@ -295,6 +295,8 @@ class _Runner:
             if self._before is not None:
                 self._before()
             times = []
+            if m.step_graphs is not None:        # the device time of each replayed step, beside its wall time
+                m.step_graphs.time_gpu, m.step_graphs.gpu_s = True, []
             for _ in range(self.N):
                 rt.synchronize()
                 t = time.perf_counter()
@@ -303,7 +305,10 @@ class _Runner:
                 times.append(time.perf_counter() - t)
             g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
             self.graphs = (None if g is None else
-                           {"replays": g.replays, "captures": g.captures, "eager_reason": g.last_reason})
+                           {"replays": g.replays, "captures": g.captures, "eager_reason": g.last_reason,
+                            "gpu_ms_mean": float(np.mean(g.gpu_s)) * 1e3 if g.gpu_s else None})
+            if g is not None:
+                g.time_gpu = False
             return times
         finally:
             m.route_override = saved

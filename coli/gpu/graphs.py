@@ -251,6 +251,8 @@ class GraphDecoder:
         self._step: DeviceStep | None = None
         self.replays = self.captures = 0
         self.last_reason: str | None = None
+        self.time_gpu = False                    # benchmarks: time each replay on the device (two events)
+        self.gpu_s: list[float] = []             # device time of each timed replay
 
     # ---- public --------------------------------------------------------------------------------------------
     def greedy(self, ids: Sequence[int], cache) -> int | None:
@@ -295,13 +297,20 @@ class GraphDecoder:
             if g is None:
                 return self._eager(ids, cache, routes, self.failed[key])
         self.graphs.move_to_end(key)
-        busy = self.b.busy
+        busy, rt = self.b.busy, self.b.rt
         if busy is not None:
             busy.mark("start")
-        g.launch(self.b.rt)
+        if self.time_gpu:
+            ev0, ev1 = rt.event(), rt.event()
+            ev0.record(rt.stream)
+        g.launch(rt)
+        if self.time_gpu:
+            ev1.record(rt.stream)
         if busy is not None:
             busy.mark("end")
-        self.b.rt.synchronize()
+        rt.synchronize()
+        if self.time_gpu:
+            self.gpu_s.append(ev1.time_since(ev0) / 1e3)
         cache.length = pos + 1
         self.replays += 1
         self.last_reason = None
