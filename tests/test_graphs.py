@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from coli.errors import ColiError
-from coli.gpu.graphs import (StepLayout, build_slot_table, graphs_enabled, route_mode, step_key,
+from coli.gpu.graphs import (StepLayout, build_slot_table, graphs_enabled, route_mode, segments_enabled, step_key,
                              why_not_graphable)
 from coli.model.backend import cos_sin_table
 
@@ -28,6 +28,13 @@ def test_coli_graphs_setting():
     assert graphs_enabled({"COLI_GRAPHS": "0"}) is False
     with pytest.raises(ColiError, match="COLI_GRAPHS='off'.*use 1.*or 0"):
         graphs_enabled({"COLI_GRAPHS": "off"})
+
+
+def test_coli_graphs_stream_setting():
+    assert segments_enabled({}) is True
+    assert segments_enabled({"COLI_GRAPHS_STREAM": "0"}) is False
+    with pytest.raises(ColiError, match="COLI_GRAPHS_STREAM='2'"):
+        segments_enabled({"COLI_GRAPHS_STREAM": "2"})
 
 
 def test_step_layout_packs_every_field_where_the_kernels_read_it():

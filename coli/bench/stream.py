@@ -305,7 +305,8 @@ class _Runner:
                 times.append(time.perf_counter() - t)
             g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
             self.graphs = (None if g is None else
-                           {"replays": g.replays, "captures": g.captures, "eager_reason": g.last_reason,
+                           {"replays": g.replays, "segment_steps": g.segment_steps, "captures": g.captures,
+                            "eager_reason": g.last_reason,
                             "gpu_ms_mean": float(np.mean(g.gpu_s)) * 1e3 if g.gpu_s else None})
             if g is not None:
                 g.time_gpu = False
@@ -363,7 +364,7 @@ class _Runner:
         vx.finish()
         snap = delta(vx.snapshot(), marks["snap"])
         i = marks["delays"]
-        row = {"scenario": name, "token_s": times, "counters": snap,
+        row = {"scenario": name, "token_s": times, "counters": snap, "graphs": self.graphs,
                "delays_us": vx.delays_us[i:], "delay_nbytes": vx.delay_nbytes[i:],
                "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"]), "vram_slots": vx.n_slots}
         if timeline and vx.timeline:

@@ -44,6 +44,16 @@ log = logging.getLogger("coli.cuda")
 MAX_GRAPHS = 4       # instantiated graphs kept per decoder (a cache that grows or a second cache adds keys)
 
 
+def segments_enabled(env: dict | None = None) -> bool:
+    """COLI_GRAPHS_STREAM: "1" (default) a streaming decode step runs as graph segments (coli/gpu/segments.py),
+    "0" eagerly. Only with COLI_GRAPHS=1."""
+    v = (os.environ if env is None else env).get("COLI_GRAPHS_STREAM", "1").strip()
+    if v not in ("0", "1"):
+        raise ColiError(f"COLI_GRAPHS_STREAM={v!r}: use 1 (streaming steps as CUDA graph segments, the default) or 0")
+    return v == "1"
+
+
+
 def graphs_enabled(env: dict | None = None) -> bool:
     """COLI_GRAPHS: "1" (default) replays the decode step from CUDA graphs, "0" runs every step eagerly."""
     v = (os.environ if env is None else env).get("COLI_GRAPHS", "1").strip()
@@ -177,6 +187,8 @@ class DeviceStep:
         self.pinned_in = rt.drv.pagelocked_empty(layout.nbytes, np.uint8)
         self.pinned_in[:] = 0
         self.pinned_out = rt.drv.pagelocked_empty(1, np.int32)
+        self.route_idx = rt.drv.pagelocked_empty(layout.K, np.int32)      # a segment's top-k (coli/gpu/segments.py)
+        self.route_w = rt.drv.pagelocked_empty(layout.K, np.float32)
         self.dyn = rt.empty((layout.nbytes,), np.uint8)
         self.out_d = rt.empty((1,), np.int32)
         # set for each capture:
@@ -244,6 +256,9 @@ class GraphDecoder:
     def __init__(self, model, backend):
         self.model, self.b = model, backend
         self.graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self.tapes: OrderedDict[tuple, Any] = OrderedDict()     # segmented steps (coli/gpu/segments.py)
+        self.segmented = segments_enabled()      # streaming steps as graph segments (COLI_GRAPHS_STREAM)
+        self.segment_steps = 0                   # streaming steps run from captured segments
         self.seen: set[tuple] = set()            # keys whose eager first step ran
         self.failed: dict[tuple, str] = {}       # keys whose capture failed (stay eager), with the reason
         self._experts_ref = None
@@ -259,8 +274,8 @@ class GraphDecoder:
         """The greedy next token after ids (one position) from a replayed graph; None: run the step eagerly."""
         m, c = self.model, self.model.config
         reason = why_not_graphable(m, ids)
-        if reason is None and cache.backend is not self.b:
-            reason = "the cache lives on another backend"
+        if reason is None and (cache.backend is not self.b or m.backend is not self.b):
+            reason = "the model or its cache lives on another backend"
         if reason is not None:
             self.last_reason = reason
             return None
@@ -272,13 +287,12 @@ class GraphDecoder:
         if m.route_override is not None:
             routes = {i: m.route_override(i, 1) for i in c.moe_layers}
             mode, bad = route_mode(routes, c.num_experts_per_tok, c.n_routed_experts)
-            if bad is None and mode == "forced" and resident is not None:
-                bad = resident
+            if resident is not None and mode != "dropped":     # streaming experts: a graph per segment
+                return self._segmented(ids, cache, routes, resident)
             if bad is not None:
                 return self._eager(ids, cache, routes, bad)
         elif resident is not None:
-            self.last_reason = resident
-            return None
+            return self._segmented(ids, cache, None, resident)
         cache.reserve(1)
         key = step_key(cache, mode, self.b.moe_kernels)
         if key in self.failed:
@@ -321,12 +335,86 @@ class GraphDecoder:
         for g in self.graphs.values():
             g.close()
         self.graphs.clear()
+        for t in self.tapes.values():
+            t.close()
+        self.tapes.clear()
         self.seen.clear()
         self.failed.clear()
         self._experts_ref = None
         self._step = None
 
     # ---- inside ----------------------------------------------------------------------------------------------
+    def _segmented(self, ids, cache, routes, why: str) -> int | None:
+        """A streaming step (experts through the VRAM cache) as one graph per router segment, the MoE eager
+        between them (coli/gpu/segments.py)."""
+        from coli.gpu.segments import CaptureFailed, SegmentProxy, SegmentTape, TapeMismatch
+        m, c, b = self.model, self.model.config, self.b
+        if not self.segmented:
+            return self._eager(ids, cache, routes, why)
+        if m.pilot_hook is not None:
+            return self._eager(ids, cache, routes, "the pilot's lookahead hook runs between the router and the MoE")
+        cache.reserve(1)
+        key = ("segments",) + step_key(cache, "stream", b.moe_kernels)
+        if key in self.failed:
+            return self._eager(ids, cache, routes, self.failed[key])
+        tape = self.tapes.get(key)
+        if tape is None and key not in self.seen:
+            self.seen.add(key)
+            return self._eager(ids, cache, routes, "first step of this shape (eager: compiles and sizes what the "
+                                                   "capture needs)")
+        st, pos, tok = self._step, cache.length, int(ids[0])
+        cos, sin = cos_sin_table([pos], c.qk_rope_head_dim, c.rope_theta)
+        st.layout.pack(st.pinned_in, tok, pos, cos, sin, None)
+        capture = tape is None
+        if capture:
+            for mod in ("graph", "indexer", "argmax"):
+                b.rt.module(mod)
+            tape = SegmentTape()
+            st.pos, st.capacity, st.mode, st.keep = pos, cache.capacity, "router", []
+        proxy = SegmentProxy(b, st, tape, capture)
+        saved = m.route_override
+        if routes is not None:
+            m.route_override = _Replay(routes)
+        m.backend = cache.backend = proxy
+        try:
+            out = m.greedy_eager(ids, cache)
+            proxy.finish()
+        except (CaptureFailed, TapeMismatch) as e:
+            proxy.abort()
+            m.backend = cache.backend = b
+            tape.close()
+            self.tapes.pop(key, None)
+            self.failed[key] = f"segments: {type(e).__name__}: {e}"
+            log.warning("streaming decode step not graphable, running it eagerly: %s", self.failed[key])
+            cache.length = pos
+            return m.greedy_eager(ids, cache)          # again from the start: the same rows are rewritten
+        except Exception as e:
+            was_capturing = b.rt.capturing
+            proxy.abort()
+            m.backend = cache.backend = b
+            if capture:
+                tape.close()
+            if not was_capturing:
+                raise                                   # a real error of the step (its MoE, a kernel): as eager
+            self.failed[key] = f"segments: capture failed: {type(e).__name__}: {e}"
+            log.warning("streaming decode step not graphable, running it eagerly: %s", self.failed[key])
+            cache.length = pos
+            return m.greedy_eager(ids, cache)
+        finally:
+            m.backend = cache.backend = b
+            m.route_override = saved
+        if capture:
+            tape.keep = st.keep                         # scratch buffers the graphs use (none today: MoE is eager)
+            self.tapes[key] = tape
+            self.captures += 1
+            while len(self.tapes) > MAX_GRAPHS:
+                _, old = self.tapes.popitem(last=False)
+                old.close()
+        self.tapes.move_to_end(key)
+        self.segment_steps += 1
+        self.last_reason = None
+        return out
+
     def _eager(self, ids, cache, routes, reason: str) -> int | None:
         """Say why, and run the step eagerly: here with the routes already drawn from the override (None: the
         caller runs it, nothing was drawn)."""

@@ -7,7 +7,9 @@ tiny GLM-5 oracles built by transformers in this run with seeds no other test us
 - int4 containers: graph tokens equal the eager GPU step's and the cache bitwise;
 - a forced routing (the benchmarks' trace replay) comes from the step's inputs: tokens and cache equal the eager
   step with the same routes, and a forced routing with a dropped slot runs eagerly with the routes already drawn;
-- what cannot be a graph runs eagerly and says why (a routing hook, streaming experts).
+- streaming experts (a VRAM cache of 3-6 slots): one graph per router segment, the MoE eager between them --
+  tokens equal transformers' (f32) and the eager streaming step's (int4), caches bitwise equal;
+- what cannot be a graph runs eagerly and says why (a routing hook; streaming with COLI_GRAPHS_STREAM=0).
 """
 
 from __future__ import annotations
@@ -164,9 +166,48 @@ def test_what_cannot_be_a_graph_runs_eagerly_and_says_why(root, oracles):
     assert model.step_graphs.replays == 0 and "routing hook" in model.step_graphs.last_reason
     assert toks == o["greedy_tokens"][:6] and seen
     streaming, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=3))
+    streaming.step_graphs.segmented = False                  # COLI_GRAPHS_STREAM=0
     toks, _ = greedy(streaming, o["prompt_ids"], 6)
-    assert streaming.step_graphs.replays == 0 and "stream" in streaming.step_graphs.last_reason
+    g = streaming.step_graphs
+    assert g.replays == 0 and g.segment_steps == 0 and "stream" in g.last_reason
     assert toks == o["greedy_tokens"][:6]
+
+
+@pytest.mark.parametrize("name,slots", [("graph-default", 3), ("graph-topk", 6)])
+def test_streaming_steps_as_graph_segments(root, oracles, name, slots):
+    """Experts through a VRAM cache of a few slots (constant eviction): each step is one graph per router segment
+    with the MoE eager between them; tokens equal transformers' and the cache the eager streaming step's."""
+    from coli.loader import GpuOptions, load_model
+    src, _ = oracles[name]
+    o = load_oracle(src)
+    d = container(root, src, f"{name}-f32", experts="f32", dense="f32")
+    n = len(o["greedy_tokens"])
+    model, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots))
+    toks, cache = greedy(model, o["prompt_ids"], n)
+    g = model.step_graphs
+    vx = model.experts.snapshot()
+    report("graphs_segments", oracle=name, slots=slots, segment_steps=g.segment_steps, captures=g.captures,
+           tokens_equal=toks == o["greedy_tokens"], last_reason=g.last_reason, misses=vx.get("misses"))
+    assert g.segment_steps >= n - 4, g.last_reason
+    assert toks == o["greedy_tokens"]
+    ref, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots))
+    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], n)
+    assert r_toks == toks
+    assert_same_cache(cache, r_cache)
+
+
+def test_int4_streaming_segments_equal_eager(root, oracles):
+    from coli.loader import GpuOptions, load_model
+    src, _ = oracles["graph-topk"]
+    o = load_oracle(src)
+    d = container(root, src, "topk-int4-g64-int8", experts="int4", dense="int8", group=64)
+    model, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=6))
+    toks, cache = greedy(model, o["prompt_ids"], 24)
+    assert model.step_graphs.segment_steps >= 20, model.step_graphs.last_reason
+    ref, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=6))
+    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], 24)
+    assert toks == r_toks
+    assert_same_cache(cache, r_cache)
 
 
 def test_greedy_generation_replays_its_decode_steps(root, oracles):
