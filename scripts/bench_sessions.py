@@ -13,7 +13,7 @@ import json
 import sys
 
 from coli.chat_template import load_chat_template
-from coli.client import Client
+from coli.serve.client import Client
 from coli.tokenizer import load_tokenizer
 
 QUESTIONS = ["What does os.path.join do?", "Tell me about the json module.", "What is collections.deque?",

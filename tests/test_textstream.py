@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coli.model_store import DEMO_DIR
-from coli.textstream import TextAssembler
+from coli.serve.textstream import TextAssembler
 
 pytestmark = pytest.mark.skipif(not (DEMO_DIR / "tokenizer.json").is_file(), reason="demo model not built")
 

@@ -38,7 +38,7 @@ def chat(
 def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json,
           session=None):
     from coli.chat_template import load_chat_template
-    from coli.client import Client
+    from coli.serve.client import Client
     from coli.tokenizer import load_tokenizer
 
     if prompt is not None and prompt_ids is not None:

@@ -49,7 +49,7 @@ def run(
 @clean_errors
 def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
          record_routing=None, topp=None, gpu=None):
-    from coli.generate import Generation
+    from coli.generate import ContextTooLong, Generation, context_problem
     from coli.loader import load_model
     from coli.tokenizer import StreamDecoder, load_tokenizer
 
@@ -70,6 +70,9 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     bad = [i for i in ids if i >= config.vocab_size]
     if bad:
         raise ColiError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
+    problem = context_problem(len(ids), max_tokens, config.max_position_embeddings)
+    if problem:
+        raise ContextTooLong(problem)
 
     if topp is not None:
         if topp <= 0.0:

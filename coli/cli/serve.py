@@ -1,4 +1,4 @@
-"""`coli serve`: the OpenAI-compatible HTTP gateway in front of a run (see coli/gateway.py and
+"""`coli serve`: the OpenAI-compatible HTTP gateway in front of a run (see coli/serve/gateway.py and
 docs/serving.md). Starlette + uvicorn, on uvloop where it is installed."""
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def serve(
 def _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_run, token_timeout, log_level):
     import uvicorn
 
-    from coli.client import Client, RunNotFound
-    from coli.gateway import Gateway, GatewayConfig, create_app
+    from coli.serve.client import Client, RunNotFound
+    from coli.serve.gateway import Gateway, GatewayConfig, create_app
     from coli.protocol.rundir import RunDir
     from coli.stages.common import configure_logging
 

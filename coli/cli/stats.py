@@ -27,7 +27,7 @@ def _stats(name, once, as_json, hz):
     from rich.console import Console
     from rich.live import Live
 
-    from coli.client import Client
+    from coli.serve.client import Client
     from coli.protocol.messages import Stats
     from coli.protocol.sockets import make_socket, recv
     from coli.stats_view import render

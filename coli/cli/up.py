@@ -157,7 +157,7 @@ def down(name: str = typer.Option("default", "--name", help="Run name."),
 
 @clean_errors
 def _down(name, timeout):
-    from coli.client import Client, RunNotFound
+    from coli.serve.client import Client, RunNotFound
     from coli.protocol.errors import RunDirError
     from coli.protocol.rundir import RunDir
     from coli.stages.supervisor.process import clean_stale
@@ -186,7 +186,7 @@ def status(name: str = typer.Option("default", "--name", help="Run name."),
 
 @clean_errors
 def _status(name, as_json):
-    from coli.client import Client
+    from coli.serve.client import Client
 
     with Client(name) as c:
         st = c.status()

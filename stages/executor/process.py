@@ -14,7 +14,7 @@ import zmq
 from coli.container.format import MANIFEST_NAME
 from coli.container.reader import ContainerReader
 from coli.errors import WeightError
-from coli.generate import Generation
+from coli.generate import ContextTooLong, Generation
 from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
@@ -135,14 +135,15 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         m = GlmMoeDsaModel(cfg, weights, nb, experts=experts)
         attach_hooks(m)
         state["model"] = m
-        if sessions.live:     # their caches lived on the GPU; what was saved to disk stays loadable
+        if sessions.live:     # their caches lived on the GPU; each one's last committed turn stays loadable
             log.warning("sessions_dropped_on_demotion", sessions=list(sessions.live))
-            sessions.live.clear()
+            for name in list(sessions.live):
+                sessions.forget(name)
         counters["demoted"] = 1
 
     manifest = (Path(container_dir) / MANIFEST_NAME).read_bytes()
     sessions = SessionStore(cfg, lambda *a, **k: state["model"].new_cache(*a, **k), Path(sessions_dir or Path(container_dir) / "sessions"),
-                            model_fingerprint(cfg, manifest))
+                            model_fingerprint(cfg, manifest), log=log)
     counters = {"requests": 0, "tokens": 0, "cancelled": 0, "failed": 0, "decode_s": 0.0, "prefill_s": 0.0,
                 "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0,
                 "demoted": 0}
@@ -172,6 +173,16 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 demote(e)
             else:
                 log.error("vram_finish_failed", error=str(e))
+
+    def commit_session(sess, rid: str) -> str | None:
+        """Persist the session after a turn; the reason it could not be, or None."""
+        try:
+            sessions.commit(sess)
+            return None
+        except SessionError as e:
+            counters["failed"] += 1
+            log.error("session_not_saved", request_id=rid, session=sess.name, error=str(e))
+            return str(e)
 
     def serve(peer: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
@@ -208,6 +219,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             try:
                 for i, tok in enumerate(gen):
                     send(sock, Token(rid, int(tok), base + i), peer=peer)
+                    if i == 0 and faults.hit("request_error"):
+                        raise RuntimeError("injected request failure (COLI_INJECT=request_error)")
                     out_tokens.append(int(tok))
                     n = base + i + 1
                     counters["tokens"] += 1
@@ -227,6 +240,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 state["current"] = None
                 if sess is not None:
                     sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
+                    commit_session(sess, rid)
                 return
             except Exception as e:
                 if attempt > 0 or state["vx"] is None or not _gpu_fatal(e):
@@ -249,6 +263,10 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         state["current"] = None
         if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
             sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
+            err = commit_session(sess, rid)    # saved before Done: a turn the client saw finish survives kill -9
+            if err:
+                send(sock, Error(ERROR_INTERNAL, f"the answer was generated but {err}", rid), peer=peer)
+                return
         dt = time.perf_counter() - t0
         counters["prefill_s"] += gen.stats.prefill_s
         counters["decode_s"] += gen.stats.decode_s
@@ -261,6 +279,22 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         log.info("request", request_id=rid, prompt_tokens=len(req.prompt_ids), reused_tokens=reused,
                  session=req.session, tokens=n, finish=reason,
                  total_s=round(dt, 4), decode_tps=round(gen.stats.decode_tps, 2))
+
+    def request_failed(peer: bytes, req: GenerateRequest, e: Exception) -> None:
+        """Any exception serve() did not handle: an Error for this request (typed, naming the cause), the
+        traceback in the log, and the executor goes on with the next request. A session the request was
+        using is dropped from memory (its cache may hold half a step); its last saved turn stays on disk."""
+        state["current"] = None
+        counters["failed"] += 1
+        code = ERROR_BAD_REQUEST if isinstance(e, ContextTooLong) else ERROR_INTERNAL
+        what = str(e) if code == ERROR_BAD_REQUEST else f"the executor failed on this request: {type(e).__name__}: {e}"
+        log.exception("request_failed", request_id=req.request_id, session=req.session, error=f"{type(e).__name__}: {e}")
+        if req.session is not None:
+            sessions.forget(req.session)
+        try:
+            send(sock, Error(code, what[:2000], req.request_id), peer=peer)
+        except zmq.ZMQError as se:
+            log.error("error_not_sent", request_id=req.request_id, error=str(se))
 
     try:
         while not state["stop"]:
@@ -278,6 +312,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     serve(peer, req)
                 except StopRequested:
                     break
+                except Exception as e:      # one request's failure is that request's Error, never the run's
+                    request_failed(peer, req, e)
     finally:
         try:
             saved = sessions.save_all()

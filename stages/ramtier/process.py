@@ -8,7 +8,6 @@ Sockets: binds `ramtier` (ROUTER; peers: supervisor control, executor data plane
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, send
 from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
+from coli.stages.tmpfiles import sweep_dead_temps, write_private
 
 STAGE = "ramtier"
 USAGE_FILE = "coli-usage.json"  # in the container directory: per-expert demand counts across runs
@@ -32,6 +32,7 @@ USAGE_FILE = "coli-usage.json"  # in the container directory: per-expert demand 
 
 def load_usage(container_dir: Path, n_keys: int) -> np.ndarray:
     p = container_dir / USAGE_FILE
+    sweep_dead_temps(container_dir, r"coli-usage\.tmp(\d+)")     # left by a RAM tier killed mid-save
     try:
         d = json.loads(p.read_text())
         arr = np.asarray(d["counts"], dtype=np.int64)
@@ -45,9 +46,8 @@ def load_usage(container_dir: Path, n_keys: int) -> np.ndarray:
 def save_usage(container_dir: Path, counts: np.ndarray) -> None:
     """Atomic write; a read-only container directory just means pins are not learned (logged by caller)."""
     p = container_dir / USAGE_FILE
-    tmp = p.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": 1, "counts": counts.tolist()}))
-    os.replace(tmp, p)
+    text = json.dumps({"version": 1, "counts": counts.tolist()})
+    write_private(p, lambda tmp: tmp.write_text(text), prefix="coli-usage.tmp")   # temp removed on failure
 
 
 def pin_set(counts: np.ndarray, n_pins: int) -> list[int]:

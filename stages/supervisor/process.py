@@ -29,6 +29,7 @@ from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
 from coli.stages.ramtier.core import ResidencyTable
+from coli.stages.supervisor.admission import Limits, refusal
 from coli.stages.supervisor.core import Pending, RequestBook
 
 STAGES = ("reader", "ramtier", "executor")
@@ -168,6 +169,7 @@ class Supervisor:
                            "eos_token_ids": list(cfg.eos_token_ids), "vocab_size": cfg.vocab_size,
                            "max_position_embeddings": cfg.max_position_embeddings,
                            "version": __version__}
+        self.limits = Limits.from_model_info(self.model_info)
         self.say(f"run {o.name!r}: model {self.model_info['model']} ({cfg.num_hidden_layers} layers, "
                  f"{len(cfg.moe_layers)}x{cfg.n_routed_experts} experts), RAM tier {n_slots} slots x "
                  f"{slot_bytes / 2**20:.2f} MiB ({100 * n_slots / n_total:.0f}% of the experts), device {device}")
@@ -401,6 +403,12 @@ class Supervisor:
             if msg.request_id in self.book.by_id:
                 self._to_client(peer, Error(ERROR_BAD_REQUEST, f"request id {msg.request_id!r} is in use",
                                             msg.request_id))
+                return
+            why = refusal(msg, self.limits)
+            if why:     # refused at the edge: the executor never sizes anything from it
+                self.counters["refused"] = self.counters.get("refused", 0) + 1
+                self.log.info("request_refused", request_id=msg.request_id, reason=why)
+                self._to_client(peer, Error(ERROR_BAD_REQUEST, why, msg.request_id))
                 return
             self.clients.add(peer)
             self.counters["requests"] += 1

@@ -57,7 +57,7 @@ def gateway(gw_run):
 
 @pytest.fixture(scope="session")
 def run_info(gw_run) -> dict:
-    from coli.client import Client
+    from coli.serve.client import Client
 
     with Client(gw_run.name, base=gw_run.env["COLI_RUN_DIR"]) as c:
         return dict(c.info)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coli.client import Client
+from coli.serve.client import Client
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does os.path.join do?"}]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from coli.client import Client
+from coli.serve.client import Client
 
 
 def long_stream(run, o, max_tokens=3000):

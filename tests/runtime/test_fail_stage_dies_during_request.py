@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from coli.client import StageDeadError
+from coli.serve.client import StageDeadError
 from failures import drain_until_error, long_stream
 from harness import assert_run_gone
 from oracles import load_oracle

@@ -3,7 +3,7 @@ cache is saved on `coli down` and a resumed session generates what an uninterrup
 
 import pytest
 
-from coli.client import Client, RequestError
+from coli.serve.client import Client, RequestError
 from harness import Run, assert_run_gone
 from oracles import load_oracle
 

@@ -1,7 +1,7 @@
 """The asyncio client of a run, for the HTTP gateway: one ZeroMQ DEALER connection (one client identity at
 the supervisor) that carries many requests at once, demultiplexed by request id.
 
-It speaks the same protocol as the blocking `coli.client.Client` (HELLO -> READY, GenerateRequest,
+It speaks the same protocol as the blocking `coli.serve.client.Client` (HELLO -> READY, GenerateRequest,
 Token... Done, Cancel, StatusRequest) through `zmq.asyncio`, so it runs on the gateway's event loop
 (uvloop where available) without a thread per request. A reader task drains the socket continuously
 (the supervisor drops a client whose queue fills up), and a watch task notices a run whose supervisor
@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from coli.client import RequestError, RunNotFound, StageDeadError
+from coli.serve.client import RequestError, RunNotFound, StageDeadError
 from coli.errors import ColiError
 from coli.protocol.codec import decode, encode
 from coli.protocol.errors import ProtocolError, RunDirError

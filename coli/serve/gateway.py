@@ -6,7 +6,7 @@
     POST /v1/chat/completions    messages -> the model's chat template -> tokens (SSE with "stream": true)
     POST /v1/completions         a prompt string or token ids
 
-The gateway is a client of the run (see `coli.aclient.AsyncClient`): prompts are rendered and tokenised
+The gateway is a client of the run (see `coli.serve.aclient.AsyncClient`): prompts are rendered and tokenised
 here with the same modules `coli chat` uses (`coli.chat_template`, `coli.tokenizer`, from the run's
 container directory), token ids go to the supervisor, which queues requests round-robin across its
 client connections and runs them one at a time on the executor. The gateway opens one connection per
@@ -39,14 +39,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coli import __version__
-from coli.aclient import AsyncClient, RequestStream, RunGone
-from coli.client import RequestError, RunNotFound, StageDeadError
+from coli.serve.aclient import AsyncClient, RequestStream, RunGone
+from coli.serve.client import RequestError, RunNotFound, StageDeadError
 from coli.errors import ColiError
-from coli.metrics import CONTENT_TYPE, Counter, Histogram, stage_stats_lines
-from coli.openai_api import (ApiError, Params, chat_chunk, chat_response, completion_chunk, completion_response,
-                             parse_chat, parse_completion, usage_chunk)
+from coli.serve.metrics import CONTENT_TYPE, Counter, Histogram, stage_stats_lines
+from coli.serve.openai_api import (ApiError, Params, chat_chunk, chat_response, completion_chunk,
+                                   completion_response, parse_chat, parse_completion, usage_chunk)
 from coli.protocol.messages import Done
-from coli.textstream import TextAssembler
+from coli.serve.textstream import TextAssembler
 
 _FALLBACK_MAX_TOKENS = 512  # only for a run that does not report its context length
 

@@ -1,0 +1,1 @@
+"""The serving side: the HTTP gateway, its API adapters, the run clients and the gateway metrics."""
