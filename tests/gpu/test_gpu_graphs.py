@@ -60,6 +60,14 @@ def eager(model):
     return model
 
 
+def close_streaming(model):
+    """Give a streaming model's host registrations back (a VramExperts dropped without close() keeps its pinned
+    ranges registered, and a later host tier mapped at the same address then fails to register)."""
+    vx = model.experts
+    vx.close()
+    vx.host.close()
+
+
 def assert_same_cache(a, b):
     ha, hb = a.host_arrays(), b.host_arrays()
     assert ha.keys() == hb.keys()
@@ -167,7 +175,10 @@ def test_what_cannot_be_a_graph_runs_eagerly_and_says_why(root, oracles):
     assert toks == o["greedy_tokens"][:6] and seen
     streaming, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=3))
     streaming.step_graphs.segmented = False                  # COLI_GRAPHS_STREAM=0
-    toks, _ = greedy(streaming, o["prompt_ids"], 6)
+    try:
+        toks, _ = greedy(streaming, o["prompt_ids"], 6)
+    finally:
+        close_streaming(streaming)
     g = streaming.step_graphs
     assert g.replays == 0 and g.segment_steps == 0 and "stream" in g.last_reason
     assert toks == o["greedy_tokens"][:6]
@@ -183,15 +194,21 @@ def test_streaming_steps_as_graph_segments(root, oracles, name, slots):
     d = container(root, src, f"{name}-f32", experts="f32", dense="f32")
     n = len(o["greedy_tokens"])
     model, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots))
-    toks, cache = greedy(model, o["prompt_ids"], n)
+    try:
+        toks, cache = greedy(model, o["prompt_ids"], n)
+        vx = model.experts.snapshot()
+    finally:
+        close_streaming(model)
     g = model.step_graphs
-    vx = model.experts.snapshot()
     report("graphs_segments", oracle=name, slots=slots, segment_steps=g.segment_steps, captures=g.captures,
            tokens_equal=toks == o["greedy_tokens"], last_reason=g.last_reason, misses=vx.get("misses"))
     assert g.segment_steps >= n - 4, g.last_reason
     assert toks == o["greedy_tokens"]
     ref, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots))
-    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], n)
+    try:
+        r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], n)
+    finally:
+        close_streaming(ref)
     assert r_toks == toks
     assert_same_cache(cache, r_cache)
 
@@ -202,10 +219,16 @@ def test_int4_streaming_segments_equal_eager(root, oracles):
     o = load_oracle(src)
     d = container(root, src, "topk-int4-g64-int8", experts="int4", dense="int8", group=64)
     model, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=6))
-    toks, cache = greedy(model, o["prompt_ids"], 24)
+    try:
+        toks, cache = greedy(model, o["prompt_ids"], 24)
+    finally:
+        close_streaming(model)
     assert model.step_graphs.segment_steps >= 20, model.step_graphs.last_reason
     ref, _ = load_model(d, "gpu", gpu=GpuOptions(vram_slots=6))
-    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], 24)
+    try:
+        r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], 24)
+    finally:
+        close_streaming(ref)
     assert toks == r_toks
     assert_same_cache(cache, r_cache)
 
