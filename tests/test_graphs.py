@@ -213,3 +213,14 @@ def test_driver_ctypes_prototypes_match_cuda_h(tmp_path):
         want = [_c_kind(p) for p in params]
         got = [_ctypes_kind(t) for t in args]
         assert got == want, f"{name}: ctypes {got}, cuda.h {want} ({m.group(1)})"
+
+
+def test_the_decoder_remembers_a_bounded_number_of_shapes():
+    from coli.gpu.graphs import _Bounded
+    b = _Bounded()
+    for i in range(_Bounded.KEEP_KEYS + 10):
+        b[("key", i)] = True
+    assert len(b) == _Bounded.KEEP_KEYS and ("key", 9) not in b and ("key", 10) in b
+    b[("key", 10)] = True                                   # touched: now the newest
+    b[("key", 999)] = True
+    assert ("key", 10) in b and ("key", 11) not in b

@@ -240,6 +240,18 @@ class DeviceStep:
         return self.slots.ptr + layer * self.E * 8
 
 
+class _Bounded(OrderedDict):
+    """A dict of the most recent KEEP_KEYS keys: a server makes a cache (a key) per request, forever."""
+
+    KEEP_KEYS = 64
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.KEEP_KEYS:
+            self.popitem(last=False)
+
+
 class _Replay:
     """A route override that gives back routes already taken from the model's override (an eager fallback)."""
 
@@ -259,8 +271,8 @@ class GraphDecoder:
         self.tapes: OrderedDict[tuple, Any] = OrderedDict()     # segmented steps (coli/gpu/segments.py)
         self.segmented = segments_enabled()      # streaming steps as graph segments (COLI_GRAPHS_STREAM)
         self.segment_steps = 0                   # streaming steps run from captured segments
-        self.seen: set[tuple] = set()            # keys whose eager first step ran
-        self.failed: dict[tuple, str] = {}       # keys whose capture failed (stay eager), with the reason
+        self.seen = _Bounded()                   # keys whose eager first step ran
+        self.failed = _Bounded()                 # keys whose capture failed (stay eager) -> the reason
         self._experts_ref = None
         self._bind_reason: str | None = None
         self._step: DeviceStep | None = None
@@ -299,7 +311,7 @@ class GraphDecoder:
             return self._eager(ids, cache, routes, self.failed[key])
         g = self.graphs.get(key)
         if g is None and key not in self.seen:
-            self.seen.add(key)
+            self.seen[key] = True
             return self._eager(ids, cache, routes, "first step of this shape (eager: compiles and sizes what the "
                                                    "capture needs)")
         st = self._step
@@ -359,7 +371,7 @@ class GraphDecoder:
             return self._eager(ids, cache, routes, self.failed[key])
         tape = self.tapes.get(key)
         if tape is None and key not in self.seen:
-            self.seen.add(key)
+            self.seen[key] = True
             return self._eager(ids, cache, routes, "first step of this shape (eager: compiles and sizes what the "
                                                    "capture needs)")
         st, pos, tok = self._step, cache.length, int(ids[0])
