@@ -39,7 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coli import __version__
-from coli.serve.aclient import AsyncClient, RequestStream, RunGone
+from coli.serve.body import read_json
+from coli.serve.aclient import AsyncClient, ClientTooSlow, RequestStream, RunGone
 from coli.serve.client import RequestError, RunNotFound, StageDeadError
 from coli.errors import ColiError
 from coli.serve.metrics import CONTENT_TYPE, Counter, Histogram, stage_stats_lines
@@ -47,6 +48,7 @@ from coli.serve.openai_api import (ApiError, Params, chat_chunk, chat_response, 
                                    completion_response, parse_chat, parse_completion, usage_chunk)
 from coli.protocol.messages import Done
 from coli.serve.textstream import TextAssembler
+from coli.serve.tokenize_pool import TokenizePool, TokenizerWorkerDied
 
 _FALLBACK_MAX_TOKENS = 512  # only for a run that does not report its context length
 
@@ -58,7 +60,9 @@ class GatewayConfig:
     api_key: str | None = None
     model_id: str | None = None          # default: the run's model directory name ("demo" for the demo)
     default_max_tokens: int | None = None  # a request without max_tokens: None = up to the context limit
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 4 << 20        # `coli serve --max-request-mb`
+    max_stream_backlog: int = 4096       # tokens a streaming client may leave unread before it is stopped
+    tokenize_workers: int = 1            # processes that encode big prompts off the event loop
     token_timeout: float = 600.0         # seconds without a token (queue wait included) before a 504
     max_lanes: int = 64                  # end-user connections kept open at once
     connect_timeout: float = 10.0
@@ -80,6 +84,11 @@ def _run_error(e: BaseException) -> ApiError:
     """A failure reported by the run (or its absence) as the HTTP error a client gets."""
     if isinstance(e, (RunNotFound, RunGone)):
         return ApiError(503, str(e), "service_unavailable", code="run_unavailable")
+    if isinstance(e, ClientTooSlow):
+        return ApiError(429, f"{e}: read the stream as it comes, or raise `coli serve --max-stream-backlog` "
+                             f"(now {e.backlog})", "client_too_slow", code="stream_backlog_full")
+    if isinstance(e, TokenizerWorkerDied):
+        return ApiError(503, str(e), "service_unavailable", code="tokenizer_died")
     if isinstance(e, StageDeadError):
         return ApiError(503, str(e), "service_unavailable", code="stage_dead")
     if isinstance(e, RequestError):
@@ -102,31 +111,6 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise ApiError(413, f"request body is {cl} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-
-    def no_constants(c: str):
-        raise ValueError(f"{c} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
-
-
 class Gateway:
     def __init__(self, cfg: GatewayConfig, log: Any = None):
         self.cfg = cfg
@@ -137,6 +121,7 @@ class Gateway:
         self.info: dict = {}
         self.container: str | None = None
         self.tok = None
+        self.tokenize: TokenizePool | None = None
         self.template = None
         self.t_start = time.time()
         self.on_run_gone: Callable[[], None] | None = None
@@ -169,6 +154,8 @@ class Gateway:
         for c in list(self.lanes.values()):
             await c.close()
         self.lanes.clear()
+        if self.tokenize is not None:
+            self.tokenize.close()
         if self.ctx is not None:
             self.ctx.term()
 
@@ -195,6 +182,9 @@ class Gateway:
         if container != self.container:
             self.container = container
             self.tok = load_tokenizer(container) if container else None
+            if self.tokenize is not None:
+                self.tokenize.close()
+            self.tokenize = TokenizePool(self.tok, self.cfg.tokenize_workers) if self.tok is not None else None
             self.template = load_chat_template(container) if container else None
 
     async def lane(self, key: str) -> AsyncClient:
@@ -233,10 +223,11 @@ class Gateway:
         key = self.cfg.api_key
         if not key:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        x_key = request.headers.get("x-api-key")  # how Anthropic clients send it
+        if not ((scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()))
+                or (x_key is not None and hmac.compare_digest(x_key.strip().encode(), key.encode()))):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            "invalid_request_error", code="invalid_api_key")
 
     def _check_model(self, model: str | None) -> None:
@@ -272,10 +263,15 @@ class Gateway:
             stream.cancel()
         raise ClientGone()
 
-    async def _encode(self, text: str) -> list[int]:
-        if len(text) > 20000:  # a big prompt: tokenise off the event loop
-            return await asyncio.to_thread(self.tok.encode, text)
-        return self.tok.encode(text)
+    async def _encode(self, text: str, param: str) -> list[int]:
+        """Tokenise (big prompts in a worker process, off the event loop); a prompt longer than the
+        context is refused here without shipping its ids back."""
+        ctx = int(self.info.get("max_position_embeddings") or 0) or None
+        ids = await self.tokenize.encode(text, ctx)
+        if isinstance(ids, int):
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, your prompt is "
+                                f"{ids} tokens. Please shorten it.", param=param, code="context_length_exceeded")
+        return ids
 
     def _max_tokens(self, n_prompt: int, p: Params, param: str) -> int:
         if n_prompt == 0:
@@ -290,8 +286,8 @@ class Gateway:
         if p.max_tokens is not None and p.max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
                                 f"{n_prompt + p.max_tokens} tokens ({n_prompt} in the prompt, {p.max_tokens} for the "
-                                f"completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")
+                                f"completion). Please reduce the prompt or {p.max_tokens_param}.",
+                           param=p.max_tokens_param, code="context_length_exceeded")
         return p.max_tokens or min(room, self.cfg.default_max_tokens or room)
 
     # ---- endpoints ------------------------------------------------------------------------------------
@@ -393,7 +389,7 @@ class Gateway:
                     text = self.template.render(messages, add_generation_prompt=True)
                 except ColiError as e:
                     raise ApiError(400, str(e), param="messages", code="template_error") from None
-                prompt_ids, echo_text = await self._encode(text), ""
+                prompt_ids, echo_text = await self._encode(text, "messages"), ""
             else:
                 prompt, echo, p = parse_completion(body)
                 self._check_model(p.model)
@@ -401,7 +397,7 @@ class Gateway:
                     if self.tok is None:
                         raise ApiError(400, f"model {self.model_id!r} has no tokenizer.json: send the prompt as "
                                             f"token ids", param="prompt", code="no_tokenizer")
-                    prompt_ids = await self._encode(prompt)
+                    prompt_ids = await self._encode(prompt, "prompt")
                     echo_text = prompt if echo else ""
                 else:
                     prompt_ids = list(prompt)
@@ -415,7 +411,8 @@ class Gateway:
             lane = await self.lane(p.user or (request.client.host if request.client else "?"))
             stream = await lane.submit(prompt_ids, max_tokens, greedy=p.greedy, temperature=p.temperature,
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
-                                       session=p.session, new_session=p.new_session, request_id=rid)
+                                       session=p.session, new_session=p.new_session, request_id=rid,
+                                       max_backlog=self.cfg.max_stream_backlog if p.stream else None)
         except ApiError as e:
             return self._fail(endpoint, e, t0, fields)
         except (ColiError, OSError) as e:

@@ -23,6 +23,7 @@ MAX_STOP_CHARS = 256
 SESSION_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _U64 = 1 << 64
+MAX_TOP_K = (1 << 31) - 1  # far above any vocabulary; a bigger number is a client bug, not a filter
 
 
 class ApiError(Exception):
@@ -48,7 +49,7 @@ def get_int(body: dict, name: str, default: int | None, lo: int | None = None, h
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, float) and v.is_integer():
+    if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53:  # 3.0 is 3; 1e308 is no count of anything
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(name, f"'{name}' must be an integer, got {_typename(v)}", "invalid_type")
@@ -65,10 +66,14 @@ def get_float(body: dict, name: str, default: float, lo: float, hi: float) -> fl
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(name, f"'{name}' must be a number, got {_typename(v)}", "invalid_type")
-    v = float(v)
-    if not math.isfinite(v) or not lo <= v <= hi:
-        raise _bad(name, f"'{name}' must be between {lo:g} and {hi:g}, got {v:g}")
-    return v
+    try:
+        f = float(v)
+    except OverflowError:  # an integer literal beyond any float (1e400 written out in digits)
+        f = math.inf
+    if not math.isfinite(f) or not lo <= f <= hi:
+        shown = f"{f:g}" if math.isfinite(f) else "a number beyond any float"
+        raise _bad(name, f"'{name}' must be between {lo:g} and {hi:g}, got {shown}")
+    return f
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
@@ -110,6 +115,7 @@ class Params:
     new_session: bool
     ignore_eos: bool
     return_token_ids: bool
+    max_tokens_param: str = "max_tokens"  # the name the client used (chat also takes max_completion_tokens)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -139,14 +145,14 @@ def parse_params(body: Any, max_tokens_names: tuple[str, ...] = ("max_tokens",))
     n = get_int(body, "n", 1)
     if n != 1:
         raise _bad("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
-    max_tokens = None
+    max_tokens, max_tokens_param = None, max_tokens_names[0]
     for name in max_tokens_names:
         v = get_int(body, name, None, lo=1)
         if v is not None:
-            max_tokens = v
+            max_tokens, max_tokens_param = v, name
     temperature = get_float(body, "temperature", 1.0, 0.0, 2.0)
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
-    top_k = get_int(body, "top_k", 0, lo=-1)
+    top_k = get_int(body, "top_k", 0, lo=-1, hi=MAX_TOP_K)
     top_k = 0 if top_k == -1 else top_k  # -1 means "off", as vLLM spells it
     seed = get_int(body, "seed", None, lo=0, hi=_U64 - 1)
     stop_raw = body.get("stop")
@@ -179,7 +185,7 @@ def parse_params(body: Any, max_tokens_names: tuple[str, ...] = ("max_tokens",))
                   temperature=temperature, top_p=top_p if top_p > 0 else 1.0, top_k=top_k, seed=seed, stop=stop,
                   stream=stream, include_usage=include_usage, user=get_str(body, "user", None),
                   session=session, new_session=new_session, ignore_eos=get_bool(body, "ignore_eos", False),
-                  return_token_ids=get_bool(body, "return_token_ids", False))
+                  return_token_ids=get_bool(body, "return_token_ids", False), max_tokens_param=max_tokens_param)
 
 
 def _content_text(content: Any, i: int) -> str:
