@@ -126,7 +126,6 @@ def _unsupported(body: dict) -> None:
                      ("logit_bias", lambda v: not v),
                      ("logprobs", lambda v: v in (None, False, 0)),
                      ("top_logprobs", lambda v: v in (None, 0)),
-                     ("tools", lambda v: not v),
                      ("functions", lambda v: not v),
                      ("best_of", lambda v: v in (None, 1)),
                      ("suffix", lambda v: v in (None, ""))):
@@ -205,7 +204,55 @@ def _content_text(content: Any, i: int) -> str:
                "invalid_type")
 
 
+_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+def template_kwargs(raw: Any, where: str = "chat_template_kwargs") -> dict:
+    """Extra variables for the chat template (e.g. GLM's `enable_thinking`), as vLLM and SGLang take them."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _bad(where, f"'{where}' must be an object", "invalid_type")
+    for k in raw:
+        if k in _RESERVED_KWARGS or not k.isidentifier():
+            raise _bad(f"{where}.{k}", f"'{k}' cannot be set through {where}")
+    return dict(raw)
+
+
+def _assistant_extras(m: dict, i: int, out: dict) -> None:
+    from coli.serve.tools import arguments_object
+
+    rc = m.get("reasoning_content")
+    if rc is not None:
+        if not isinstance(rc, str):
+            raise _bad(f"messages[{i}].reasoning_content", "'reasoning_content' must be a string", "invalid_type")
+        out["reasoning_content"] = rc
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise _bad(f"messages[{i}].tool_calls", "'tool_calls' must be an array", "invalid_type")
+    norm = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise _bad(where, "each tool call must be {'id', 'type': 'function', 'function': {name, arguments}}",
+                       "invalid_type")
+        name = c["function"].get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{where}.function.name", "a tool call needs a function name", "invalid_type")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise _bad(f"{where}.id", "'id' must be a string", "invalid_type")
+        norm.append({"id": cid, "type": "function",
+                     "function": {"name": name, "arguments": arguments_object(c["function"].get("arguments"),
+                                                                              f"{where}.function.arguments")}})
+    if norm:
+        out["tool_calls"] = norm
+
+
 def parse_chat(body: Any) -> tuple[list[dict], Params]:
+    """-> (messages for the template, params); `parse_chat_tools` reads the tools of the same body."""
     p = parse_params(body, ("max_tokens", "max_completion_tokens"))
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -218,7 +265,15 @@ def parse_chat(body: Any) -> tuple[list[dict], Params]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append({"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)})
+        msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+        if role == "assistant":
+            _assistant_extras(m, i, msg)
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if tid is not None and not isinstance(tid, str):
+                raise _bad(f"messages[{i}].tool_call_id", "'tool_call_id' must be a string", "invalid_type")
+            msg["tool_call_id"] = tid
+        out.append(msg)
     return out, p
 
 
