@@ -5,6 +5,8 @@
     GET  /v1/models              the one model this run serves
     POST /v1/chat/completions    messages -> the model's chat template -> tokens (SSE with "stream": true)
     POST /v1/completions         a prompt string or token ids
+    POST /v1/messages            the Anthropic Messages API (same template, tools and reasoning as chat)
+    POST /v1/messages/count_tokens
 
 The gateway is a client of the run (see `coli.serve.aclient.AsyncClient`): prompts are rendered and tokenised
 here with the same modules `coli chat` uses (`coli.chat_template`, `coli.tokenizer`, from the run's

@@ -6,9 +6,10 @@ Supported: `/v1/chat/completions` and `/v1/completions` with `model`, `max_token
 `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `n` (1 only), `stream`,
 `stream_options.include_usage`, `user`; `echo` for completions. ColiStream extensions: `session`
 (a conversation whose KV cache the run keeps between turns) with `new_session`, `ignore_eos`, and
-`return_token_ids` (the generated ids beside the text). Sampling parameters OpenAI has but ColiStream
-does not implement (penalties, logit bias, logprobs, tools, n > 1) are refused with a 400 rather than
-silently ignored."""
+`return_token_ids` (the generated ids beside the text). Chat takes tools (coli/serve/tools.py) and
+`chat_template_kwargs`; assistant `tool_calls` / `reasoning_content` and `tool` messages are kept for the
+template. Parameters OpenAI has but ColiStream does not implement (penalties, logit bias, logprobs,
+`functions`, n > 1) are refused with a 400 rather than silently ignored."""
 
 from __future__ import annotations
 
