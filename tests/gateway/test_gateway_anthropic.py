@@ -168,3 +168,30 @@ def test_thinking_blocks_stream_and_not(container):
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in r.content]
     finally:
         s.stop()
+
+
+@pytest.mark.timeout(120)
+def test_every_messages_field_with_every_wrong_value_is_a_4xx_naming_it(gateway, model_id):
+    from concurrent.futures import ThreadPoolExecutor
+
+    fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "system",
+              "metadata", "tools", "tool_choice", "thinking", "messages"]
+    values = [2 ** 63, -(2 ** 63), 1e308, -1, "x", [], [1, "a"], {}, {"type": None}, True, [[[[]]]],
+              [{"role": "user", "content": [{"type": "tool_result"}]}]]
+
+    def one(case):
+        field, v = case
+        body = {"model": model_id, "max_tokens": 1, "messages": MSGS, field: v}
+        got, _, data = gateway.request("POST", "/v1/messages", body, timeout=60)
+        if got == 200:
+            return None
+        try:
+            err = json.loads(data)
+            ok = err["type"] == "error" and err["error"]["type"] and field in err["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        return None if ok and got < 500 else f"{field}={v!r:.40}: HTTP {got} {data[:200]!r}"
+
+    with ThreadPoolExecutor(8) as pool:
+        failures = [f for f in pool.map(one, [(f, v) for f in fields for v in values]) if f]
+    assert not failures, "\n".join(failures)
