@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coli import __version__
+from coli.serve import console
 from coli.serve.body import read_json
 from coli.serve.aclient import AsyncClient, ClientTooSlow, RequestStream, RunGone
 from coli.serve.client import RequestError, RunNotFound, StageDeadError
@@ -341,6 +342,25 @@ class Gateway:
             lines.extend(metric.render())
         lines.extend(stage_stats_lines(stats))
         return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
+
+    async def api_stats(self, request: Request) -> Response:
+        """The run's latest stage stats (what `coli stats --json` shows) for the console's engine page."""
+        t0 = time.monotonic()
+        try:
+            self._auth(request)
+            c = await self.lane("")
+            st = await c.status(timeout=3.0)
+        except ApiError as e:
+            self._record("/api/stats", e.status, t0)
+            return _error_response(e)
+        except (ColiError, OSError) as e:
+            err = _run_error(e)
+            self._record("/api/stats", err.status, t0)
+            return _error_response(err)
+        self._record("/api/stats", 200, t0)
+        return JSONResponse({"t": time.time(), "run": self.cfg.run_name, "model": self.model_id,
+                             "queued": st.get("queued") or 0, "in_flight": int(self.m["in_flight"].values.get((), 0)),
+                             "stats": st.get("stats") or {}})
 
     def _model_obj(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": int(self.t_start), "owned_by": "colistream",
@@ -700,6 +720,10 @@ def create_app(cfg: GatewayConfig, log: Any = None, gateway: Gateway | None = No
             await gw.stop()
 
     routes = [
+        Route("/", console.chat_page, methods=["GET"]),
+        Route("/engine", console.engine_page, methods=["GET"]),
+        Route("/web/{name}", console.asset, methods=["GET"]),
+        Route("/api/stats", gw.api_stats, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),
         Route("/v1/models", gw.models, methods=["GET"]),
