@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -24,8 +25,22 @@ INLINE_CHARS = 16384  # ~40 ms of encoding on a slow core: below this a process 
 _worker_tok = None
 
 
-def _init_worker(path: str) -> None:
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the gateway dies, however it dies (a pool worker holds both
+    ends of its queue's pipe, so it would never see EOF and would wait forever)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _init_worker(path: str, parent: int) -> None:
     global _worker_tok
+    _die_with_parent()
+    if os.getppid() != parent:  # the gateway died before the line above took effect
+        os._exit(0)
     from tokenizers import Tokenizer
     _worker_tok = Tokenizer.from_file(path)
 
@@ -51,7 +66,7 @@ class TokenizePool:
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:  # made on first use: most gateways never see a big prompt
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(str(self.path),))
+                                             initializer=_init_worker, initargs=(str(self.path), os.getpid()))
         return self._pool
 
     async def encode(self, text: str, limit: int | None = None) -> list[int] | int:
@@ -71,4 +86,7 @@ class TokenizePool:
     def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
+            procs = list((getattr(pool, "_processes", None) or {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
+            for p in procs:  # a worker in the middle of a huge prompt is not waited for
+                p.terminate()

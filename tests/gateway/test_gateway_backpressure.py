@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,5 +139,42 @@ def test_body_over_the_limit_is_413_naming_the_setting(gw_run):
         assert head.startswith("HTTP/1.1 413")
         status, out = g.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2})
         assert status == 200
+    finally:
+        g.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True  # a zombie: dead, waiting for its parent to collect it
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_the_tokeniser_process_never_outlives_the_gateway(gw_run, how):
+    import signal
+
+    g = GatewayProc(gw_run)
+    try:
+        status, out = g.post("/v1/completions", {"prompt": "word " * 20000, "max_tokens": 1})
+        assert status == 400 and out["error"]["code"] == "context_length_exceeded"  # encoded by the worker
+        workers = _children(g.proc.pid)
+        assert len(workers) >= 1
+        g.proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        g.proc.wait(30)
+        assert all(_gone(w) for w in workers), f"tokeniser workers {workers} outlived the gateway ({how})"
     finally:
         g.stop()
