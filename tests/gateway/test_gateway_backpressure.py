@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -176,5 +177,33 @@ def test_the_tokeniser_process_never_outlives_the_gateway(gw_run, how):
         g.proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         g.proc.wait(30)
         assert all(_gone(w) for w in workers), f"tokeniser workers {workers} outlived the gateway ({how})"
+    finally:
+        g.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_tokeniser_costs_one_request_and_the_next_gets_a_fresh_one(gw_run):
+    import signal
+
+    g = GatewayProc(gw_run)
+    try:
+        result: dict = {}
+        body = {"messages": [{"role": "user", "content": "many words here " * 150000}]}  # ~2.4 MB: seconds
+        t = threading.Thread(target=lambda: result.update(zip(("status", "body"), g.post(CHAT, body))))
+        t.start()
+        deadline = time.monotonic() + 30
+        def workers():  # spawn also starts multiprocessing's resource tracker: not that one
+            return [c for c in _children(g.proc.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+        while not workers() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (worker,) = workers()
+        os.kill(worker, signal.SIGKILL)
+        t.join(60)
+        assert result["status"] == 503 and result["body"]["error"]["code"] == "tokenizer_died"
+        status, out = g.post("/v1/completions", {"prompt": "word " * 20000, "max_tokens": 1})
+        assert status == 400 and out["error"]["code"] == "context_length_exceeded"
+        status, out = g.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+        assert status == 200
     finally:
         g.stop()
