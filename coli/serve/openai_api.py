@@ -300,16 +300,6 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish: str, n_prompt: int, n_completion: int,
-                  token_ids: list[int] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                              "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage(n_prompt, n_completion)}
-
-
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None,
                token_ids: list[int] | None = None) -> dict:
     choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
