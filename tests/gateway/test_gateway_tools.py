@@ -72,7 +72,8 @@ def test_tools_round_trip_non_streaming(container, template):
 
 
 def test_tools_streamed_as_openai_streams_them_and_parallel_calls(container):
-    s, oa = serve(container, ["</think>Checking both." + CALL + "\n" + CALL2, CALL + CALL2])
+    s, oa = serve(container, ["</think>Checking both." + CALL + "\n" + CALL2, "</think>Snow, then 10:00.",
+                              CALL + CALL2])
     try:
         chunks = list(oa.chat.completions.create(model="glm5", messages=USER, tools=TOOLS, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -95,6 +96,16 @@ def test_tools_streamed_as_openai_streams_them_and_parallel_calls(container):
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
             ["tool_calls"]
         assert chunks[-1].usage.completion_tokens > 0
+        # the round trip's second half, streamed too: the calls and their results go back, the answer streams
+        follow = USER + [{"role": "assistant", "content": "Checking both.", "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+            for c in calls.values()]}] + [{"role": "tool", "tool_call_id": c["id"], "content": r}
+                                          for c, r in zip(calls.values(), ("snow", "10:00"))]
+        answer = list(oa.chat.completions.create(model="glm5", messages=follow, tools=TOOLS, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in answer if c.choices) == "Snow, then 10:00."
+        text = s.prompt_text(1)
+        assert "Checking both." + CALL + CALL2 in text
+        assert "<|observation|><tool_response>snow</tool_response><tool_response>10:00</tool_response>" in text
         # parallel_tool_calls false: the first call only, and generation stops there
         r = oa.chat.completions.create(model="glm5", messages=USER, tools=TOOLS, parallel_tool_calls=False,
                                        extra_body={"chat_template_kwargs":
