@@ -49,7 +49,8 @@ from coli.errors import ColiError
 from coli.serve.metrics import CONTENT_TYPE, Counter, Histogram, stage_stats_lines
 from coli.serve.anthropic_api import error_body, new_message_id, parse_messages
 from coli.serve.chat_stream import AnthropicFormat, OpenAIChatFormat, anthropic_message_object, openai_chat_object
-from coli.serve.glm_output import CALL_OPEN, THINK_OPEN, OutputParser
+from coli.serve.chat_prompt import render_chat
+from coli.serve.glm_output import OutputParser
 from coli.serve.openai_api import (ApiError, Params, completion_chunk, completion_response, parse_chat,
                                    parse_completion, template_kwargs, usage_chunk)
 from coli.serve.tools import ToolSpec, openai_tools
@@ -422,36 +423,10 @@ class Gateway:
         return JSONResponse({"input_tokens": n})
 
     def _render(self, messages: list[dict], spec: ToolSpec, kwargs: dict, id_prefix: str) -> tuple[str, OutputParser]:
-        """The chat template's prompt for these messages and tools, and the parser for the answer.
-
-        tool_choice "required" / a named tool: the prompt is rendered without thinking and ends with
-        `<tool_call>` (and the name): the model can only continue a call — a GLM model has no other way to be
-        made to call, short of constrained decoding."""
         if self.tok is None or self.template is None:
             raise ApiError(400, f"model {self.model_id!r} has no tokenizer.json or chat template: use "
                                 f"/v1/completions with token ids", code="no_chat_template")
-        extra = dict(kwargs)
-        if spec.parse_calls:
-            src = self.template.source
-            if "tools" not in src or CALL_OPEN not in src:
-                raise ApiError(400, f"model {self.model_id!r}: its chat template does not render tools in GLM's "
-                                    f"<tool_call> format, so this server cannot offer them", param="tools",
-                               code="tools_unsupported")
-            extra["tools"] = spec.tools
-        forced = spec.parse_calls and spec.choice in ("required", "named")
-        if forced:
-            extra["enable_thinking"] = False
-        try:
-            text = self.template.render(messages, add_generation_prompt=True, **extra)
-        except ColiError as e:
-            raise ApiError(400, str(e), param="messages", code="template_error") from None
-        parser = OutputParser(spec.schemas if spec.parse_calls else None, text.rstrip().endswith(THINK_OPEN),
-                              spec.parallel, id_prefix)
-        if forced:
-            prefill = CALL_OPEN + (spec.name or "")
-            parser.feed(prefill)
-            text += prefill
-        return text, parser
+        return render_chat(self.template, self.model_id, messages, spec, kwargs, id_prefix)
 
     async def _prepare(self, endpoint: str, body: Any) -> tuple[list[int], Params, str, OutputParser | None]:
         """A request body -> (prompt ids, params, echo text, the output parser for chat answers)."""
