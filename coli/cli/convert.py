@@ -20,6 +20,8 @@ Formats (--experts for the routed experts, --dense for the rest):
 Norms, routers, the router correction bias and the indexer's weights_proj always stay float32. The MTP layer (layers >= num_hidden_layers) is skipped.
 
 Interrupted (Ctrl-C, SIGKILL, power loss, full disk)? Run the same command again: it resumes and ends byte-identical to an uninterrupted run. Different options on an unfinished DST are refused.
+
+SRC may be hf://ORG/REPO[@REVISION]: the checkpoint is fetched from the Hub shard by shard (huggingface_hub: HF_TOKEN or `hf auth login`, HF_ENDPOINT, HF_HUB_CACHE) and each shard is deleted once converted, so the disk holds the container plus at most --max-shards-on-disk shards. Killed? Rerun it: it resumes, byte-identical to converting a local copy.
 """
 
 
