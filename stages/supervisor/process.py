@@ -199,6 +199,7 @@ class Supervisor:
                            "ram_fraction_of_experts": round(n_slots / n_total, 4), "device": device,
                            "eos_token_ids": list(cfg.eos_token_ids), "vocab_size": cfg.vocab_size,
                            "max_position_embeddings": cfg.max_position_embeddings,
+                           "stage_timeout_s": o.stage_timeout,
                            "version": __version__}
         self.limits = Limits.from_model_info(self.model_info)
         self.say(f"run {o.name!r}: model {self.model_info['model']} ({cfg.num_hidden_layers} layers, "
@@ -568,7 +569,6 @@ class Supervisor:
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
                            "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},
-            "stage_timeout_s": self.opts.stage_timeout,
             "stats": self.stats_out,
         }
 
