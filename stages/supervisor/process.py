@@ -168,7 +168,9 @@ class Supervisor:
                       date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.t_start)))
         try:
             self._start_stages()
-        except BaseException:
+        except BaseException as e:
+            # `coli logs` must hold the cause too, not only the terminal of `coli up` (or its --detach log)
+            self.log.error("startup_failed", error=f"{type(e).__name__}: {e}" if not isinstance(e, ColiError) else str(e))
             self.shutdown("start-up failed")
             raise
 
