@@ -214,7 +214,9 @@ class GenerateRequest(Message):
     `seed` None means the executor picks one. `session` names a conversation whose KV cache is kept
     between turns (and saved on shutdown): the executor reuses the longest prefix of `prompt_ids` it
     already holds and prefills only the rest; None for a one-shot request. An unknown session is an
-    error unless `new_session` asks to create it."""
+    error unless `new_session` asks to create it. `ephemeral` (with `new_session`) makes a session that
+    lives only in memory: never saved to disk, dropped instead of spilled when evicted (`coli chat`'s
+    per-chat session; DropSession ends it)."""
 
     KIND: ClassVar[int] = 0x10
     request_id: str
@@ -228,6 +230,7 @@ class GenerateRequest(Message):
     ignore_eos: bool
     session: str | None = None
     new_session: bool = False
+    ephemeral: bool = False
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
@@ -291,6 +294,20 @@ class Cancel(Message):
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class DropSession(Message):
+    """Client -> executor (through the supervisor): forget a session's KV cache, in memory and on disk. A
+    session in use is dropped when its request ends. No reply (`coli chat` sends it as it exits)."""
+
+    KIND: ClassVar[int] = 0x14
+    session: str
+
+    def __post_init__(self) -> None:
+        _name("session", self.session)
+        _need(all(c.isalnum() or c in "._-" for c in self.session),
+              f"session must be letters, digits, '.', '_' or '-', got {short(self.session)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -436,7 +453,7 @@ class ReadDone(Message):
 # Every message type, in kind order. codec.py decodes only these; a test checks nothing is missing.
 ALL_MESSAGES: tuple[type[Message], ...] = (
     Hello, Ready, Shutdown, Stats, StageDead, Error, StatusRequest, StatusReply, Heartbeat,
-    GenerateRequest, Token, Done, Cancel,
+    GenerateRequest, Token, Done, Cancel, DropSession,
     SlotRef, ExpertRequest, ExpertReady, ExpertFailed, ExpertRelease,
     ReadRequest, ReadDone,
 )  # fmt: skip

@@ -136,9 +136,11 @@ def drain_router(sock, log):
             log.error("protocol_error", error=str(e), peer=repr(e.peer))
 
 
-def greet(sock, peer: bytes, hello, stage: str, info: dict, log) -> bool:
+def greet(sock, peer: bytes, hello, stage: str, info: dict, log, control: bytes | None = None) -> bool:
     """Answer a Hello on a stage's socket. A wrong protocol version is logged as `protocol_error`; the
-    supervisor's Hello is answered with Hello + Ready (the handshake). True if it was the supervisor."""
+    supervisor's Hello is answered with Hello + Ready (the handshake). True if it was the supervisor.
+    `control` is the supervisor's routing identity (a per-run secret): a Hello that claims to be the
+    supervisor from any other peer is refused, so no other process can take the supervisor's role."""
     from coli.protocol.errors import ProtocolError
     from coli.protocol.handshake import check_hello, make_hello
     from coli.protocol.messages import Ready
@@ -150,6 +152,10 @@ def greet(sock, peer: bytes, hello, stage: str, info: dict, log) -> bool:
         log.error("protocol_error", error=str(e), peer=repr(peer))
         return False
     if hello.stage != "supervisor":
+        return False
+    if control is not None and peer != control:
+        log.error("protocol_error", peer=repr(peer),
+                  error="Hello as the supervisor refused: this peer is not the run's supervisor")
         return False
     send(sock, make_hello(stage), peer=peer)
     send(sock, Ready(stage, info), peer=peer)

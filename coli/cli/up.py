@@ -18,7 +18,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def up(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container or Hugging Face checkpoint (default: the built-in demo model)."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container, Hugging Face checkpoint, or a name "
+                                         "`coli models` lists (ORG/REPO from `coli pull`); default: the built-in demo model."),
     name: str = typer.Option("default", "--name", help="Run name (several runs can be up at once)."),
     ram_gb: float = typer.Option(4.0, "--ram-gb", help="RAM tier budget for expert slots, in GB."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | gpu."),
@@ -31,7 +32,9 @@ def up(
     queue_depth: int = typer.Option(16, "--queue-depth", min=1, help="Reads in flight at most."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
     http: Optional[str] = typer.Option(None, "--http", help="Also serve the OpenAI-compatible HTTP API on [HOST:]PORT "
-                                       "(`coli serve` beside the run; key from COLI_API_KEY)."),
+                                       "(`coli serve` beside the run; API key from COLI_API_KEY or --api-key-file)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="With --http: read the gateway's API key "
+                                                "from this file (first line, chmod 600) instead of COLI_API_KEY."),
     record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
                                                   help="Append every token's routed experts and weights to FILE "
                                                        "(docs/traces.md; read it with `coli sim --trace FILE`)."),
@@ -47,9 +50,16 @@ def up(
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
+    experts: Optional[str] = typer.Option(None, "--experts", help="When --model is a checkpoint: the routed expert "
+                                          "format it is converted to once (default as `coli convert`: int4)."),
+    dense: Optional[str] = typer.Option(None, "--dense", help="When --model is a checkpoint: the dense core format "
+                                        "(default as `coli convert`: int8)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
-    gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
+    model = _container_for(model, experts, dense)
+    if api_key_file is not None and not http:
+        fail("--api-key-file is for the HTTP gateway: give --http too")
+    gateway = _gateway_beside(name, http, startup_timeout, detach, api_key_file) if http else None
     ok = False
     try:
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
@@ -64,9 +74,23 @@ def up(
             gateway.terminate()
 
 
+# ---- --model: a registry name or a checkpoint becomes a container here, in the foreground (progress shown, also
+# before --detach), so the run itself only ever opens a container ----
+@clean_errors
+def _container_for(model: Optional[Path], experts: Optional[str], dense: Optional[str]) -> Optional[Path]:
+    from coli.model_store import resolve_container
+
+    if model is None and experts is None and dense is None:
+        return None   # the demo model: the supervisor converts it (f32, tiny)
+    from coli.hub.progress import transfer_bars
+
+    with transfer_bars(sys.stderr.isatty(), ("converting", "bytes")) as (note, bar):
+        return resolve_container(model, report=note, experts=experts, dense=dense, progress=bar)
+
+
 # ---- --http: the gateway (coli serve) as a process beside the run; it waits for the run and exits with it ----
-def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
-    from coli.cli.serve import bind_socket, parse_http
+def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool, api_key_file: Path | None = None):
+    from coli.cli.serve import bind_socket, parse_http, read_api_key
     from coli.protocol.rundir import RunDir, default_base
     from coli.protocol.errors import RunDirError
 
@@ -74,6 +98,7 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
         host, port = parse_http(http)
         if port:  # fail now, before starting a run that would come up without its gateway
             bind_socket(host, port).close()
+        read_api_key(None, str(api_key_file) if api_key_file else None)  # a bad key file fails before the run starts
         live = RunDir(name, create=False).is_live()
     except RunDirError:
         live = False
@@ -83,6 +108,8 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
         return None  # `coli up` is about to say the run is already up
     args = [sys.executable, "-m", "coli.cli.main", "serve", "--name", name, "--http", http, "--exit-with-run",
             "--wait", str(startup_timeout * 3 + 600)]
+    if api_key_file is not None:
+        args += ["--api-key-file", str(api_key_file.resolve())]  # the path, never the key, goes on the command line
     if not detach:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL)
     base = default_base()
@@ -123,6 +150,8 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
         record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None):
+    from coli.cli.common import require_device
+    from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
@@ -132,8 +161,9 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         ahead = parse_pilot(pilot)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    if model is not None and not model.is_dir():
-        raise ColiError(f"--model {model}: no such directory")
+    if model is not None:
+        model = check_model_dir(model, names=True)   # a directory, or a name `coli models` lists
+    require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
                        record_routing, ahead, gpu, stage_timeout, http)

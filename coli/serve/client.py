@@ -16,8 +16,8 @@ import zmq
 from coli.errors import ColiError
 from coli.protocol.errors import ProtocolError, RunDirError
 from coli.protocol.handshake import make_hello
-from coli.protocol.messages import (ERROR_STAGE_UNRESPONSIVE, Cancel, Done, Error, GenerateRequest, Ready, Shutdown,
-                                    StageDead, StatusReply, StatusRequest, Token)
+from coli.protocol.messages import (ERROR_STAGE_UNRESPONSIVE, Cancel, Done, DropSession, Error, GenerateRequest,
+                                    Ready, Shutdown, StageDead, StatusReply, StatusRequest, Token)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, send
 
@@ -153,14 +153,14 @@ class Client:
 
     def stream(self, prompt_ids: list[int], max_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
-               session: str | None = None, new_session: bool = False, request_id: str | None = None,
-               token_timeout: float | None = 300.0) -> Iterator[int | Done]:
+               session: str | None = None, new_session: bool = False, ephemeral: bool = False,
+               request_id: str | None = None, token_timeout: float | None = 300.0) -> Iterator[int | Done]:
         """Yields token ids as they are generated, then the Done message. Raises StageDeadError or
         RequestError. Closing the iterator early cancels the request."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         try:
             req = GenerateRequest(rid, list(prompt_ids), max_tokens, temperature, top_p, top_k, seed, greedy,
-                                  ignore_eos, session, new_session)
+                                  ignore_eos, session, new_session, ephemeral)
         except ValueError as e:
             raise ColiError(f"invalid request: {e}") from None
         send(self.sock, req)
@@ -196,6 +196,30 @@ class Client:
             else:
                 tokens.append(item)
         return GenerateResult(tokens, done.finish_reason, dict(done.timing))
+
+    def wait_done(self, request_id: str, timeout: float = 5.0) -> Done | None:
+        """After a stream was closed early (which cancels it): wait for that request's Done (finish_reason
+        "cancelled", with its timing), skipping its last Tokens; None if it does not come within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                return None
+            try:
+                msg = recv(self.sock)
+            except ProtocolError:
+                continue
+            if isinstance(msg, (Done, Error)) and msg.request_id == request_id:
+                return msg if isinstance(msg, Done) else None
+            if isinstance(msg, StageDead):
+                raise StageDeadError(msg.stage, msg.reason)
+
+    def drop_session(self, name: str) -> None:
+        """Ask the executor to forget a session (its KV cache in memory and its file); no reply."""
+        try:
+            send(self.sock, DropSession(name), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def status(self, timeout: float = 5.0) -> dict:
         rid = f"st-{uuid.uuid4().hex[:12]}"

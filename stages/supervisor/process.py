@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import secrets
 import signal
 import threading
 import time
@@ -24,9 +25,9 @@ from coli.errors import ColiError
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
 from coli.protocol.handshake import check_hello, make_hello
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STAGE_UNRESPONSIVE, Cancel, Done, Error,
-                                    GenerateRequest, Heartbeat, Hello, Ready, Shutdown, StageDead, Stats, StatusReply,
-                                    StatusRequest, Token)
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STAGE_UNRESPONSIVE, Cancel, Done,
+                                    DropSession, Error, GenerateRequest, Heartbeat, Hello, Ready, Shutdown, StageDead,
+                                    Stats, StatusReply, StatusRequest, Token)
 from coli.protocol.rundir import RunClaimed, RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
@@ -215,13 +216,17 @@ class Supervisor:
         from coli.stages.reader.process import reader_main
 
         base = str(rd.base)
+        # Our routing identity on the stages' sockets, secret to this run (it reaches the stages through the
+        # spawn pipe, not argv): a stage takes Hello/Shutdown/requests as the supervisor's from it alone.
+        control = f"supervisor-{secrets.token_hex(16)}".encode()
         targets = {
             "reader": (reader_main, (o.name, base, arena.name, str(container), o.reader_threads, o.queue_depth,
-                                     o.log_level)),
+                                     o.log_level, table.name, control)),
             "ramtier": (ramtier_main, (o.name, base, arena.name, table.name, str(container), o.pin_fraction,
-                                       o.queue_depth, o.log_level)),
+                                       o.queue_depth, o.log_level, control)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
-                                         str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu))),
+                                         str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu),
+                                         control)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
@@ -236,7 +241,7 @@ class Supervisor:
                            name=f"coli-{o.name}-{name}",
                            daemon=False)
             p.start()
-            sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=b"supervisor")
+            sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=control)
             send(sock, make_hello("supervisor"))
             self.stages[name] = StageProc(name, p, sock)
         self._write_state("starting")
@@ -524,6 +529,11 @@ class Supervisor:
             else:
                 self.counters["cancelled"] += 1
                 self._to_client(peer, Done(msg.request_id, "cancelled", 0, {}))
+        elif isinstance(msg, DropSession):   # the executor owns the sessions (one in use goes when it ends)
+            try:
+                send(self.stages["executor"].sock, msg, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         elif isinstance(msg, StatusRequest):
             self._to_client(peer, StatusReply(msg.request_id, self.status()))
         elif isinstance(msg, Shutdown):

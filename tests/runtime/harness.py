@@ -27,7 +27,9 @@ class Run:
         self.name, self.run_base, self.env = name, run_base, env_for(run_base, cache, **(extra_env or {}))
         self.log = run_base.parent / f"{name}{log_tag}.up.out"  # log_tag: several `coli up` of one name
         cmd = [sys.executable, "-m", "coli.cli.main", "up", "--model", str(model), "--name", name,
-               "--ram-gb", str(ram_gb), "--startup-timeout", "60", *args]
+               "--ram-gb", str(ram_gb), "--startup-timeout", "60",
+               "--experts", "f32", "--dense", "f32",   # a checkpoint converts lossless: tokens match the oracle
+               *args]
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
