@@ -65,12 +65,10 @@ def test_up_detached_with_a_busy_http_port_fails_naming_it(default_oracle, rt_ro
 
 
 @pytest.mark.timeout(120)
-def test_supervisor_startup_failure_is_in_its_log(tmp_path, rt_root):
+def test_supervisor_startup_failure_is_in_its_log(default_oracle, rt_root):
     from harness import Run
 
-    bad = tmp_path / "not-a-model"
-    bad.mkdir()
-    run = Run(bad, "badmodel", rt_root / "runs", rt_root / "cache")
+    run = Run(default_oracle, "baddevice", rt_root / "runs", rt_root / "cache", args=("--device", "tpu"))
     assert run.proc.wait(60) != 0
     shown = run.output().strip().splitlines()[-1]
     r = run.coli("logs", "--name", run.name, "--stage", "supervisor", "--json")
