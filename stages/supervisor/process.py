@@ -169,7 +169,9 @@ class Supervisor:
                       date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.t_start)))
         try:
             self._start_stages()
-        except BaseException:
+        except BaseException as e:
+            # `coli logs` must hold the cause too, not only the terminal of `coli up` (or its --detach log)
+            self.log.error("startup_failed", error=f"{type(e).__name__}: {e}" if not isinstance(e, ColiError) else str(e))
             self.shutdown("start-up failed")
             raise
 
@@ -200,6 +202,7 @@ class Supervisor:
                            "ram_fraction_of_experts": round(n_slots / n_total, 4), "device": device,
                            "eos_token_ids": list(cfg.eos_token_ids), "vocab_size": cfg.vocab_size,
                            "max_position_embeddings": cfg.max_position_embeddings,
+                           "stage_timeout_s": o.stage_timeout,
                            "version": __version__}
         self.limits = Limits.from_model_info(self.model_info)
         self.say(f"run {o.name!r}: model {self.model_info['model']} ({cfg.num_hidden_layers} layers, "
@@ -578,7 +581,6 @@ class Supervisor:
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
                            "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},
-            "stage_timeout_s": self.opts.stage_timeout,
             "stats": self.stats_out,
         }
 
