@@ -7,9 +7,31 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from coli.errors import ColiError
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.kv_cache import KVCache
 from coli.model.sampling import Sampler, SamplingParams
+
+
+class ContextTooLong(ColiError):
+    """A request that does not fit the model's context window (prompt + max_tokens > positions)."""
+
+
+def context_problem(n_prompt: int, max_tokens: int, context: int) -> str | None:
+    """Why `n_prompt` tokens plus up to `max_tokens` new ones do not fit `context` positions; None if they do.
+
+    Refused, not clamped, as OpenAI-compatible servers refuse: a clamped answer would stop at 'length'
+    early without the client knowing why, and the rule is the same on every path (coli run, coli chat,
+    the gateway). `context` 0 means the model states no limit."""
+    if context <= 0:
+        return None
+    if n_prompt >= context:
+        return (f"the prompt is {n_prompt} tokens but the model's context is {context} tokens "
+                f"(shorten the prompt: it must leave room for at least one new token)")
+    if n_prompt + max_tokens > context:
+        return (f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) is {n_prompt + max_tokens} tokens, "
+                f"over the model's context of {context} tokens (ask for at most {context - n_prompt}: --max-tokens)")
+    return None
 
 
 @dataclass
@@ -50,6 +72,11 @@ class Generation:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
         if len(self.prompt_ids) == 0 and (self.cache is None or self.cache.length == 0):
             raise ValueError("the prompt is empty: give at least one token")
+        held = self.cache.length if self.cache is not None else 0       # a session's reused positions
+        problem = context_problem(held + len(self.prompt_ids), self.max_tokens,
+                                  int(getattr(self.model.config, "max_position_embeddings", 0) or 0))
+        if problem:     # before the cache is sized from max_tokens: 10**11 of them would be a 23 TiB allocation
+            raise ContextTooLong(problem)
         if self.cache is None:
             self.cache = self.model.new_cache(max(16, len(self.prompt_ids) + self.max_tokens))
         sampler = Sampler(self.sampling)
@@ -62,11 +89,10 @@ class Generation:
         pending = list(self.prompt_ids)
         if not pending:
             raise ValueError("nothing to continue from: give at least one new prompt token")
-        logits = self.model.forward(pending, self.cache)[-1]
+        tok = self._next(pending, sampler)
         self.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         for n in range(self.max_tokens):
-            tok = sampler(logits)
             self.stats.new_tokens = n + 1
             self.stats.decode_s = time.perf_counter() - t1
             yield tok
@@ -75,5 +101,12 @@ class Generation:
                 return
             if n + 1 == self.max_tokens:
                 return
-            logits = self.model.forward([tok], self.cache)[-1]
+            tok = self._next([tok], sampler)
         self.stats.decode_s = time.perf_counter() - t1
+
+    def _next(self, ids: Sequence[int], sampler: Sampler) -> int:
+        """The token after ids. Greedy takes the argmax on the backend (the same first maximum as the sampler's):
+        logits stay on the GPU and a decode step may be replayed from a CUDA graph (coli/gpu/graphs.py)."""
+        if self.sampling.greedy:
+            return self.model.greedy(ids, self.cache)
+        return sampler(self.model.forward(ids, self.cache)[-1])

@@ -39,9 +39,9 @@ def make_backend(device: str = "cpu"):
     if device in ("cpu", "numpy"):
         return NumpyBackend()
     if device in ("gpu", "cuda", "auto"):
-        from coli.model.cuda_runtime import CudaUnavailable
+        from coli.gpu.cuda_runtime import CudaUnavailable
         try:
-            from coli.model.cuda_backend import CudaBackend
+            from coli.gpu.cuda_backend import CudaBackend
             return CudaBackend()
         except CudaUnavailable as e:
             if device == "auto":
@@ -57,7 +57,7 @@ class GpuOptions:
     vram_gb: float | None = None          # budget for everything on the device; the rest becomes expert slots
     vram_slots: int | None = None         # or: exactly this many expert slots
     max_context: int = 4096               # KV positions the budget reserves
-    policy: str = "freq"                  # VRAM slot replacement policy (coli.vram.pool)
+    policy: str = "freq"                  # VRAM slot replacement policy (coli.gpu.pool)
     tile_kb: int = 1024                   # H2D copy tile
 
     @property

@@ -39,15 +39,15 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
     nvcc --version | tail -1
     python3 -c "import sys, numpy, torch, transformers, pycuda; print(sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'pycuda', pycuda.VERSION_TEXT)"
-    python3 -c "import coli.model.cuda_runtime as r; print('kernels', r.kernels_dir())"
+    python3 -c "import coli.gpu.cuda_runtime as r; print('kernels', r.kernels_dir())"
 } >>"$OUT/env.txt" 2>&1
 log "setup done; stages: $STAGES"
 
 if has tests || has bench; then      # compile every kernel module once, in parallel, into PyCUDA's cache
-    MODS=$(python3 -c "from coli.model.cuda_runtime import MODULES; print(' '.join(MODULES))")
+    MODS=$(python3 -c "from coli.gpu.cuda_runtime import MODULES; print(' '.join(MODULES))")
     for m in $MODS; do
         timeout 240 python3 -c "
-import time; from coli.model.cuda_runtime import get_runtime
+import time; from coli.gpu.cuda_runtime import get_runtime
 t = time.perf_counter(); get_runtime().module('$m'); print('compiled $m in %.1f s' % (time.perf_counter() - t))
 " >>"$OUT/env.txt" 2>&1 &
     done

@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
 
-    from coli.model.cuda_backend import CudaBackend
+    from coli.gpu.cuda_backend import CudaBackend
 
     gb = CudaBackend()
     rt = gb.rt

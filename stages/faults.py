@@ -15,6 +15,7 @@ KNOWN = {
     "oversize",      # GPU: a record is treated as larger than a VRAM slot
     "gpu_lost",      # GPU: the context is lost (a fatal driver error): the executor demotes the run to the CPU
     "start_crash_reader", "start_crash_ramtier", "start_crash_executor",  # a stage dies during start-up
+    "request_error", # executor: a request raises an unexpected exception after its first token
 }
 
 

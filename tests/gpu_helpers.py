@@ -21,7 +21,7 @@ TOL = 1e-5
 
 def qweight(gb, buf, lay):
     """Tile bytes of a stored matrix -> a QWeight on the device of backend gb."""
-    from coli.model.cuda_weights import upload_stored
+    from coli.gpu.cuda_weights import upload_stored
     return upload_stored(gb.rt, buf, lay, (lay.rows, lay.cols), "test")
 
 

@@ -45,6 +45,17 @@ def test_bad_arguments_are_one_line_errors(args, msg):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("ids,max_tokens,msg", [
+    ("4089,4090,10", "100000000000", "is 100000000003 tokens, over the model's context of 4096 tokens"),  # was 23 TiB
+    (",".join(["10"] * 4500), "1", "the prompt is 4500 tokens but the model's context is 4096 tokens"),
+    (",".join(["10"] * 4000), "97", "ask for at most 96: --max-tokens"),
+])
+def test_a_request_beyond_the_context_is_refused_in_one_line(ids, max_tokens, msg):
+    r = coli("run", "--model", str(DEMO), "--prompt-ids", ids, "--max-tokens", max_tokens)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_missing_model_and_wrong_model_type(tmp_path):
     r = coli("run", "--model", str(tmp_path / "nope"), "--prompt-ids", "1")
     assert r.returncode == 2 and "does not exist" in r.stderr

@@ -288,7 +288,7 @@ def test_moe_mma_fragments_give_the_dot_products(group):
 
 def test_mma_layout_ok_takes_int4_g64_g128_in_whole_steps_only():
     from coli.container.format import RecordLayout
-    from coli.model.cuda_backend import mma_layout_ok
+    from coli.gpu.cuda_backend import mma_layout_ok
     glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
     assert mma_layout_ok(glm, 8) and mma_layout_ok(glm, 1)
     assert not mma_layout_ok(glm, 0) and not mma_layout_ok(glm, 9)              # 1 <= K <= 8 per launch
@@ -315,12 +315,12 @@ class _FakeRuntime:
         return object()
 
     def empty(self, shape, dtype=np.float32):
-        from coli.model.cuda_runtime import DeviceArray
+        from coli.gpu.cuda_runtime import DeviceArray
         return DeviceArray(0, shape, dtype)
 
 
 def _backend(rt, kernels="auto"):
-    from coli.model.cuda_backend import CudaBackend
+    from coli.gpu.cuda_backend import CudaBackend
     gb = CudaBackend.__new__(CudaBackend)       # no PyCUDA: only the host-side choice is exercised
     gb.rt, gb.moe_kernels, gb._mma_usable, gb._scratch = rt, kernels, None, {}
     return gb
@@ -328,7 +328,7 @@ def _backend(rt, kernels="auto"):
 
 def test_moe_kernel_choice_on_the_host():
     from coli.container.format import RecordLayout
-    from coli.model.cuda_backend import MMA_MIN_K
+    from coli.gpu.cuda_backend import MMA_MIN_K
     glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
     gb = _backend(_FakeRuntime())
     assert [gb._moe_version(glm, k) for k in range(1, 9)] == ["v2"] * (MMA_MIN_K - 1) + ["mma"] * (9 - MMA_MIN_K)
@@ -344,7 +344,7 @@ def test_moe_kernel_choice_on_the_host():
 
 def test_moe_kernel_choice_falls_back_when_the_module_does_not_compile():
     from coli.container.format import RecordLayout
-    from coli.model.cuda_runtime import CudaError
+    from coli.gpu.cuda_runtime import CudaError
 
     class NoMma(_FakeRuntime):
         def module(self, name):
@@ -359,7 +359,7 @@ def test_moe_kernel_choice_falls_back_when_the_module_does_not_compile():
 def test_allow_smem_raises_the_limit_when_static_plus_dynamic_passes_48k(static, dynamic, raised):
     """moe_down_int4 (v2) with 6 experts at GLM-5's width asks exactly 48 KiB of dynamic shared memory on top of
     ~100 bytes of static: without the raised limit its launch fails (found by the per-K benchmark)."""
-    from coli.model.cuda_runtime import CudaRuntime
+    from coli.gpu.cuda_runtime import CudaRuntime
     rt = _FakeRuntime(static=static)
 
     class Fn:

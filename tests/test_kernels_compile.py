@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coli.model.cuda_runtime import MODULES, kernel_sources, kernels_dir
+from coli.gpu.cuda_runtime import MODULES, kernel_sources, kernels_dir
 
 ARCHS = ("sm_86", "sm_89", "sm_90", "sm_120")
 
@@ -81,7 +81,7 @@ def _argchar(param: str) -> str:
 
 @needs_nvcc
 def test_backend_argument_types_match_the_kernel_signatures():
-    from coli.model.cuda_backend import SIGNATURES
+    from coli.gpu.cuda_backend import SIGNATURES
 
     declared: dict[tuple[str, str], str] = {}
     for src in kernel_sources():
@@ -102,7 +102,7 @@ def test_tensor_core_moe_block_size_matches_the_kernels():
     with rows / MMA_DOWN_ROWS blocks; the kernels index their warps up to MMA_WARPS (__launch_bounds__(32 *
     MMA_WARPS, ...)) and give each down block 16 * MMA_DT rows. A mismatch would fail every launch or leave
     rows uncomputed, so the numbers must agree."""
-    from coli.model.cuda_backend import MMA_DOWN_ROWS, MMA_THREADS
+    from coli.gpu.cuda_backend import MMA_DOWN_ROWS, MMA_THREADS
     src = (kernels_dir() / "moe_mma.cu").read_text()
     m = re.search(r"#define MMA_WARPS (\d+)", src)
     assert m, "moe_mma.cu no longer defines MMA_WARPS"

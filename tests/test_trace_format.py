@@ -10,6 +10,7 @@ import pytest
 
 from coli.trace import (MAGIC, RoutingRecorder, TraceFormatError, TraceHeader, TraceReader, read_trace,
                         write_trace)
+from tolerances import U16, assert_within
 
 LAYERS = [1, 2, 4]
 
@@ -44,7 +45,8 @@ def test_round_trip_prefill_and_decode(tmp_path):
     want_idx = np.concatenate([np.stack([c[l][0] for l in range(3)], axis=1) for c in calls])
     want_w = np.concatenate([np.stack([c[l][1] for l in range(3)], axis=1) for c in calls])
     np.testing.assert_array_equal(tr.idx, want_idx)
-    np.testing.assert_allclose(tr.weights, want_w, rtol=1e-3, atol=1e-3)  # float16
+    # stored as float16: one rounding (relative U16, or half the 2**-24 subnormal spacing near 0)
+    assert_within(tr.weights, want_w, U16 * np.abs(want_w) + 2.0 ** -25, "trace weights")
     assert tr.prefill.tolist() == [True] * 5 + [False] * 3
     assert tr.seq.tolist() == [0] * 8
     # compact: 8-byte record head + K uint16 ids + K float16 weights

@@ -62,7 +62,7 @@ def h2d_peak(nbytes: int = 512 << 20, tiles_kb: tuple[int, ...] = TILES_KB, repe
         raise CeilingError(f"h2d_peak repeats={repeats}, tile_samples={tile_samples}: both must be >= 1")
 
     from coli.gpu.driver import get_driver
-    from coli.model.cuda_runtime import get_runtime
+    from coli.gpu.cuda_runtime import get_runtime
 
     rt = get_runtime(device)          # creates and pushes the context PyCUDA and the driver calls share
     import pycuda.driver as cuda

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coli.cli.common import clean_errors, parse_ids, sampling_from_options, stderr_note
+from coli.cli.common import clean_errors, parse_ids, require_device, sampling_from_options, stderr_note
 from coli.errors import ColiError
 
 
@@ -49,13 +49,16 @@ def run(
 @clean_errors
 def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
          record_routing=None, topp=None, gpu=None):
-    from coli.generate import Generation
+    from coli.generate import ContextTooLong, Generation, context_problem
     from coli.loader import load_model
+    from coli.model_store import check_model_dir
     from coli.tokenizer import StreamDecoder, load_tokenizer
 
     if (prompt is None) == (prompt_ids is None):
         raise ColiError("give exactly one of --prompt or --prompt-ids")
     params = sampling_from_options(greedy, temperature, top_p, top_k, seed)
+    model = check_model_dir(model, names=True)   # a missing or half-converted --model is said as such, not as "no tokenizer.json"
+    require_device(device)
 
     tok = load_tokenizer(model)
     if prompt is not None:
@@ -70,6 +73,9 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     bad = [i for i in ids if i >= config.vocab_size]
     if bad:
         raise ColiError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
+    problem = context_problem(len(ids), max_tokens, config.max_position_embeddings)
+    if problem:
+        raise ContextTooLong(problem)
 
     if topp is not None:
         if topp <= 0.0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from coli.config import ModelConfig
 from coli.container.format import align
 from coli.gpu.lanes import DEFAULT_TILE_BYTES
-from coli.vram.pool import describe_pool, size_pool
+from coli.gpu.pool import describe_pool, size_pool
 
 GB = 1e9
 WORKSPACE_BYTES = 768 << 20     # MOE_CHUNK_BYTES + INDEXER_CHUNK_BYTES + activations and slack

@@ -63,7 +63,7 @@ class Backend(Protocol):
     # -> idx [S, K] int64 (host), weights [S, K] float32 (host)
     def moe(self, x: Array, idx: np.ndarray, weights: np.ndarray, experts: Iterable[tuple[int, Any]]) -> Array: ...
     # experts: (expert id, ExpertWeights) pairs, each id of idx once, in any order -> routed sum [S, H]
-    # (the CUDA backend also takes device record handles, coli.model.cuda_weights.DeviceRecord)
+    # (the CUDA backend also takes device record handles, coli.gpu.cuda_weights.DeviceRecord)
 
     # -- logits --------------------------------------------------------------------------------------------
     def argmax(self, x: Array) -> np.ndarray: ...   # [S, V] -> [S] int64, first maximum (greedy decoding)

@@ -6,6 +6,7 @@ Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients);
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import zmq
 from coli.container.format import MANIFEST_NAME
 from coli.container.reader import ContainerReader
 from coli.errors import WeightError
-from coli.generate import Generation
+from coli.generate import ContextTooLong, Generation
 from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
 from coli.protocol.arena import Arena
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, Error, GenerateRequest, Hello,
-                                    Shutdown, Token)
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, DropSession, Error,
+                                    GenerateRequest, Hello, Shutdown, Token)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, send
 from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
@@ -42,7 +43,10 @@ class StopRequested(Exception):
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
-                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None) -> None:
+                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
+                  control: bytes | None = None) -> None:
+    """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
+    control messages from any other peer are refused. None accepts any peer."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -67,11 +71,20 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     "load_s": round(time.perf_counter() - t_load, 3)}
             if state["vram"]:
                 info.update(vram=state["vram"], gpu_name=state["gpu_name"])
-            if greet(sock, peer, msg, STAGE, info, log):
+            if greet(sock, peer, msg, STAGE, info, log, control=control):
                 state["supervisor"] = peer
+        elif control is not None and peer != control:
+            # clients reach the executor through the supervisor only (its checks and its fairness)
+            log.error("protocol_error", peer=repr(peer),
+                      error=f"{type(msg).__name__} refused: the executor takes messages only from the supervisor")
         elif isinstance(msg, Cancel):
             if state["current"] == msg.request_id:
                 raise Cancelled()
+        elif isinstance(msg, DropSession):
+            if state.get("session") == msg.session:   # in use: dropped once its request ends
+                state.setdefault("drop_after", set()).add(msg.session)
+            else:
+                log.info("session_dropped", session=msg.session, found=sessions.drop(msg.session))
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
             state["stop"] = True
@@ -135,14 +148,15 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         m = GlmMoeDsaModel(cfg, weights, nb, experts=experts)
         attach_hooks(m)
         state["model"] = m
-        if sessions.live:     # their caches lived on the GPU; what was saved to disk stays loadable
+        if sessions.live:     # their caches lived on the GPU; each one's last committed turn stays loadable
             log.warning("sessions_dropped_on_demotion", sessions=list(sessions.live))
-            sessions.live.clear()
+            for name in list(sessions.live):
+                sessions.forget(name)
         counters["demoted"] = 1
 
     manifest = (Path(container_dir) / MANIFEST_NAME).read_bytes()
     sessions = SessionStore(cfg, lambda *a, **k: state["model"].new_cache(*a, **k), Path(sessions_dir or Path(container_dir) / "sessions"),
-                            model_fingerprint(cfg, manifest))
+                            model_fingerprint(cfg, manifest), log=log)
     counters = {"requests": 0, "tokens": 0, "cancelled": 0, "failed": 0, "decode_s": 0.0, "prefill_s": 0.0,
                 "last_tokens_per_s": 0.0, "last_latency_s": 0.0, "cpu_fallbacks": 0, "copy_busy": 0.0, "sm_busy": 0.0,
                 "demoted": 0}
@@ -173,6 +187,16 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             else:
                 log.error("vram_finish_failed", error=str(e))
 
+    def commit_session(sess, rid: str) -> str | None:
+        """Persist the session after a turn; the reason it could not be, or None."""
+        try:
+            sessions.commit(sess)
+            return None
+        except SessionError as e:
+            counters["failed"] += 1
+            log.error("session_not_saved", request_id=rid, session=sess.name, error=str(e))
+            return str(e)
+
     def serve(peer: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
         bad = [t for t in req.prompt_ids if t >= cfg.vocab_size]
@@ -185,7 +209,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sess, new_ids, cache = None, list(req.prompt_ids), None
         if req.session is not None:
             try:
-                sess = sessions.get(req.session, create=req.new_session)
+                sess = sessions.get(req.session, create=req.new_session, ephemeral=req.ephemeral)
             except (SessionError, WeightError, ValueError) as e:
                 send(sock, Error(ERROR_BAD_REQUEST, str(e), rid), peer=peer)
                 return
@@ -208,6 +232,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             try:
                 for i, tok in enumerate(gen):
                     send(sock, Token(rid, int(tok), base + i), peer=peer)
+                    if i == 0 and faults.hit("request_error"):
+                        raise RuntimeError("injected request failure (COLI_INJECT=request_error)")
                     out_tokens.append(int(tok))
                     n = base + i + 1
                     counters["tokens"] += 1
@@ -227,6 +253,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 state["current"] = None
                 if sess is not None:
                     sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
+                    commit_session(sess, rid)
                 return
             except Exception as e:
                 if attempt > 0 or state["vx"] is None or not _gpu_fatal(e):
@@ -240,7 +267,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     break
                 full = list(req.prompt_ids) + out_tokens
                 if sess is not None:      # the session's cache lived on the GPU: take it up again on the CPU
-                    sess = sessions.get(req.session, create=True)
+                    sess = sessions.get(req.session, create=True, ephemeral=req.ephemeral)
                     prompt, cache = sess.reuse(full), sess.cache
                 else:
                     prompt, cache = full, None
@@ -249,6 +276,10 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         state["current"] = None
         if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
             sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
+            err = commit_session(sess, rid)    # saved before Done: a turn the client saw finish survives kill -9
+            if err:
+                send(sock, Error(ERROR_INTERNAL, f"the answer was generated but {err}", rid), peer=peer)
+                return
         dt = time.perf_counter() - t0
         counters["prefill_s"] += gen.stats.prefill_s
         counters["decode_s"] += gen.stats.decode_s
@@ -262,6 +293,22 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                  session=req.session, tokens=n, finish=reason,
                  total_s=round(dt, 4), decode_tps=round(gen.stats.decode_tps, 2))
 
+    def request_failed(peer: bytes, req: GenerateRequest, e: Exception) -> None:
+        """Any exception serve() did not handle: an Error for this request (typed, naming the cause), the
+        traceback in the log, and the executor goes on with the next request. A session the request was
+        using is dropped from memory (its cache may hold half a step); its last saved turn stays on disk."""
+        state["current"] = None
+        counters["failed"] += 1
+        code = ERROR_BAD_REQUEST if isinstance(e, ContextTooLong) else ERROR_INTERNAL
+        what = str(e) if code == ERROR_BAD_REQUEST else f"the executor failed on this request: {type(e).__name__}: {e}"
+        log.exception("request_failed", request_id=req.request_id, session=req.session, error=f"{type(e).__name__}: {e}")
+        if req.session is not None:
+            sessions.forget(req.session)
+        try:
+            send(sock, Error(code, what[:2000], req.request_id), peer=peer)
+        except zmq.ZMQError as se:
+            log.error("error_not_sent", request_id=req.request_id, error=str(se))
+
     try:
         while not state["stop"]:
             try:
@@ -274,10 +321,17 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 publish_stats()
             while inbox and not state["stop"]:
                 peer, req = inbox.pop(0)
+                state["session"] = req.session
                 try:
                     serve(peer, req)
                 except StopRequested:
                     break
+                except Exception as e:      # one request's failure is that request's Error, never the run's
+                    request_failed(peer, req, e)
+                finally:
+                    state["session"] = None
+                    for name in state.pop("drop_after", ()):
+                        log.info("session_dropped", session=name, found=sessions.drop(name))
     finally:
         try:
             saved = sessions.save_all()
@@ -290,7 +344,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()
+        # every numpy view over the arenas must be gone before they unmap: the model, its expert source and
+        # the residency table hold them, also through `state` and the closures above, and cycles among them
+        # wait for the collector
+        state["model"] = state["vx"] = None
         del model, experts, table, sessions
+        gc.collect()
         for a in (tarena, arena):
             try:
                 a.close()

@@ -19,6 +19,7 @@ from coli.model.tensors import dense_shapes, expert_shapes
 from coli.trace import read_trace
 from coli.traces_synth import generate
 from slice_helpers import write_tiny
+from tolerances import U16, assert_within
 
 _SAME = [f for f in PRESETS["glm5"].__dataclass_fields__
          if f not in ("num_hidden_layers", "mlp_layer_types", "indexer_types")]
@@ -118,7 +119,7 @@ def test_trace_is_stored_and_described(tiny_slice):
     idx, w = generate("glm52", 256, 1, c.n_routed_experts, c.num_experts_per_tok, 0)
     assert tr.header.moe_layers == [0] and tr.header.top_k == c.num_experts_per_tok
     np.testing.assert_array_equal(tr.idx, idx)
-    np.testing.assert_allclose(tr.weights, w, rtol=1e-3)             # stored as float16
+    assert_within(tr.weights, w, U16 * np.abs(w) + 2.0 ** -25, "slice trace weights")   # stored as float16
     m = parse_manifest(tiny_slice / MANIFEST_NAME).source
     assert m["trace"]["stored_as"] == TRACE_NAME and m["trace"]["trace"] == "glm52" and m["trace"]["tokens"] == 256
     assert tr.header.meta["trace"] == "glm52"

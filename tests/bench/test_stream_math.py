@@ -160,7 +160,7 @@ def test_direct_reads_and_container_tier(tiny_slice):
 def test_cli_stream_errors(tiny_slice, monkeypatch):
     from typer.testing import CliRunner
     from coli.cli.main import app
-    from coli.model import cuda_runtime
+    from coli.gpu import cuda_runtime
 
     def nogpu(device=0):
         raise cuda_runtime.CudaUnavailable("no CUDA device (test)")

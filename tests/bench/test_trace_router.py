@@ -15,6 +15,7 @@ from coli.model.forward import GlmMoeDsaModel, WeightExperts
 from coli.model.numpy_backend import NumpyBackend
 from coli.trace import read_trace, write_trace
 from slice_helpers import write_tiny
+from tolerances import U16, assert_within
 
 
 class CountingBackend(NumpyBackend):
@@ -136,7 +137,7 @@ def test_recorded_trace_file_is_mapped_onto_the_slice_layers(tmp_path):
     write_trace(f, idx, w, n_experts=16, moe_layers=[1, 2, 3, 4, 5], meta={"model": "demo"})
     got_i, got_w, meta = build_slice_trace(str(f), 2, 16, 4, None, 0)
     np.testing.assert_array_equal(got_i, idx[:, [0, 2]])
-    np.testing.assert_allclose(got_w, w[:, [0, 2]], rtol=1e-3)
+    assert_within(got_w, w[:, [0, 2]], U16 * np.abs(w[:, [0, 2]]) + 2.0 ** -25, "mapped trace weights")   # float16
     assert meta["source_layers"] == [0, 2] and meta["source_moe_layers"] == [1, 2, 3, 4, 5]
     assert meta["trace"] == "recorded" and meta["tokens"] == 12 and meta["source_meta"] == {"model": "demo"}
     assert build_slice_trace(str(f), 7, 16, 4, 5, 0)[0].shape == (5, 7, 4)

@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def gb():
-    from coli.model.cuda_backend import CudaBackend
+    from coli.gpu.cuda_backend import CudaBackend
     return CudaBackend()
 
 

@@ -39,7 +39,7 @@ def moe_reference(x, idx, w, mats):
 
 
 def _experts(gb, H, Im, fmt, group, n, rng):
-    from coli.model.cuda_weights import DeviceRecord
+    from coli.gpu.cuda_weights import DeviceRecord
     recs, mats = {}, {}
     for e in range(n):
         buf, lay, m = random_record(H, Im, fmt, rng, group=group)
@@ -205,7 +205,7 @@ def test_moe_kernel_choice(gb, rng):
     formats, groups the MMA split does not take); v1 for odd groups. (The same rules without a GPU:
     tests/test_kernel_formulas.py.)"""
     from coli.container.format import RecordLayout
-    from coli.model.cuda_backend import MMA_MIN_K
+    from coli.gpu.cuda_backend import MMA_MIN_K
     glm = RecordLayout.make(6144, 2048, "int4", 64, 512)
     assert gb._moe_version(glm, 8, "auto") == "mma"
     assert gb._moe_version(glm, MMA_MIN_K, "auto") == "mma"

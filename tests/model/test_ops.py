@@ -6,6 +6,7 @@ import pytest
 from coli.model.backend import cos_sin_table
 from coli.model.numpy_backend import NumpyBackend, expert_ffn, topk_indices
 from coli.weights import ExpertWeights
+from tolerances import LIBM_REL, U32, assert_within, gamma, matmul_companion, rounding_bound, swiglu_bound, ulp32
 
 B = NumpyBackend()
 rng = np.random.default_rng(0)
@@ -18,14 +19,24 @@ def r(*shape):
 def test_rms_norm_matches_formula():
     x, w = r(5, 64), r(64)
     want = w * (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6))
-    np.testing.assert_allclose(B.rms_norm(x, w, 1e-6), want, rtol=2e-6, atol=1e-6)
+    # against float64: square, a 64-long sum, /n, +eps, sqrt, 1/, two products; all terms positive or
+    # relative, so the companion is |want| itself
+    assert_within(B.rms_norm(x, w, 1e-6), want, rounding_bound(np.abs(want), 64 + 7), "rms_norm vs float64")
 
 
 def test_layer_norm_matches_torch():
     torch = pytest.importorskip("torch")
     x, w, b = r(7, 32), r(32), r(32)
-    want = torch.nn.functional.layer_norm(torch.tensor(x), (32,), torch.tensor(w), torch.tensor(b), 1e-6).numpy()
-    np.testing.assert_allclose(B.layer_norm(x, w, b, 1e-6), want, rtol=1e-5, atol=1e-5)
+    want_t = torch.nn.functional.layer_norm(torch.tensor(x), (32,), torch.tensor(w), torch.tensor(b), 1e-6).numpy()
+    x64 = x.astype(np.float64)
+    xc = x64 - x64.mean(-1, keepdims=True)
+    sd = np.sqrt((xc ** 2).mean(-1, keepdims=True) + 1e-6)
+    want = xc / sd * w + b                                            # float64 formula
+    # each float32 side vs float64: two 32-long reductions (mean, variance) and ~8 elementwise roundings;
+    # the centred value also carries the mean's error, which scales with mean|x|
+    bound = rounding_bound((np.abs(xc) + np.abs(x64).mean(-1, keepdims=True)) / sd * np.abs(w) + np.abs(b), 2 * 32 + 8)
+    assert_within(B.layer_norm(x, w, b, 1e-6), want, bound, "numpy layer_norm vs float64")
+    assert_within(want_t, want, bound, "torch layer_norm vs float64")
 
 
 def test_rope_matches_transformers_interleave():
@@ -39,8 +50,13 @@ def test_rope_matches_transformers_interleave():
     tsin = torch.tensor(np.concatenate([sin, sin], -1))[None]
     # transformers layout: [B, heads, S, d]
     tq, tk = apply_rotary_pos_emb_interleave(torch.tensor(q).transpose(0, 1)[None], torch.tensor(k).transpose(0, 1)[None], tcos, tsin)
-    np.testing.assert_allclose(B.rope(q, cos, sin, 0), tq[0].transpose(0, 1).numpy(), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(B.rope(k, cos, sin, 0), tk[0].transpose(0, 1).numpy(), rtol=1e-6, atol=1e-6)
+    for name, v, t in (("q", q, tq), ("k", k, tk)):
+        # each output is a*c -/+ b*s: two products and a sum (depth 2), companion |a||c| + |b||s|
+        a, bb = np.abs(v[..., 0::2].astype(np.float64)), np.abs(v[..., 1::2].astype(np.float64))
+        c, s = np.abs(cos[:, None, :]), np.abs(sin[:, None, :])
+        comp = np.concatenate([a * c + bb * s, bb * c + a * s], -1)    # [S, n, dr] in the output layout
+        assert_within(B.rope(v, cos, sin, 0), t[0].transpose(0, 1).numpy(), rounding_bound(comp, 2, sides=2),
+                      f"rope({name}) vs transformers")
 
 
 def test_rope_offset_passes_the_rest_through():
@@ -49,7 +65,7 @@ def test_rope_offset_passes_the_rest_through():
     x = r(S, 2, 20)
     y = B.rope(x, cos, sin, 12)
     np.testing.assert_array_equal(y[..., :12], x[..., :12])
-    np.testing.assert_allclose(y[..., 12:], B.rope(x[..., 12:], cos, sin, 0), rtol=1e-7)
+    np.testing.assert_array_equal(y[..., 12:], B.rope(x[..., 12:], cos, sin, 0))   # same IEEE ops, same values
 
 
 def test_cos_sin_table_matches_transformers():
@@ -59,8 +75,15 @@ def test_cos_sin_table_matches_transformers():
     pos = torch.arange(0, 3000, 7).float()
     ang = pos[:, None] * inv[None]
     cos, sin = cos_sin_table(pos.numpy().astype(int), dr, theta)
-    np.testing.assert_allclose(cos, ang.cos().numpy(), atol=2e-6)
-    np.testing.assert_allclose(sin, ang.sin().numpy(), atol=2e-6)
+    # Both sides compute inv_freq with a float32 pow (LIBM_ULPS each: numpy's AVX-512 pow is up to 1.8 ulp
+    # off where torch's is 0.75, so they differ in some entries), then angle = pos * inv (one rounding each
+    # side), then cos/sin (slope <= 1, LIBM_ULPS each of a result <= 1). At 2996 rad an angle's ulp is 2.4e-4.
+    inv64 = 1.0 / theta ** (np.arange(0, dr, 2) / dr)
+    p64 = pos.numpy().astype(np.float64)[:, None]
+    d_ang = p64 * 2 * (LIBM_REL + gamma(2)) * inv64[None] + ulp32(p64 * inv64[None])      # [S, dr/2]
+    bound = d_ang + 2 * LIBM_REL
+    assert_within(cos, ang.cos().numpy(), bound, "cos table vs transformers")
+    assert_within(sin, ang.sin().numpy(), bound, "sin table vs transformers")
 
 
 @pytest.mark.parametrize("S,T", [(1, 9), (5, 5), (3, 12)])
@@ -81,7 +104,17 @@ def test_absorbed_mla_equals_expanded_attention(S, T):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     want = np.einsum("hst,thd->shd", p, v).reshape(S, nh * dv)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # The absorbed float32 path: scores q_nope @ w_kb @ lat.T + q_pe @ kpe.T (depth dn + Lkv + dr + 2),
+    # bounded by their companion; softmax turns a score error e into a relative error <= 2e of p (plus exp
+    # and the normalising sum over T); then p @ lat @ w_v.T adds T + Lkv roundings.
+    a64 = lambda m: np.abs(m.astype(np.float64))
+    s_comp = 0.3 * (np.einsum("shd,hdl,tl->hst", a64(q[..., :dn]), a64(w[:, :dn]), a64(lat))
+                    + np.einsum("shd,td->hst", a64(q[..., dn:]), a64(kpe)))                 # [nh, S, T]
+    ds = np.where(allowed[None], gamma(dn + Lkv + dr + 2) * s_comp, 0).max(-1, keepdims=True)  # [nh, S, 1]
+    rel_p = 2 * ds + LIBM_REL + gamma(T + 2)
+    o_comp = np.einsum("hst,tl,hdl->shd", p, a64(lat), a64(w[:, dn:]))                       # [S, nh, dv]
+    bound = (rel_p.transpose(1, 0, 2) + gamma(T + Lkv)) * o_comp
+    assert_within(got, want, bound.reshape(S, nh * dv), "absorbed MLA vs float64 expanded attention")
 
 
 def test_indexer_select_matches_brute_force():
@@ -116,12 +149,17 @@ def test_route_matches_transformers_router(n_group, topk_group):
         router.e_score_correction_bias.copy_(torch.tensor(bias))
         _, tw, ti = router(torch.tensor(x))
     idx, w = B.route(x, gw, bias, n_group, topk_group, K, True, 2.5)
+    # A logit error e (H roundings over |x| @ |gw|.T) moves sigmoid's p by a relative <= e (slope of log
+    # sigmoid <= 1), plus exp/add/divide; normalising over K doubles the worst relative error and adds K + 2.
+    d_logit = rounding_bound(matmul_companion(x, gw), H)                                      # [S, E]
+    rel_p = d_logit + LIBM_REL + gamma(2)
     for s in range(9):
         got = dict(zip(idx[s].tolist(), w[s].tolist()))
         want = dict(zip(ti[s].tolist(), tw[s].tolist()))
         assert got.keys() == want.keys()
+        rel_w = 2 * (2 * rel_p[s, idx[s]].max() + gamma(K + 2))                                # two sides
         for e in got:
-            assert abs(got[e] - want[e]) < 1e-6
+            assert_within(got[e], want[e], rel_w * abs(want[e]), f"router weight of expert {e}, token {s}")
 
 
 def test_moe_equals_per_token_loop():
@@ -136,13 +174,21 @@ def test_moe_equals_per_token_loop():
         for k in range(K):
             ew = experts[int(idx[s, k])]
             want[s] += w[s, k] * expert_ffn(x[s:s + 1], ew.gate, ew.up, ew.down)[0]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # batched and one-row BLAS calls sum in different orders: each expert's SwiGLU bound, weighted, plus
+    # the K-long accumulation over |w * y|
+    bound = np.zeros((S, H))
+    for s in range(S):
+        for k in range(K):
+            ew = experts[int(idx[s, k])]
+            y = np.abs(expert_ffn(x[s:s + 1], ew.gate, ew.up, ew.down)[0].astype(np.float64))
+            bound[s] += w[s, k] * (swiglu_bound(x[s:s + 1], ew.gate, ew.up, ew.down)[0] + 2 * gamma(K + 1) * y)
+    assert_within(got, want, bound, "moe vs per-token loop")
 
 
 def test_swiglu_formula():
     x, g, u, d = r(3, 8), r(5, 8), r(5, 8), r(8, 5)
     silu = lambda v: v / (1 + np.exp(-v))
-    np.testing.assert_allclose(B.swiglu(x, g, u, d), (silu(x @ g.T) * (x @ u.T)) @ d.T, rtol=1e-5, atol=1e-6)
+    assert_within(B.swiglu(x, g, u, d), (silu(x @ g.T) * (x @ u.T)) @ d.T, swiglu_bound(x, g, u, d), "swiglu vs formula")
 
 
 def test_topk_indices():

@@ -1,4 +1,4 @@
-"""The VRAM slot pool's pure core (coli/vram/pool.py): every call's contract, pins, transient slots, speculative
+"""The VRAM slot pool's pure core (coli/gpu/pool.py): every call's contract, pins, transient slots, speculative
 loads, counters, the sizing, a random run that checks the invariants after every call, and the cross-check
 against the policy simulator (coli/sim.py): driven as the runtime drives it, the pool's hits equal
 `simulate(..., shared=True)` exactly for lru, rdf, freq and lfu."""
@@ -11,8 +11,8 @@ import pytest
 from coli.errors import ColiError
 from coli.sim import simulate
 from coli.traces_synth import glm52, uniform
-from coli.vram import POOL_POLICIES, PoolStats, SlotPool, describe_pool, size_pool
-from coli.vram import pool as P
+from coli.gpu.pool import POOL_POLICIES, PoolStats, SlotPool, describe_pool, size_pool
+from coli.gpu import pool as P
 
 MB = 10**6
 
@@ -632,7 +632,7 @@ def test_spec_displaces_replaces_a_key_not_used_this_step_even_under_freq():
     """With spec_displaces, a predicted key with no count takes the slot of the lowest-ranked key not used this
     step (freq would otherwise decline it forever once the cache is full); keys used this step, pinned keys
     and unused guesses are never its victims."""
-    from coli.vram.pool import SlotPool
+    from coli.gpu.pool import SlotPool
     p = SlotPool(4, 4096, "freq", n_keys=100, staging=1, spec_displaces=True)
     _demand_steps(p, ([1, 2, 3], [1, 2, 3], [1, 2]))          # 1, 2 used thrice; 3 twice
     # this step used 1 and 2; 3 is the only key not used now -> the guess replaces it
@@ -651,7 +651,7 @@ def test_spec_displaces_replaces_a_key_not_used_this_step_even_under_freq():
 def test_a_retried_demand_miss_is_counted_once():
     """acquire -> None (every slot pinned), the caller releases pins, acquire(retry=True) -> a slot: one miss,
     no rejection, and the key's use counted once (its freq count is 1, as for a plain miss)."""
-    from coli.vram.pool import SlotPool
+    from coli.gpu.pool import SlotPool
     p = SlotPool(2, 4096, "freq", n_keys=100, staging=1)
     p.begin_step()
     held = []

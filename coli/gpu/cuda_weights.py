@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from coli.container.format import ALIGN, MatrixLayout, RecordLayout, align
-from coli.model.cuda_runtime import CudaError, CudaRuntime
+from coli.gpu.cuda_runtime import CudaError, CudaRuntime
 from coli.weights import ExpertWeights
 
 FMT_CODE = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -219,6 +219,12 @@ class ResidentExperts:
     @property
     def nbytes(self) -> int:
         return self.stride * self.E * len(self._alloc)
+
+    def slot_table(self, n_layers: int) -> np.ndarray:
+        """[n_layers, E] uint64 record addresses, 0 on layers not held (coli.gpu.graphs: a replayed step's table)."""
+        from coli.gpu.graphs import build_slot_table
+        return build_slot_table(n_layers, self.E, sorted(self._alloc),
+                                lambda layer, e: int(self._alloc[layer]) + e * self.stride)
 
     def record(self, layer: int, e: int) -> DeviceRecord:
         if layer not in self._alloc or not 0 <= e < self.E:
