@@ -362,7 +362,8 @@ class Gateway:
             return _error_response(err)
         self._record("/api/stats", 200, t0)
         return JSONResponse({"t": time.time(), "run": self.cfg.run_name, "model": self.model_id,
-                             "queued": st.get("queued") or 0, "running": st.get("running") or 0, "in_flight": int(self.m["in_flight"].values.get((), 0)),
+                             "queued": st.get("queued") or 0, "running": st.get("running") or 0,
+                             "in_flight": int(self.m["in_flight"].values.get((), 0)),
                              "stats": st.get("stats") or {}})
 
     def _model_obj(self) -> dict:

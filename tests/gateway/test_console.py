@@ -82,7 +82,8 @@ def test_chat_page_folds_reasoning_and_shows_tool_calls(browser, tmp_path_factor
                          " const r = d.querySelector('details.reasoning');"
                          " return {hidden: r.hidden, open: r.open, reasoning: r.querySelector('.body').textContent,"
                          " html: d.querySelector('.content').innerHTML}; })()")
-        assert got == {"hidden": False, "open": False, "reasoning": "Two and two.", "html": "<p>It is <strong>4</strong>.</p>"}
+        assert got == {"hidden": False, "open": False, "reasoning": "Two and two.",
+                       "html": "<p>It is <strong>4</strong>.</p>"}
     finally:
         s.stop()
 
