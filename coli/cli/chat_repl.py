@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coli.serve.client import RequestError
+
 HELP = {
     "/help": "this list",
     "/reset": "forget the conversation (the system message stays)",
@@ -165,7 +167,13 @@ def repl(client, tok, template, system: str | None, session: str | None, max_tok
             ids = encode(conv.messages)
             sys.stdout.write("model> ")
             sys.stdout.flush()
-            out, done, stopped = stream_answer(ids, conv.request_options())
+            try:
+                out, done, stopped = stream_answer(ids, conv.request_options())
+            except RequestError as e:     # this turn is refused (e.g. longer than the context): the chat goes on
+                sys.stdout.write("\n")
+                conv.messages.pop()
+                say(f"error: {e} (the message was not added; /reset starts the conversation over)")
+                continue
             armed = stopped
             answer = tok.decode([t for t in out if t not in eos], skip_special_tokens=True)
             conv.messages.append({"role": "assistant", "content": answer})
