@@ -40,6 +40,7 @@ ERROR_PROTOCOL = "protocol"
 ERROR_STAGE_DEAD = "stage_dead"
 ERROR_OVERLOADED = "overloaded"
 ERROR_INTERNAL = "internal"
+ERROR_STAGE_UNRESPONSIVE = "stage_unresponsive"  # a stage sent no heartbeat for --stage-timeout seconds
 
 
 def short(value: object, limit: int = 60) -> str:
@@ -182,6 +183,23 @@ class StatusReply(Message):
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Stage -> supervisor (on its own `heartbeat` socket), every fraction of a second from a thread of
+    the stage's own: the process is scheduled and alive. A stage that is stopped (SIGSTOP) or wedged as a
+    whole goes quiet, and the supervisor calls it unresponsive after `--stage-timeout` seconds."""
+
+    KIND: ClassVar[int] = 0x09
+    stage: str
+    pid: int
+    t: float
+
+    def __post_init__(self) -> None:
+        _name("stage", self.stage)
+        _need(self.pid > 0, f"pid must be > 0, got {self.pid}")
+        _need(math.isfinite(self.t), f"t must be finite, got {self.t}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -434,7 +452,7 @@ class ReadDone(Message):
 
 # Every message type, in kind order. codec.py decodes only these; a test checks nothing is missing.
 ALL_MESSAGES: tuple[type[Message], ...] = (
-    Hello, Ready, Shutdown, Stats, StageDead, Error, StatusRequest, StatusReply,
+    Hello, Ready, Shutdown, Stats, StageDead, Error, StatusRequest, StatusReply, Heartbeat,
     GenerateRequest, Token, Done, Cancel, DropSession,
     SlotRef, ExpertRequest, ExpertReady, ExpertFailed, ExpertRelease,
     ReadRequest, ReadDone,

@@ -125,6 +125,27 @@ def scale_capacity(vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: in
             "notes": notes}
 
 
+def row_order(names: list[str]) -> list[str]:
+    """Scenario rows in ROW_ORDER; a budget's rows (budget-16gb, budget-nospec-16gb, ...) where "budget" and
+    "budget-nospec" stand, in the order they ran."""
+    out = []
+    for base in ROW_ORDER:
+        if base in ("budget", "budget-nospec"):
+            out += [n for n in names if n == base or (n.startswith(base + "-") and n.endswith("gb")
+                                                      and n[len(base) + 1:-2].replace(".", "").isdigit())]
+        elif base in names:
+            out.append(base)
+    return out
+
+
+def _slice_dense_format(slice_dir: Path) -> tuple[str, int]:
+    """The dense core's format and group as the slice's converter options recorded them (coli bench make-slice
+    --dense-format)."""
+    from coli.container.format import MANIFEST_NAME, parse_manifest
+    m = parse_manifest(Path(slice_dir) / MANIFEST_NAME)
+    return str(m.args.get("dense", "bf16")), int(m.args.get("group") or 64)
+
+
 def summarise(values) -> dict:
     """n, mean, p50, p99, max of a list (None figures when empty)."""
     a = np.asarray(list(values), dtype=np.float64)
@@ -423,7 +444,7 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
         g_wall = nv["bytes"] / wall / GB if wall else None
         out["nvme"] = {**nv, "GBps_busy": g_busy, "GBps_wall": g_wall, "peak_GBps": nvme_peak,
                        "busy_over_peak": ratio(g_busy, nvme_peak), "wall_over_peak": ratio(g_wall, nvme_peak)}
-    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched"):
+    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched", "vram_gb", "predicted"):
         if k in raw:
             out[k] = raw[k]
     return out
@@ -432,13 +453,19 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
 def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0, ram_gb: float = 64.0,
                   tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
                   report: Callable[[str], None] = print) -> dict:
-    """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md)."""
+    """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md).
+    vram_gb: one budget or several ("16,24,32" or a list): the budget scenarios run once per budget (rows
+    budget-16gb, ...), everything else at the first."""
+    from coli.bench.budget import parse_budgets
+    budgets = parse_budgets(",".join(f"{v:g}" for v in vram_gb) if isinstance(vram_gb, (list, tuple)) else vram_gb)
+    vram_gb = budgets[0]
     slice_dir = Path(slice_dir)
     names = parse_scenarios(scenarios) if isinstance(scenarios, str) else list(scenarios)
     if not peer:
         names = [n for n in names if n != "peer"]
     res: dict[str, Any] = {"slice": str(slice_dir), "tokens": tokens, "warmup_tokens": WARMUP_TOKENS,
-                           "vram_gb": vram_gb, "ram_gb": ram_gb, "tile_kb": tile_kb, "scenarios_asked": names,
+                           "vram_gb": vram_gb, "vram_gb_budgets": budgets, "ram_gb": ram_gb, "tile_kb": tile_kb,
+                           "scenarios_asked": names,
                            "rows": [], "notes": [], "extrapolation": (
                                "tokens/s extrapolated to GLM-5 (75 MoE + 3 dense layers): 1 / (75 x moe_layer_s + 78 x "
                                "dense_layer_s + head_s_full); per-layer cache capacities scaled to what the full model "
@@ -575,29 +602,51 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             return row
         guarded("disk", disk)
     if "budget" in names:
-        for spec in (True, False):
-            def budget(spec=spec):
-                host = CachedHostTier(r.reader, scal["slice_ram_slots"], direct=True)
-                vx = r.vram(host, scal["slice_vram_slots"])
-                pilot = OraclePilot(vx, r.routing, r.L) if spec else None
-                try:
-                    row = r.run_vx("budget" if spec else "budget-nospec", vx, host, source=pilot, nvme=host.direct)
-                finally:
-                    vx.close()
-                    host.close()
-                row["label"] = (f"budget {vram_gb:g} GB VRAM / {ram_gb:g} GB RAM (scaled), speculation "
-                                f"{'on: ORACLE pilot (trace experts of layer l+1)' if spec else 'off'}")
-                row["speculation"] = "oracle" if spec else "off"
-                row["ram_slots"] = scal["slice_ram_slots"]
-                if pilot is not None:
-                    row["oracle_prefetched"] = pilot.prefetched
-                return row
-            guarded("budget" if spec else "budget-nospec", budget)
+        from coli.bench.budget import budget_name, plan_bound, predict_hits
+        several = len(budgets) > 1
+        dense_fmt, group = _slice_dense_format(slice_dir)
+        h2d = (ceil or {}).get("whole_GBps")
+        for vb in budgets:
+            sc = scal if vb == vram_gb else scale_capacity(vb, ram_gb, fdense, kv_bytes(full, 4096), WORKSPACE_BYTES,
+                                                           r.layout.nbytes + (-r.layout.nbytes) % 4096, r.L, r.K)
+            if vb != vram_gb:
+                res.setdefault("scaling_by_budget", {})[f"{vb:g}"] = sc
+            # what coli sim and coli plan say for the same case, computed before the run
+            predicted: dict[str, Any] = {}
+            try:
+                predicted["sim"] = predict_hits(r.routing.idx, tokens=WARMUP_TOKENS + tokens, warmup=WARMUP_TOKENS,
+                                                vram_slots=sc["slice_vram_slots"], ram_slots=sc["slice_ram_slots"])
+                predicted["plan"] = plan_bound(vb, ram_gb, dense=dense_fmt, group=group, pcie_gbps=h2d,
+                                               disk_gbps=nvme_peak)
+            except Exception as e:   # noqa: BLE001 -- a prediction failing must not cost the measurement
+                predicted["error"] = f"{type(e).__name__}: {e}"
+            for spec in (True, False):
+                rname = budget_name("budget" if spec else "budget-nospec", vb, several)
+
+                def budget(spec=spec, sc=sc, vb=vb, rname=rname, predicted=predicted):
+                    host = CachedHostTier(r.reader, sc["slice_ram_slots"], direct=True)
+                    vx = r.vram(host, sc["slice_vram_slots"])
+                    pilot = OraclePilot(vx, r.routing, r.L) if spec else None
+                    try:
+                        row = r.run_vx(rname, vx, host, source=pilot, nvme=host.direct)
+                    finally:
+                        vx.close()
+                        host.close()
+                    row["label"] = (f"budget {vb:g} GB VRAM / {ram_gb:g} GB RAM (scaled), speculation "
+                                    f"{'on: ORACLE pilot (trace experts of layer l+1)' if spec else 'off'}")
+                    row["speculation"] = "oracle" if spec else "off"
+                    row["ram_slots"] = sc["slice_ram_slots"]
+                    row["vram_gb"] = vb
+                    row["predicted"] = predicted
+                    if pilot is not None:
+                        row["oracle_prefetched"] = pilot.prefetched
+                    return row
+                guarded(rname, budget)
     warm_moe = None
     if "warm" in raws and "token_s" in raws["warm"] and nomoe is not None:
         warm_moe, _ = split_times(float(np.mean(raws["warm"]["token_s"])), nomoe, r.L, head_slice)
         res["warm_moe_layer_ms"] = warm_moe * 1e3
-    for name in ROW_ORDER:
+    for name in row_order(list(raws)):
         raw = raws.get(name)
         if raw is None:
             continue
@@ -736,11 +785,17 @@ def table_rows(res: dict) -> list[list[str]]:
         h, nv = row.get("h2d") or {}, row.get("nvme") or {}
         hr = row.get("hit_rates") or {}
         dd = ((row.get("demand_delay") or {}).get("us") or {})
-        out.append([row["scenario"], _f(row.get("tokens_per_s_glm5")), _f(row["token_ms"]["mean"]),
+        tps, vh, rh = _f(row.get("tokens_per_s_glm5")), _f(hr.get("vram"), "{:.0%}"), _f(hr.get("ram"), "{:.0%}")
+        pr = row.get("predicted")
+        if pr:                           # budget rows: coli plan's bound and coli sim's hit rates beside them
+            tps += f" (plan {_f((pr.get('plan') or {}).get('tokens_per_s'))})"
+            vh += f" (sim {_f((pr.get('sim') or {}).get('vram'), '{:.0%}')})"
+            rh += f" (sim {_f((pr.get('sim') or {}).get('ram'), '{:.0%}')})"
+        out.append([row["scenario"], tps, _f(row["token_ms"]["mean"]),
                     _f(row.get("moe_layer_ms")),
                     f"{_f(h.get('eff_busy_GBps'))} ({_f(h.get('busy_over_peak'), '{:.0%}')})" if h else "-",
                     f"{_f(nv.get('GBps_wall'))} ({_f(nv.get('wall_over_peak'), '{:.0%}')})" if nv else "-",
-                    _f(row.get("overlap_efficiency")), _f(hr.get("vram"), "{:.0%}"), _f(hr.get("ram"), "{:.0%}"),
+                    _f(row.get("overlap_efficiency")), vh, rh,
                     str(row.get("cpu_fallbacks_total", "-")), _f(dd.get("p99"), "{:.0f}")])
     return out
 

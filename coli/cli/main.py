@@ -65,8 +65,11 @@ def main(
 
 def _register() -> None:
     # Each module defines `register(app)`; importing here keeps `coli --help` fast and the modules small.
-    from coli.cli import bench, chat, convert, doctor, inspect, logs, plan, run, serve, sim, stats, up, verify
-    for module in (run, convert, inspect, verify, up, chat, logs, stats, serve, sim, plan, doctor, bench):
+    from coli.cli import bench, chat, convert, doctor, inspect, logs, plan, ps, run, serve, sim, stats, up, verify
+    for module in (run, convert, inspect, verify, up, ps, chat, logs, stats, serve, sim, plan, doctor, bench):
+        module.register(app)
+    from coli.cli import models, pull   # getting models: coli pull, coli models [rm]
+    for module in (pull, models):
         module.register(app)
 
 

@@ -57,7 +57,7 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     if (prompt is None) == (prompt_ids is None):
         raise ColiError("give exactly one of --prompt or --prompt-ids")
     params = sampling_from_options(greedy, temperature, top_p, top_k, seed)
-    check_model_dir(model)   # a missing or half-converted --model is said as such, not as "no tokenizer.json"
+    model = check_model_dir(model, names=True)   # a missing or half-converted --model is said as such, not as "no tokenizer.json"
     require_device(device)
 
     tok = load_tokenizer(model)

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from coli.errors import ColiError
+from coli.gpu import attention_split
 from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
 from coli.gpu.cuda_weights import (
     FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
@@ -52,10 +54,15 @@ def _signatures() -> dict[tuple[str, str], str]:
     }
     for nj in (1, 2, 4, 8, 16):
         s[("attention", f"mla_attend_{nj}")] = "PPiiPPPPiiiiifP"
+        s[("attention", f"mla_attend_part_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
+        s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
         s[("elementwise", f"dequant_{f}")] = QM + "iP"
         s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
+        s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
+        s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
@@ -91,6 +98,24 @@ MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts pe
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
+# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks (cuda/attention.cu
+# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "split1" the same with the first split kernel
+# (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
+# row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
+ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
+# Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
+# staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
+GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
+GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
+ATTN_VERSIONS = ("auto", "split1", "v1")
+GEMV_VERSIONS = ("v2", "v1")
+
+
+def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
+    """A kernel-version setting's value, or a one-line error naming the setting and what it takes."""
+    if value not in allowed:
+        raise ColiError(f"{setting}={value!r} is not a kernel version: use one of {', '.join(allowed)}")
+    return value
 
 
 @dataclass
@@ -132,6 +157,9 @@ class CudaBackend:
         self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
         self._mma_usable: bool | None = None  # moe_mma.cu compiled here (see _mma_fits)
         self._scratch: dict[tuple, MoeScratch] = {}   # fused-decode buffers by (layout, K, version asked)
+        self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
+        self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
+        self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -257,8 +285,16 @@ class CudaBackend:
         """y[z][n] = W[wrow0 + z*wz + n] . x[z]; False when the GEMV kernel does not apply (use _gemm)."""
         if not w.vec_ok:
             return False
-        fn = self._fn("gemv", f"gemv_{w.fmt}")
         smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
+            fn = self._fn("gemv", f"gemv2_{w.fmt}")
+            if self.rt.allow_smem(fn, smem):
+                ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
+                blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+                self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
+                return True
+        fn = self._fn("gemv", f"gemv_{w.fmt}")
         if not self.rt.allow_smem(fn, smem):
             return False
         pairs = -(-N // 2)
@@ -282,22 +318,74 @@ class CudaBackend:
         if Lkv > 512 or dr > 64:
             raise ValueError(f"mla_attend supports kv_lora_rank <= 512 and rope dim <= 64 (got {Lkv}, {dr})")
         mask = self.device_mask(allowed, S, T)
+        decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
-        self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
-                   q_abs.ptr, nh * Lkv, Lkv, nh)
-        ctx = self.empty((S, nh, Lkv))
-        nj = next(j for j in (1, 2, 4, 8, 16) if 32 * j >= Lkv)
-        fn = self._fn("attention", f"mla_attend_{nj}")
-        idx = mask.idx.ptr if mask.idx is not None else 0
-        cnt = mask.cnt.ptr if mask.cnt is not None else 0
-        self.rt.launch(fn, (nh, S), 256, q_abs.ptr, q.ptr, dq, dn, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax,
-                       mask.start, nh, Lkv, dr, F32(scale), ctx.ptr, smem=8 * Lkv * 4)
+        if not (decode and self._gemv_t(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh, q.ptr, dq, q_abs.ptr, Lkv)):
+            self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
+                       q_abs.ptr, nh * Lkv, Lkv, nh)
+        ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale)
         # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
         o = self.empty((S, nh * dv))
-        self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
-                   o.ptr, nh * dv, dv, nh)
+        if not (decode and self._gemv(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh, ctx.ptr, Lkv, o.ptr, dv)):
+            self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
+                       o.ptr, nh * dv, dv, nh)
         return o
+
+    def attend_core(self, q_abs: DeviceArray, q: DeviceArray, pe_off: int, lat: DeviceArray, k_pe: DeviceArray,
+                    mask: DeviceMask, scale: float, T_dev: int = 0, n_max: int | None = None) -> DeviceArray:
+        """ctx [S, nh, Lkv] = softmax over the mask's keys of (q_abs . lat + q_pe . k_pe) * scale, applied to lat;
+        q_pe = q[..., pe_off:]. The split-context kernels (cuda/attention.cu, coli/gpu/attention_split.py) where
+        they apply, else one block per (head, row). T_dev: device address of the cache length as an int32 (dense
+        masks; 0: mask.T), with n_max the most keys a row can have, which sizes the grid (CUDA-graph replay)."""
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        dr = dq - pe_off
+        ctx = self.empty((S, nh, Lkv))
+        nj = next(j for j in (1, 2, 4, 8, 16) if 32 * j >= Lkv)
+        idx = mask.idx.ptr if mask.idx is not None else 0
+        cnt = mask.cnt.ptr if mask.cnt is not None else 0
+        split = self.attn_kernels != "v1" and attention_split.split_fits(Lkv, dr, lat.ptr, k_pe.ptr)
+        if not split:
+            if T_dev:
+                raise ValueError("attend_core: T_dev needs the split-context kernels (COLI_ATTN_KERNELS != v1)")
+            fn = self._fn("attention", f"mla_attend_{nj}")
+            self.rt.launch(fn, (nh, S), 256, q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax,
+                           mask.start, nh, Lkv, dr, F32(scale), ctx.ptr, smem=8 * Lkv * 4)
+            return ctx
+        if n_max is None:
+            n_max = mask.kmax if mask.idx is not None else mask.start + S
+        chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
+        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
+        smem = attention_split.smem_bytes(Lkv, dr)
+        if not self.rt.allow_smem(fn, smem):
+            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        grid = (nchunk, attention_split.head_groups(nh), S)
+        args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,
+                dr, F32(scale), chunk, nchunk)
+        if nchunk == 1:                   # one chunk per row: the block normalises and writes ctx itself
+            self.rt.launch(fn, grid, attention_split.THREADS, *args, 0, 0, ctx.ptr, smem=smem)
+            return ctx
+        pm, pl = self.empty((S, nh, nchunk)), self.empty((S, nh, nchunk))
+        pc = self.empty((S, nh, nchunk, Lkv))
+        self.rt.launch(fn, grid, attention_split.THREADS, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
+        fc = self._fn("attention", "mla_attend_combine")
+        self.rt.launch(fc, (nh, S), attention_split.COMBINE_THREADS, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
+                       T_dev, S, nh, Lkv, chunk, nchunk, ctx.ptr)
+        return ctx
+
+    def _gemv_t(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """y[z][n] = x[z] @ W[wrow0 + z*wz : + K] (n < W.cols); False when gemv_t does not apply (use _gemm)."""
+        if not w.vec_ok:
+            return False
+        vals = _chunk_vals(w.fmt)
+        nchunks = w.layout.row_data_bytes // 16
+        threads = nchunks * ((256 if vals > 16 else 512) // nchunks)
+        if threads == 0:
+            return False
+        fn = self._fn("gemv", f"gemv_t_{w.fmt}")
+        self.rt.launch(fn, (Z,), threads, *w.args(), wrow0, wz, K, x, x_z, y, y_z, smem=threads * vals * 4)
+        return True
 
     def device_mask(self, allowed: Any, S: int, T: int) -> DeviceMask:
         """A DeviceMask from the indexer's result or from a host bool [S, T]."""
@@ -771,6 +859,21 @@ def mma_layout_ok(lay, K: int) -> bool:
             and d.rows == g.cols and d.cols == g.rows
             and u.rows == g.rows and u.cols == g.cols and u.group == g.group
             and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
+
+
+def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
+    """gemv2_<fmt> stages x with 16-byte loads and finds an int4 group by a shift."""
+    return x % 16 == 0 and x_z % 4 == 0 and (fmt != "int4" or group in (32, 64, 128))
+
+
+def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
+    """Column segments per row pair (ks) of gemv2: doubled (up to the block's 8 warps) while the matrix has fewer
+    warp tasks than two per-SM blocks' worth of warps and each segment keeps >= 2 chunks per lane -- the router's
+    256 x 6144 f32 gets 8, q_a's 2048 x 6144 int4 2, o_proj's 6144 rows 1."""
+    ks, pairs = 1, -(-N // 2)
+    while ks < GEMV2_WARPS and pairs * ks < 2 * GEMV2_WARPS * sm_count and nchunks // (2 * ks) >= 64:
+        ks *= 2
+    return ks
 
 
 def _chunk_vals(fmt: str) -> int:

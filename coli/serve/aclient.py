@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from coli.serve.client import RequestError, RunNotFound, StageDeadError
+from coli.serve.client import (RequestError, RunGone, RunNotFound, StageDeadError,  # noqa: F401
+                               StageUnresponsiveError, not_up_message, request_error)
 from coli.errors import ColiError
 from coli.protocol.codec import decode, encode
 from coli.protocol.errors import ProtocolError, RunDirError
@@ -35,10 +36,6 @@ from coli.protocol.sockets import make_socket
 __all__ = ["AsyncClient", "RequestStream", "RunGone", "RunNotFound", "RequestError", "StageDeadError"]
 
 _HAS_NEW_SESSION = any(f.name == "new_session" for f in dataclasses.fields(GenerateRequest))
-
-
-class RunGone(ColiError):
-    """The run stopped (or its supervisor died) while a request was waiting."""
 
 
 class RequestStream:
@@ -111,7 +108,7 @@ class AsyncClient:
         except RunDirError:
             raise RunNotFound(f"no run named {name!r} is up (start one with `coli up --name {name}`)") from None
         if not rd.is_live():
-            raise RunNotFound(f"run {name!r} is not up (its supervisor is gone; `coli up --name {name}` cleans up)")
+            raise RunNotFound(not_up_message(rd))
         identity = f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self = cls(rd, name, ctx or zmq.asyncio.Context(), ctx is None, identity)
         try:
@@ -190,7 +187,7 @@ class AsyncClient:
                 s.queue.put_nowait(msg)
             else:
                 self._streams.pop(msg.request_id, None)
-                s.queue.put_nowait(RequestError(msg.code, msg.message))
+                s.queue.put_nowait(request_error(msg.code, msg.message))
         elif isinstance(msg, StatusReply):
             f = self._status.pop(msg.request_id, None)
             if f is not None and not f.done():
@@ -209,8 +206,15 @@ class AsyncClient:
             except RunDirError:
                 live = False
             if not live:
-                self._fail_all(RunGone(f"run {self.name!r} is not up any more"))
+                pid = (self._pid_quietly() or ("?",))[0]
+                self._fail_all(RunGone(f"run {self.name!r} is gone: its supervisor (pid {pid}) is not running"))
                 return
+
+    def _pid_quietly(self):
+        try:
+            return self.rd.read_pid()
+        except RunDirError:
+            return None
 
     def _fail_all(self, exc: BaseException) -> None:
         if self.dead is None:

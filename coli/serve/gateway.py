@@ -87,7 +87,7 @@ def _run_error(e: BaseException) -> ApiError:
             msg = str(e).split(": ", 1)[-1]
             code = "session_not_found" if "session" in msg and ("unknown" in msg or "no session" in msg) else None
             return ApiError(404 if code else 400, msg, param="session" if code else None, code=code or "bad_request")
-        if e.code in ("shutdown", "stage_dead", "overloaded"):
+        if e.code in ("shutdown", "stage_dead", "stage_unresponsive", "overloaded"):
             return ApiError(503, str(e), "service_unavailable", code=e.code)
         return ApiError(500, str(e), "server_error", code=e.code)
     if isinstance(e, TimeoutError):

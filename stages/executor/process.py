@@ -6,6 +6,7 @@ Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients);
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -42,7 +43,10 @@ class StopRequested(Exception):
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
-                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None) -> None:
+                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
+                  control: bytes | None = None) -> None:
+    """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
+    control messages from any other peer are refused. None accepts any peer."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -67,8 +71,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     "load_s": round(time.perf_counter() - t_load, 3)}
             if state["vram"]:
                 info.update(vram=state["vram"], gpu_name=state["gpu_name"])
-            if greet(sock, peer, msg, STAGE, info, log):
+            if greet(sock, peer, msg, STAGE, info, log, control=control):
                 state["supervisor"] = peer
+        elif control is not None and peer != control:
+            # clients reach the executor through the supervisor only (its checks and its fairness)
+            log.error("protocol_error", peer=repr(peer),
+                      error=f"{type(msg).__name__} refused: the executor takes messages only from the supervisor")
         elif isinstance(msg, Cancel):
             if state["current"] == msg.request_id:
                 raise Cancelled()
@@ -336,7 +344,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()
+        # every numpy view over the arenas must be gone before they unmap: the model, its expert source and
+        # the residency table hold them, also through `state` and the closures above, and cycles among them
+        # wait for the collector
+        state["model"] = state["vx"] = None
         del model, experts, table, sessions
+        gc.collect()
         for a in (tarena, arena):
             try:
                 a.close()

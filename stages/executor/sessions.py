@@ -170,7 +170,7 @@ class SessionStore:
         """A new session is refused up front when its directory cannot take files, rather than after the
         turn it was asked for (the probe is a real create, not os.access, which root always passes)."""
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._ensure_dir()
             probe = self.dir / f"{_PROBE}{os.getpid()}"
             create_private(probe)
             os.unlink(probe)
@@ -180,8 +180,15 @@ class SessionStore:
                                f"(sessions live in $COLI_CACHE/sessions)") from None
 
     # ---- persistence -------------------------------------------------------------------------------
-    def save(self, s: Session) -> Path:
+    def _ensure_dir(self) -> None:
+        """The directory, owner-only: file names are session names, and an older run may have made it 0755."""
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.dir.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(self.dir, 0o700)
+
+    def save(self, s: Session) -> Path:
+        self._ensure_dir()
         arrays = s.cache.host_arrays()  # {"<layer>.lat": [T, Lkv], ...}
         tokens = json.dumps([int(t) for t in s.tokens])
         meta = {"magic": MAGIC, "version": str(VERSION), "model": self.fingerprint, "name": s.name,

@@ -31,6 +31,7 @@ SAMPLES: list[m.Message] = [
     m.Stats(stage="ramtier", t=1_764_470_000.25, counters={"hits": 10, "busy_s": 0.5}),
     m.StageDead(stage="reader", reason="killed by SIGKILL", exitcode=-9),
     m.StageDead(stage="reader", reason="lost", exitcode=None),
+    m.Heartbeat(stage="executor", pid=4242, t=1_764_470_000.5),
     m.Error(code=m.ERROR_BAD_REQUEST, message="prompt too long", request_id="req-1"),
     m.Error(code=m.ERROR_PROTOCOL, message="bad frame", request_id=None),
     m.GenerateRequest(

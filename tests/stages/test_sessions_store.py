@@ -91,8 +91,10 @@ def _saved(tmp_path, n=4):
 
 
 def test_saved_file_is_private_and_leaves_no_temp(tmp_path):
+    tmp_path.chmod(0o755)                                 # as an older version left it
     p = _saved(tmp_path)
     assert (p.stat().st_mode & 0o777) == 0o600          # the token ids are the conversation
+    assert (tmp_path.stat().st_mode & 0o777) == 0o700
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.session"]
 
 
