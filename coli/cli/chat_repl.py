@@ -112,8 +112,12 @@ class LineReader:
         self.prompt = prompt
         self.session = None
         if sys.stdin.isatty() and sys.stdout.isatty():
-            from prompt_toolkit import PromptSession
-            from prompt_toolkit.history import FileHistory
+            try:
+                from prompt_toolkit import PromptSession
+                from prompt_toolkit.history import FileHistory
+            except ImportError:     # an install from before it was a dependency: plain lines still work
+                say("(no line editing: prompt_toolkit is not installed; pip install -e . brings it)")
+                return
 
             p = history_path()
             p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
