@@ -316,17 +316,27 @@ class _Runner:
             if self._before is not None:
                 self._before()
             times = []
+            if m.step_graphs is not None:        # the device time of each replayed step, beside its wall time
+                m.step_graphs.time_gpu, m.step_graphs.gpu_s = True, []
             for _ in range(self.N):
                 rt.synchronize()
                 t = time.perf_counter()
                 tok = m.greedy([tok], cache)
                 rt.synchronize()
                 times.append(time.perf_counter() - t)
+            g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
+            self.graphs = (None if g is None else
+                           {"replays": g.replays, "segment_steps": g.segment_steps, "captures": g.captures,
+                            "eager_reason": g.last_reason,
+                            "gpu_ms_mean": float(np.mean(g.gpu_s)) * 1e3 if g.gpu_s else None})
+            if g is not None:
+                g.time_gpu = False
             return times
         finally:
             m.route_override = saved
 
     _before: Callable[[], None] | None = None
+    graphs: dict | None = None     # the last decode's replay counters (None: every step eager)
 
     def head_time(self, reps: int = 20) -> float:
         b, rt = self.b, self.b.rt
@@ -375,7 +385,7 @@ class _Runner:
         vx.finish()
         snap = delta(vx.snapshot(), marks["snap"])
         i = marks["delays"]
-        row = {"scenario": name, "token_s": times, "counters": snap,
+        row = {"scenario": name, "token_s": times, "counters": snap, "graphs": self.graphs,
                "delays_us": vx.delays_us[i:], "delay_nbytes": vx.delay_nbytes[i:],
                "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"]), "vram_slots": vx.n_slots}
         if timeline and vx.timeline:
@@ -517,6 +527,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         nomoe = float(np.mean(t))
         _, dense_layer = split_times(nomoe, nomoe, r.L, head_slice)
         res["nomoe_token_ms"] = summarise([x * 1e3 for x in t])
+        res["nomoe_graphs"] = r.graphs
         res["dense_layer_ms"] = dense_layer * 1e3
     except Exception as e:   # noqa: BLE001
         res["notes"].append(f"the no-routed-expert decode failed ({type(e).__name__}: {e}): no MoE/dense split, "
@@ -543,7 +554,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             res_x = ResidentExperts(r.b.rt, r.reader)
             r.model.experts = res_x
             try:
-                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": r.decode()}
+                t = r.decode()
+                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
             finally:
                 r.model.experts = _NoExperts()
                 del res_x
@@ -572,7 +584,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         for spec in (True, False):
             def spec_ram(spec=spec):
                 host = r.memory_tier()
-                vx = r.vram(host, 3 * r.K)
+                vx = r.vram(host, 3 * r.K, speculate=spec)     # on here whatever COLI_SPEC_COPIES says
                 pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                 name = "spec-ram" if spec else "spec-ram-off"
                 try:
@@ -625,7 +637,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
 
                 def budget(spec=spec, sc=sc, vb=vb, rname=rname, predicted=predicted):
                     host = CachedHostTier(r.reader, sc["slice_ram_slots"], direct=True)
-                    vx = r.vram(host, sc["slice_vram_slots"])
+                    vx = r.vram(host, sc["slice_vram_slots"], speculate=spec)
                     pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                     try:
                         row = r.run_vx(rname, vx, host, source=pilot, nvme=host.direct)
@@ -657,6 +669,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
                            nvme_peak=nvme_peak)
         row["token_s_raw"] = raw["token_s"]
+        if "graphs" in raw:
+            row["graphs"] = raw["graphs"]
         if raw.get("timeline"):
             row["timeline"] = raw["timeline"]
         res["rows"].append(row)

@@ -32,7 +32,9 @@ def up(
     queue_depth: int = typer.Option(16, "--queue-depth", min=1, help="Reads in flight at most."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
     http: Optional[str] = typer.Option(None, "--http", help="Also serve the OpenAI-compatible HTTP API on [HOST:]PORT "
-                                       "(`coli serve` beside the run; key from COLI_API_KEY)."),
+                                       "(`coli serve` beside the run; API key from COLI_API_KEY or --api-key-file)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="With --http: read the gateway's API key "
+                                                "from this file (first line, chmod 600) instead of COLI_API_KEY."),
     record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
                                                   help="Append every token's routed experts and weights to FILE "
                                                        "(docs/traces.md; read it with `coli sim --trace FILE`)."),
@@ -55,7 +57,9 @@ def up(
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
     model = _container_for(model, experts, dense)
-    gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
+    if api_key_file is not None and not http:
+        fail("--api-key-file is for the HTTP gateway: give --http too")
+    gateway = _gateway_beside(name, http, startup_timeout, detach, api_key_file) if http else None
     ok = False
     try:
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
@@ -85,8 +89,8 @@ def _container_for(model: Optional[Path], experts: Optional[str], dense: Optiona
 
 
 # ---- --http: the gateway (coli serve) as a process beside the run; it waits for the run and exits with it ----
-def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
-    from coli.cli.serve import bind_socket, parse_http
+def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool, api_key_file: Path | None = None):
+    from coli.cli.serve import bind_socket, parse_http, read_api_key
     from coli.protocol.rundir import RunDir, default_base
     from coli.protocol.errors import RunDirError
 
@@ -94,6 +98,7 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
         host, port = parse_http(http)
         if port:  # fail now, before starting a run that would come up without its gateway
             bind_socket(host, port).close()
+        read_api_key(None, str(api_key_file) if api_key_file else None)  # a bad key file fails before the run starts
         live = RunDir(name, create=False).is_live()
     except RunDirError:
         live = False
@@ -103,6 +108,8 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
         return None  # `coli up` is about to say the run is already up
     args = [sys.executable, "-m", "coli.cli.main", "serve", "--name", name, "--http", http, "--exit-with-run",
             "--wait", str(startup_timeout * 3 + 600)]
+    if api_key_file is not None:
+        args += ["--api-key-file", str(api_key_file.resolve())]  # the path, never the key, goes on the command line
     if not detach:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL)
     base = default_base()

@@ -51,6 +51,9 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("router", "route_topk"): "PPiiiiifPP",
         ("gemm", "moe_reduce"): "PiiiPi",
         ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
+        # a decode step replayed from a CUDA graph (coli/gpu/graphs.py): per-token values read from device memory
+        ("graph", "kv_put"): "PqPP", ("graph", "expert_table"): "PiPP",
+        ("indexer", "indexer_scores_dyn"): "PPPiiPffiP", ("indexer", "topk_select_dyn"): "PPiiPP",
     }
     for nj in (1, 2, 4, 8, 16):
         s[("attention", f"mla_attend_{nj}")] = "PPiiPPPPiiiiifP"
@@ -160,6 +163,14 @@ class CudaBackend:
         self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
+        # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
+        # (token, position, rope angles, routing) are then read from its device buffer instead of the host
+        self.step = None
+
+    def graph_decoder(self, model):
+        """The replayed decode step for `model` (coli.gpu.graphs.GraphDecoder), or None with COLI_GRAPHS=0."""
+        from coli.gpu.graphs import GraphDecoder, graphs_enabled
+        return GraphDecoder(model, self) if graphs_enabled() else None
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -184,6 +195,12 @@ class CudaBackend:
         row = dst.nbytes // dst.shape[0]
         if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
             raise ValueError(f"cannot write rows {src.shape} into {dst.shape} at {start}")
+        if self.step is not None:       # captured step: the row goes where the step's device position says
+            st = self.step.check_rows(src.shape[0], "write_rows")
+            st.check_start(start)
+            n = row // 4
+            self.rt.launch(self._fn("graph", "kv_put"), (self._grid1d(n),), 256, src.ptr, n, st.pos_ptr, dst.ptr)
+            return
         self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
 
     def rows(self, x: DeviceArray, n: int) -> DeviceArray:
@@ -211,9 +228,12 @@ class CudaBackend:
         ids = np.asarray(ids, np.int64)
         S = int(ids.shape[0])
         out = self.empty((S, table.cols))
-        ids_d = self.rt.to_device_async(ids.astype(np.int32))
+        if self.step is not None:                 # captured step: the token is in the step's device inputs
+            ids_ptr = self.step.check_rows(S, "embed").token_ptr
+        else:
+            ids_ptr = self.rt.to_device_async(ids.astype(np.int32)).ptr
         fn = self._fn("elementwise", f"embed_{table.fmt}")
-        self.rt.launch(fn, (S,), 256, *table.args(), ids_d.ptr, out.ptr)
+        self.rt.launch(fn, (S,), 256, *table.args(), ids_ptr, out.ptr)
         return out
 
     def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
@@ -274,7 +294,10 @@ class CudaBackend:
     def rope(self, x: DeviceArray, cos: np.ndarray, sin: np.ndarray, offset: int) -> DeviceArray:
         S, n, d = x.shape
         half = cos.shape[-1]
-        cs, sn = self._cos_sin(cos, sin)
+        if self.step is not None:       # captured step: this position's angles are in the step's device inputs
+            cs, sn = self.step.check_rows(S, "rope").angles(half)
+        else:
+            cs, sn = self._cos_sin(cos, sin)
         out = self.empty(x.shape)
         fn = self._fn("rope", "rope")
         self.rt.launch(fn, (self._grid1d(x.size),), 256, x.ptr, cs.ptr, sn.ptr, out.ptr, S, n, d, offset, half)
@@ -412,6 +435,8 @@ class CudaBackend:
         start = int(positions[0])
         if not np.array_equal(positions, np.arange(start, start + S)) or start + S != T:
             raise ValueError("indexer_select on the GPU needs positions start..start+S-1 with T = start + S")
+        if self.step is not None:
+            return self._indexer_select_step(iq, k_idx, head_w, index_topk)
         if start + S <= index_topk:
             return DeviceMask(S, T, start)                       # every row keeps all its visible keys
         kmax = min(index_topk, T)
@@ -430,6 +455,26 @@ class CudaBackend:
             self.rt.launch(f_tk, (n,), 1024, scores.ptr, T, start + s0, index_topk, kmax,
                            idx.ptr + s0 * kmax * 4, cnt.ptr + s0 * 4)
         return DeviceMask(S, T, start, idx, cnt, kmax)
+
+    def _indexer_select_step(self, iq: DeviceArray, k_idx: DeviceArray, head_w: DeviceArray,
+                             index_topk: int) -> DeviceMask:
+        """indexer_select inside a captured step (S = 1): (start, T) come from the step's device inputs, the
+        scores kernel's grid covers the cache's capacity (blocks past T return), and topk_select always writes
+        an index list -- all visible keys in order while T <= topk, which mla_attend reads exactly as the dense
+        mask the eager step uses then."""
+        st = self.step.check_rows(iq.shape[0], "indexer_select")
+        _, ih, ihd = iq.shape
+        T, cap = k_idx.shape[0], st.capacity
+        scores = self.empty((1, cap))
+        idx = self.rt.empty((1, index_topk), np.int32)
+        cnt = self.rt.empty((1,), np.int32)
+        smem = (ih * (ihd + 1) + ih) * 4
+        self.rt.launch(self._fn("indexer", "indexer_scores_dyn"), (-(-cap // 64), 1), 256, iq.ptr, k_idx.ptr,
+                       head_w.ptr, ih, ihd, st.pos_ptr, F32(ihd ** -0.5), F32(ih ** -0.5), index_topk, scores.ptr,
+                       smem=smem)
+        self.rt.launch(self._fn("indexer", "topk_select_dyn"), (1,), 1024, scores.ptr, st.pos_ptr, index_topk,
+                       index_topk, idx.ptr, cnt.ptr)
+        return DeviceMask(1, T, T - 1, idx, cnt, index_topk)
 
     # ---- MLPs -------------------------------------------------------------------------------------------------
     def swiglu(self, x: DeviceArray, gate: QWeight, up: QWeight, down: QWeight) -> DeviceArray:
@@ -456,6 +501,8 @@ class CudaBackend:
         smem = (2 * E + 2 * n_group) * 4
         self.rt.launch(fn, (S,), 256, logits.ptr, bias.ptr, E, n_group, topk_group, top_k, int(norm_topk_prob),
                        F32(scaling), idx_d.ptr, w_d.ptr, smem=smem)
+        if self.step is not None:       # captured step: the choice stays on the device (see moe_step)
+            return DeviceRoute(idx_d, w_d, top_k), None
         if self.busy is not None:
             self.busy.mark("route")
         idx = self.rt.to_host(idx_d).astype(np.int64)
@@ -465,6 +512,30 @@ class CudaBackend:
             return prune_topp(idx, w, topp)
         self._route = (idx, idx_d, w_d)
         return idx, w
+
+    def moe_step(self, layer: int, x: DeviceArray, route: "DeviceRoute") -> DeviceArray:
+        """The routed sum [1, H] of a captured decode step: the experts `route` chose (or the step's forced routing
+        for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
+        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch)."""
+        st = self.step.check_rows(x.shape[0], "moe_step")
+        if st.mode == "dropped":             # every slot dropped: the eager step's routed sum is zeros too
+            out = self.empty((1, x.shape[1]))
+            self.rt.zero(out.ptr, out.nbytes)
+            return out
+        idx_ptr, w_ptr = st.route_ptrs(layer, route)
+        slots, lay = st.slots_row(layer), st.rec_layout
+        out = self.empty((1, x.shape[1]))
+        f_tab = self._fn("graph", "expert_table")
+        for c0 in range(0, route.K, MOE_MAXK):
+            k = min(MOE_MAXK, route.K - c0)
+            table = self.rt.empty((k,), np.uint64)
+            self.rt.launch(f_tab, (1,), 32, idx_ptr + 4 * c0, k, slots, table.ptr)
+            sc = self.moe_scratch(lay, k)
+            st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
+            if not (self.moe_gateup(sc, table.ptr, x.ptr) and self.moe_down(sc, table.ptr, w_ptr + 4 * c0, out.ptr,
+                                                                            c0 > 0)):
+                raise CudaError("MoE decode kernels do not fit this device's shared memory")
+        return out
 
     def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:
         """Routed sum [S, H]. `experts` yields (id, handle) pairs -- DeviceRecord (computed here), ExpertWeights
@@ -792,16 +863,30 @@ class CudaBackend:
     # ---- logits ---------------------------------------------------------------------------------------------
     def argmax(self, x: DeviceArray) -> np.ndarray:
         """Index of the first maximum of each row of x [S, V] (greedy decoding), computed on the device."""
+        out = self.rt.empty((x.shape[0],), np.int32)
+        self.argmax_into(x, out.ptr)
+        if self.busy is not None:
+            self.busy.mark("end")
+        return self.rt.to_host(out).astype(np.int64)
+
+
+    def argmax_into(self, x: DeviceArray, out: int) -> None:
+        """out[s] (int32, device) = the first maximum of row s of x [S, V]; queued, nothing read back."""
         S, V = x.shape
         G = max(1, min(-(-V // 1024), 64))
         pv = self.empty((S, G))
         pi = self.rt.empty((S, G), np.int32)
-        out = self.rt.empty((S,), np.int32)
         self.rt.launch(self._fn("argmax", "argmax_partial"), (G, S), 1024, x.ptr, V, pv.ptr, pi.ptr)
-        self.rt.launch(self._fn("argmax", "argmax_final"), (S,), 1024, pv.ptr, pi.ptr, G, out.ptr)
-        if self.busy is not None:
-            self.busy.mark("end")
-        return self.rt.to_host(out).astype(np.int64)
+        self.rt.launch(self._fn("argmax", "argmax_final"), (S,), 1024, pv.ptr, pi.ptr, G, out)
+
+
+@dataclass
+class DeviceRoute:
+    """A router's choice left on the device (a captured decode step): idx [1, K] int32, weights [1, K] fp32."""
+
+    idx: DeviceArray
+    weights: DeviceArray
+    K: int
 
 
 @dataclass
