@@ -107,6 +107,8 @@ def test_a_recorded_trace_balances_the_experts(tmp_path):
     (["--gpus", "0,1", "--vram-gb", "2", "--pcie-gbps", "55"], "error: by layer: GPU 0: its share needs"),
     (["--gpus", "0,1", "--vram-gb", "16", "--pcie-gbps", "55", "--partition", "diagonal"],
      "error: --partition must be layer, expert or auto, got 'diagonal'"),
+    (["--gpus", "0,1", "--vram-gb", "16", "--pcie-gbps", "55", "--ram-gb", "64"],
+     "error: --ram-gb is not used with --gpus (the RAM tier and disk are shared by the GPUs)"),
     (["--gpus", "0,1", "--vram-gb", "16,24", "--pcie-gbps", "55", "--dense-placement", "half"],
      "--dense-placement must be one of auto, whole, split, got 'half'"),
 ])
@@ -114,3 +116,29 @@ def test_a_recorded_trace_balances_the_experts(tmp_path):
 def test_bad_input_is_one_line_naming_the_culprit(args, needle):
     line = one_error(coli("--preset", "glm5", "--dense", "int4", *args))
     assert needle in line, line
+
+
+@pytest.mark.timeout(180)
+def test_a_container_is_placed_from_its_manifest_sizes(tmp_path):
+    from coli.config import load_config
+    from coli.container.format import MANIFEST_NAME, parse_manifest
+    from coli.container.writer import ConvertOptions, convert
+    from coli.model_store import DEMO_DIR
+    from coli.plan import dense_core_parts
+
+    if not (DEMO_DIR / "config.json").is_file():
+        pytest.skip("demo model not built")
+    dst = tmp_path / "demo-int8"
+    convert(DEMO_DIR, dst, ConvertOptions(experts="int4", dense="int8", group=64), report=lambda m: None)
+    m = parse_manifest(dst / MANIFEST_NAME)
+    r = coli("--model", str(dst), "--gpus", "0,1", "--vram-gb", "2", "--pcie-gbps", "25", "--partition", "layer",
+             "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    p = d["plan"]
+    assert d["model_source"].startswith("container") and p["model"]["record_bytes"] == m.record.nbytes
+    assert sum(g["dense_core"] for g in p["gpus"]) == m.dense_file.size
+    embed, layers, head = dense_core_parts(load_config(DEMO_DIR), "int8", 64)
+    for g in p["gpus"]:     # the container's dense file is what its layout code predicts, layer by layer
+        mine = [i for i, h in enumerate(p["home"]) if h == g["index"]]
+        assert g["dense_core"] == sum(layers[i] for i in mine) + embed * g["embedding"] + head * g["lm_head"]

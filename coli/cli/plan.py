@@ -70,8 +70,9 @@ def plan(
     if gpus is not None:
         from coli.cli.plan_gpus import plan_gpus
 
+        unused = [o for o, v in (("--ram-gb", ram_gb), ("--disk-gbps", disk_gbps)) if v is not None]
         plan_gpus(model, preset, gpus, vram_gb, pcie_gbps, context, kv_dtype, experts, dense, group, vram_reserve_gb,
-                  partition, dense_placement, trace, peer_access, as_json)
+                  partition, dense_placement, trace, peer_access, as_json, unused)
         return
     _plan(model, preset, _one(vram_gb, "--vram-gb"), ram_gb, disk_gbps, _one(pcie_gbps, "--pcie-gbps"), context,
           kv_dtype, experts, dense, group, vram_reserve_gb, ram_reserve_gb, as_json)

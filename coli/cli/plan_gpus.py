@@ -75,11 +75,19 @@ def _trace_idx(path: Path, geom):
 
 
 def plan_gpus(model, preset, gpus_text, vram_text, pcie_text, context, kv_dtype, experts, dense, group,
-              vram_reserve_gb, partition, dense_placement, trace, peer_access, as_json) -> None:
+              vram_reserve_gb, partition, dense_placement, trace, peer_access, as_json, unused=()) -> None:
     from coli.cli.common import clean_errors
 
+    clean_errors(_refuse_unused)(unused)
     clean_errors(_plan_gpus)(model, preset, gpus_text, vram_text, pcie_text, context, kv_dtype, experts, dense, group,
                              vram_reserve_gb, partition, dense_placement, trace, peer_access, as_json)
+
+
+def _refuse_unused(unused) -> None:
+    # the RAM tier and the disk are the one-GPU plan's; taking them here silently would suggest they were used
+    if unused:
+        raise ColiError(f"{unused[0]} is not used with --gpus (the RAM tier and disk are shared by the GPUs): plan them "
+                        f"with `coli plan` without --gpus")
 
 
 def _plan_gpus(model, preset, gpus_text, vram_text, pcie_text, context, kv_dtype, experts, dense, group,
