@@ -366,8 +366,8 @@ def _fmt_ranges(items: Sequence[int]) -> str:
 
 
 # ---- per-token figures ------------------------------------------------------------------------------------------
-def _copy_figures(geom: Geometry, gpus: Sequence[GpuBudget], owner: np.ndarray, home: list[int],
-                  shares: list[float], miss: list[float], idx: np.ndarray | None) -> dict:
+def _copy_figures(geom: Geometry, gpus: Sequence[GpuBudget], owner: np.ndarray, shares: list[float],
+                  miss: list[float], idx: np.ndarray | None) -> dict:
     """Expected per-token: copies per GPU, copy seconds with the links in parallel per layer (cold, and with each
     GPU's pool hit rate), and P(GPU g is needed in MoE layer l) for the hand-offs."""
     L, E, K, G = owner.shape[0], geom.experts_per_layer, geom.experts_per_token, len(gpus)
@@ -397,14 +397,12 @@ def _copy_figures(geom: Geometry, gpus: Sequence[GpuBudget], owner: np.ndarray, 
             need[l] = p
             copies += K * np.asarray(owned) / E
     else:
-        T = idx.shape[0]
         own = np.where(idx >= 0, owner[np.arange(L)[None, :, None], np.maximum(idx, 0)], -1)   # [T, L, K]
         counts = np.stack([(own == g).sum(axis=2) for g in range(G)], axis=2).astype(np.float64)  # [T, L, G]
         t_cold = float((counts * np.asarray(cost)).max(axis=2).sum(axis=1).mean())
         t_warm = float((counts * np.asarray(cost_warm)).max(axis=2).sum(axis=1).mean())
         need = (counts > 0).mean(axis=0)
         copies = counts.sum(axis=1).mean(axis=0)
-        del T
     return {"copies": copies, "t_cold": t_cold, "t_warm": t_warm, "need": need, "cost": cost, "rate": rate}
 
 
@@ -437,7 +435,7 @@ def make_partition(geom: Geometry, gpus: Sequence[GpuBudget], o: PartitionOption
     shares_ = _gpu_shares(geom, gpus, o, owner_pos, home_pos)
     shares = _shares(gpus)
     miss = [1.0 - (s["hit_rate_vram_uniform"] or 0.0) for s in shares_]
-    f = _copy_figures(geom, gpus, owner_pos, home_pos, shares, miss, idx)
+    f = _copy_figures(geom, gpus, owner_pos, shares, miss, idx)
     for s, c, t in zip(shares_, f["copies"], f["rate"]):
         s["copies_per_token"] = float(c)
         s["bytes_per_token"] = float(c * xb)
@@ -463,7 +461,9 @@ def make_partition(geom: Geometry, gpus: Sequence[GpuBudget], o: PartitionOption
     routing = "uniform" if idx is None else f"trace ({idx.shape[0]} tokens)"
     assumptions = [
         ("uniform, independent routing (exact expectation over every top-k pattern)" if idx is None else
-         f"routing as in the trace ({idx.shape[0]} tokens)") + "; copy time per token = sum over MoE layers of the "
+         f"routing as in the trace ({idx.shape[0]} tokens; "
+         + ("in-sample: the expert ids were balanced on this same trace)" if o.experts_by == "expert" else
+            "the layer cuts were placed on this same trace)")) + "; copy time per token = sum over MoE layers of the "
         "slowest GPU's copies of that layer (the links run in parallel within a layer, a layer waits for its copies)",
         "expected: each GPU's hit rate = its slots / the experts it owns (uniform), misses cross its own link; the "
         "RAM tier holds every expert (disk not counted)",
