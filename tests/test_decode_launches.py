@@ -49,6 +49,7 @@ def _backend(attn="auto", gemv="v2"):
     gb = CudaBackend.__new__(CudaBackend)
     gb.rt, gb.busy = _RecordingRuntime(), None
     gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels = attn, None, gemv
+    gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
     return gb
 
 

@@ -224,3 +224,54 @@ def test_the_decoder_remembers_a_bounded_number_of_shapes():
     b[("key", 10)] = True                                   # touched: now the newest
     b[("key", 999)] = True
     assert ("key", 10) in b and ("key", 11) not in b
+
+
+@pytest.mark.parametrize("nh,Lkv,sm,topk", [(64, 512, 132, 2048), (4, 32, 132, 8), (16, 64, 84, 100), (64, 512, 46, 2048)])
+def test_a_captured_step_chunks_its_attention_like_the_eager_step(nh, Lkv, sm, topk):
+    """The split attention sums a row chunk by chunk: a replayed step gives the eager step's bits only if its chunks
+    are the eager step's. The eager step sizes them by T (dense mask, T <= topk) or topk (the indexer's top-k);
+    attn_span gives a length with the same chunk size and enough chunks for T, constant over each range of T with
+    one chunk size (one graph per range: 4 on the H200 at GLM-5's shape, ~11 on a 46-SM card)."""
+    from coli.gpu.attention_split import split_chunks
+    from coli.gpu.graphs import attn_span
+    spans, chunks = set(), set()
+    for T in range(1, topk + 40):
+        eager_n = T if T <= topk else topk
+        chunk, _ = split_chunks(eager_n, 1, nh, Lkv, sm)
+        chunks.add(chunk)
+        span = attn_span(T, topk, nh, Lkv, sm)
+        g_chunk, g_nchunk = split_chunks(span, 1, nh, Lkv, sm)
+        assert g_chunk == chunk, (T, span)
+        assert g_nchunk * g_chunk >= min(T, topk), (T, span)             # every key of the row has a block
+        assert min(T, topk) <= span <= topk
+        spans.add(span)
+    assert len(spans) == len(chunks), (sorted(spans), sorted(chunks))  # one graph per chunk size the eager step uses
+
+
+def test_a_captured_step_sizes_the_split_attention_by_its_span():
+    """The wiring of attn_span: inside a captured step (backend.step set) mla_attend sizes the split by the step's
+    attn_n_max, not by the top-k index list it reads (which would cut the keys into other chunks than the eager
+    step's dense mask at T = 100). On tests/test_decode_launches.py's recording runtime, GLM-5's attention shape."""
+    from types import SimpleNamespace
+
+    from coli.gpu.attention_split import split_chunks
+    from coli.gpu.cuda_backend import DeviceMask
+    from coli.gpu.cuda_weights import HeadView
+    from coli.gpu.graphs import attn_span
+    from test_decode_launches import _backend, _weight
+    nh, dn, dr, dv, L, T, topk = 64, 192, 64, 256, 512, 100, 2048
+
+    def part_grid(step, mask):
+        gb = _backend()
+        gb.step = step
+        kvb = _weight(gb, nh * (dn + dv), L, "int8")
+        w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
+        q, lat, kpe = gb.rt.empty((1, nh, dn + dr)), gb.rt.empty((T, L)), gb.rt.empty((T, dr))
+        gb.mla_attend(q, lat, kpe, w_kb, w_vb, mask(gb), 0.1)
+        return next(g for name, g, _, _ in gb.rt.launches if name.startswith("mla_attend_part"))
+
+    listed = lambda gb: DeviceMask(1, T, T - 1, gb.rt.empty((1, topk), np.int32), gb.rt.empty((1,), np.int32), topk)  # noqa: E731
+    span = attn_span(T, topk, nh, L, 132)
+    assert part_grid(SimpleNamespace(attn_n_max=span), listed)[0] == split_chunks(span, 1, nh, L, 132)[1]
+    assert part_grid(None, listed)[0] == split_chunks(topk, 1, nh, L, 132)[1]         # eager, top-k list: by topk
+    assert split_chunks(span, 1, nh, L, 132)[0] == split_chunks(T, 1, nh, L, 132)[0]  # = eager dense's chunks

@@ -20,12 +20,14 @@ Formats (--experts for the routed experts, --dense for the rest):
 Norms, routers, the router correction bias and the indexer's weights_proj always stay float32. The MTP layer (layers >= num_hidden_layers) is skipped.
 
 Interrupted (Ctrl-C, SIGKILL, power loss, full disk)? Run the same command again: it resumes and ends byte-identical to an uninterrupted run. Different options on an unfinished DST are refused.
+
+SRC may be hf://ORG/REPO\\[@REVISION]: the checkpoint is fetched from the Hub shard by shard (huggingface_hub: HF_TOKEN or `hf auth login`, HF_ENDPOINT, HF_HUB_CACHE) and each shard is deleted once converted, so the disk holds the container plus at most --max-shards-on-disk shards. Killed? Rerun it: it resumes, byte-identical to converting a local copy.
 """
 
 
 def convert(
     src: str = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors), or "
-                                        "hf://ORG/REPO[@REVISION] to download it shard by shard."),
+                                        "hf://ORG/REPO\\[@REVISION] to download it shard by shard."),
     dst: Path = typer.Argument(..., help="Container directory to create (or an unfinished one to resume)."),
     experts: str = typer.Option("int4", "--experts", help="Routed expert format: int4 | int8 | int2 | bf16 | f32."),
     dense: str = typer.Option("int8", "--dense", help="Dense core format: int4 | int8 | int2 | bf16 | f32 (GLM-5 at "

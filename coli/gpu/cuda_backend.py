@@ -347,7 +347,9 @@ class CudaBackend:
         if not (decode and self._gemv_t(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh, q.ptr, dq, q_abs.ptr, Lkv)):
             self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
                        q_abs.ptr, nh * Lkv, Lkv, nh)
-        ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale)
+        # a captured step (coli/gpu/graphs.py) sizes the split by attn_span: the same chunks as the eager step at this T
+        n_max = self.step.attn_n_max if self.step is not None else None
+        ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max)
         # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
         o = self.empty((S, nh * dv))
         if not (decode and self._gemv(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh, ctx.ptr, Lkv, o.ptr, dv)):

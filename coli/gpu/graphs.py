@@ -124,6 +124,25 @@ def build_slot_table(n_layers: int, n_experts: int, layers: Sequence[int],
     return t
 
 
+def attn_span(T: int, topk: int, nh: int, Lkv: int, sm_count: int, chunk: int | None = None) -> int:
+    """The row length a captured step sizes its split attention for (attend_core's n_max), so that it cuts the keys
+    into the same chunks as the eager step at cache length T -- and so sums in the same order: the eager step sizes
+    by T itself while T <= topk (a dense mask) and by topk after (the indexer's top-k). Returns the largest length
+    that gives T's chunk size (its blocks past T return at once), so one graph serves every T of that range."""
+    from coli.gpu.attention_split import TILE_KEYS, split_chunks
+    if T > topk:
+        return int(topk)
+    want = split_chunks(T, 1, nh, Lkv, sm_count, chunk)[0]
+    hi = T
+    for n in range(-(-T // TILE_KEYS) * TILE_KEYS, topk + 1, TILE_KEYS):   # tile boundaries past T, up to topk
+        if split_chunks(n, 1, nh, Lkv, sm_count, chunk)[0] != want:
+            break
+        hi = n
+    if hi < topk and split_chunks(topk, 1, nh, Lkv, sm_count, chunk)[0] == want:
+        hi = topk
+    return int(hi)
+
+
 def buffer_address(a: Any) -> int:
     """Device address of a backend array (DeviceArray.ptr), or a numpy array's data address."""
     return int(a.ptr) if hasattr(a, "ptr") else int(a.ctypes.data)
@@ -195,6 +214,7 @@ class DeviceStep:
         self.pos = 0              # the capture's host position (write_rows must write there)
         self.capacity = 0
         self.mode = "router"      # "router" (its top-k), "forced" (routes in the inputs), "dropped" (no experts)
+        self.attn_n_max = 0       # the split attention's row length (attn_span): chunks as the eager step's
         self.keep: list = []
 
     @property
@@ -306,7 +326,8 @@ class GraphDecoder:
         elif resident is not None:
             return self._segmented(ids, cache, None, resident)
         cache.reserve(1)
-        key = step_key(cache, mode, self.b.moe_kernels)
+        span = self._attn_span(cache.length + 1)
+        key = step_key(cache, mode, self.b.moe_kernels) + (("attn", span),)
         if key in self.failed:
             return self._eager(ids, cache, routes, self.failed[key])
         g = self.graphs.get(key)
@@ -319,6 +340,7 @@ class GraphDecoder:
         cos, sin = cos_sin_table([pos], c.qk_rope_head_dim, c.rope_theta)
         st.layout.pack(st.pinned_in, tok, pos, cos, sin, routes if mode == "forced" else None)
         if g is None:
+            st.attn_n_max = span
             g = self._capture(key, tok, cache, mode)
             if g is None:
                 return self._eager(ids, cache, routes, self.failed[key])
@@ -366,7 +388,8 @@ class GraphDecoder:
         if m.pilot_hook is not None:
             return self._eager(ids, cache, routes, "the pilot's lookahead hook runs between the router and the MoE")
         cache.reserve(1)
-        key = ("segments",) + step_key(cache, "stream", b.moe_kernels)
+        span = self._attn_span(cache.length + 1)
+        key = ("segments",) + step_key(cache, "stream", b.moe_kernels) + (("attn", span),)
         if key in self.failed:
             return self._eager(ids, cache, routes, self.failed[key])
         tape = self.tapes.get(key)
@@ -383,6 +406,7 @@ class GraphDecoder:
                 b.rt.module(mod)
             tape = SegmentTape()
             st.pos, st.capacity, st.mode, st.keep = pos, cache.capacity, "router", []
+            st.attn_n_max = span
         proxy = SegmentProxy(b, st, tape, capture)
         saved = m.route_override
         if routes is not None:
@@ -426,6 +450,11 @@ class GraphDecoder:
         self.segment_steps += 1
         self.last_reason = None
         return out
+
+    def _attn_span(self, T: int) -> int:
+        c, b = self.model.config, self.b
+        return attn_span(T, c.index_topk, c.num_attention_heads, c.kv_lora_rank, b.rt.sm_count,
+                         getattr(b, "attn_chunk", None))
 
     def _eager(self, ids, cache, routes, reason: str) -> int | None:
         """Say why, and run the step eagerly: here with the routes already drawn from the override (None: the

@@ -7,6 +7,8 @@ unverified, and marked verified only after both checks pass: `coli up --model OR
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +43,6 @@ def pull(ref_text: str, dest: Path | None = None, *, report: Callable[[str], Non
 
 
 def _pull(ref, dest, report, on_download, on_verify) -> PullResult:
-    from coli.container.check import verify_container
-
     client = HubClient(ref)
     listing = client.listing()
     if MANIFEST_NAME not in listing.files:
@@ -52,6 +52,23 @@ def _pull(ref, dest, report, on_download, on_verify) -> PullResult:
     if d.is_dir() and any(d.iterdir()) and not (d / ".cache" / "huggingface").is_dir():
         raise HubError(f"DIR {d} is not empty and holds no earlier pull; choose an empty or new directory")
     d.mkdir(parents=True, exist_ok=True)
+    lock = os.open(d, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HubError(f"{d}: another coli pull is writing this directory") from None
+        # partial files of a killed pull (huggingface_hub names them per process and cannot reuse them)
+        for p in (d / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
+            p.unlink(missing_ok=True)
+        return _pull_locked(ref, client, listing, d, report, on_download, on_verify)
+    finally:
+        os.close(lock)
+
+
+def _pull_locked(ref, client, listing, d, report, on_download, on_verify) -> PullResult:
+    from coli.container.check import verify_container
+
     old = registry.get(ref.repo)
     if old is not None and Path(old.path).resolve() != d.resolve() and Path(old.path).exists():
         report(f"{ref.repo} is also at {old.path} (`coli models rm {ref.repo}` removes that copy); "

@@ -159,6 +159,7 @@ def test_killed_pull_stays_unusable_and_the_rerun_keeps_finished_files(published
         assert r.returncode == 0, r.stderr
         refetched = {path.rsplit("/", 1)[1] for m, path, _ in hub.requests[n:] if m == "GET" and "/resolve/" in path}
         assert not refetched & set(done), refetched & set(done)
+        assert not list(d.rglob("*.incomplete")), "the killed pull's partial file is swept"
     assert _models(env)["org/tiny-coli"]["verified"]
 
 
