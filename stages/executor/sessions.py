@@ -92,6 +92,7 @@ class SessionStore:
         self.max_in_memory = max(1, max_in_memory)
         self.live: OrderedDict[str, Session] = OrderedDict()
         self.clean: set[str] = set()      # in memory and identical to its file
+        self.save_failed: set[str] = set()  # its last commit failed: memory holds turns the file lacks
         self.log = log
         self.swept = sweep_dead_temps(self.dir, _TEMP)
         if self.swept and log is not None:
@@ -118,10 +119,23 @@ class SessionStore:
         return s
 
     def forget(self, name: str) -> None:
-        """Drop a session from memory without saving (its cache may be inconsistent after a failed turn);
-        the next use loads its last committed turn from disk."""
+        """Drop a session from memory without saving; the next use loads its last committed turn from disk."""
         self.live.pop(name, None)
         self.clean.discard(name)
+        self.save_failed.discard(name)
+
+    def recover(self, name: str) -> None:
+        """After a turn failed half-way (its cache may hold part of a step): a session whose file has every
+        finished turn is dropped from memory and comes back from the file; one holding turns the file lacks
+        (a save failed) is cut back to the positions its tokens cover, which the failed turn never wrote."""
+        s = self.live.get(name)
+        if s is None:
+            return
+        if name not in self.save_failed:
+            self.forget(name)
+            return
+        s.cache.truncate(min(len(s.tokens), s.cache.length))
+        del s.tokens[s.cache.length:]
 
     def commit(self, s: Session) -> Path:
         """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file."""
@@ -129,10 +143,12 @@ class SessionStore:
             p = self.save(s)
         except OSError as e:
             self.clean.discard(s.name)
+            self.save_failed.add(s.name)
             raise SessionError(f"session {s.name!r} could not be saved to {self.path(s.name)}: {e.strerror or e} "
                                f"(it stays in memory until a save succeeds; free space or fix the directory, "
                                f"which lives under $COLI_CACHE/sessions)") from None
         self.clean.add(s.name)
+        self.save_failed.discard(s.name)
         return p
 
     def _evict(self) -> None:

@@ -176,3 +176,27 @@ def test_a_session_whose_save_fails_stays_in_memory(tmp_path):
         filled(st.get(n, create=True), 2)
     assert "a" in st.live and st.live["a"].tokens == [0, 1, 2]
     assert not [x for x in tmp_path.iterdir() if ".tmp" in x.name]   # the failed save left no temp file
+
+
+def test_recover_after_a_failed_turn_keeps_every_finished_turn(tmp_path):
+    st = store(tmp_path)
+    a = st.get("a", create=True)
+    filled(a, 4)
+    st.commit(a)
+    a = st.get("a", create=False)
+    a.reuse([0, 1, 2, 3, 50])
+    a.cache.reserve(3)
+    a.cache.length += 3                                    # a turn that wrote 3 positions, then raised
+    st.recover("a")
+    assert "a" not in st.live                              # its file holds every finished turn
+    assert st.get("a", create=False).tokens == [0, 1, 2, 3]
+
+    b = st.get("b", create=True)
+    filled(b, 5)
+    (tmp_path / "b.session").mkdir()                       # its save fails: memory holds the only copy
+    with pytest.raises(SessionError):
+        st.commit(b)
+    b.reuse([0, 1, 2, 3, 4, 60])
+    b.cache.length += 2
+    st.recover("b")
+    assert st.live["b"].tokens == [0, 1, 2, 3, 4] and st.live["b"].cache.length == 5
