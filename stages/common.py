@@ -136,9 +136,11 @@ def drain_router(sock, log):
             log.error("protocol_error", error=str(e), peer=repr(e.peer))
 
 
-def greet(sock, peer: bytes, hello, stage: str, info: dict, log) -> bool:
+def greet(sock, peer: bytes, hello, stage: str, info: dict, log, control: bytes | None = None) -> bool:
     """Answer a Hello on a stage's socket. A wrong protocol version is logged as `protocol_error`; the
-    supervisor's Hello is answered with Hello + Ready (the handshake). True if it was the supervisor."""
+    supervisor's Hello is answered with Hello + Ready (the handshake). True if it was the supervisor.
+    `control` is the supervisor's routing identity (a per-run secret): a Hello that claims to be the
+    supervisor from any other peer is refused, so no other process can take the supervisor's role."""
     from coli.protocol.errors import ProtocolError
     from coli.protocol.handshake import check_hello, make_hello
     from coli.protocol.messages import Ready
@@ -150,6 +152,10 @@ def greet(sock, peer: bytes, hello, stage: str, info: dict, log) -> bool:
         log.error("protocol_error", error=str(e), peer=repr(peer))
         return False
     if hello.stage != "supervisor":
+        return False
+    if control is not None and peer != control:
+        log.error("protocol_error", peer=repr(peer),
+                  error="Hello as the supervisor refused: this peer is not the run's supervisor")
         return False
     send(sock, make_hello(stage), peer=peer)
     send(sock, Ready(stage, info), peer=peer)
@@ -169,3 +175,53 @@ def send_stats(sock, supervisor: bytes, stage: str, counters: dict) -> None:
         send(sock, Stats(stage, time.time(), counters), peer=supervisor, flags=zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
+
+
+HEARTBEAT_PERIOD_S = 0.25
+
+
+class HeartbeatThread:
+    """Sends `Heartbeat` to the supervisor every `period` seconds from a thread with its own socket (a
+    ZeroMQ socket belongs to one thread), so the stage's hot path neither sends nor blocks it. It proves
+    the process is alive and scheduled, not that the stage's loop progresses: a long prefill still beats.
+    Sends never block: with the supervisor gone or slow, beats are dropped."""
+
+    def __init__(self, endpoint: str, stage: str, period: float = HEARTBEAT_PERIOD_S):
+        import threading
+
+        self.endpoint, self.stage, self.period = endpoint, stage, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{stage}", daemon=True)
+
+    def start(self) -> "HeartbeatThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import zmq
+
+        from coli.protocol.messages import Heartbeat
+        from coli.protocol.sockets import send
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while not connected: stale beats mean nothing
+        try:
+            sock.connect(self.endpoint)
+            pid = os.getpid()
+            while not self._stop.is_set():
+                try:
+                    send(sock, Heartbeat(self.stage, pid, time.time()), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self._stop.wait(self.period)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -60,7 +60,7 @@ def verify_container(model_dir: str | Path, progress: Callable[[int, int], None]
     """Recompute the checksum of every dense tensor, expert record and copied file. Structural damage (manifest,
     index, sizes, headers) raises ContainerError; bad checksums are collected in file order."""
     d = Path(model_dir)
-    r = ContainerReader(d, cache_dense=False)
+    r = ContainerReader(d, cache_dense=False, check_copied=False)  # copied files are checked (and listed) below
     m = r.manifest
     rep = VerifyReport(d)
     total = sum(e.length for e in m.dense.values()) + len(r.index) * m.record.nbytes

@@ -74,10 +74,14 @@ def decode_expert_record(buf: np.ndarray, layout: RecordLayout) -> ExpertWeights
 class ContainerReader:
     """A complete container directory, opened read-only. Implements coli.weights.WeightSource."""
 
-    def __init__(self, model_dir: str | Path, cache_dense: bool = True):
+    def __init__(self, model_dir: str | Path, cache_dense: bool = True, check_copied: bool = True):
+        """`check_copied` False skips the checksums of the copied files (config.json, tokenizer, ...), for
+        `coli verify`, which checks them itself and lists every bad one."""
         self.dir = Path(model_dir)
         self.manifest: Manifest = parse_manifest(self.dir / MANIFEST_NAME)
         m = self.manifest
+        if check_copied:
+            self._check_copied()
         try:
             self.config: ModelConfig = load_config(self.dir)
         except ConfigError as e:
@@ -103,6 +107,7 @@ class ContainerReader:
         # files: sizes and headers
         self._check_file(m.dense_file.name, m.dense_file.size, KIND_DENSE, 0)
         self.expert_paths = [self.dir / f.name for f in m.expert_files]
+        self._resolved_paths = [str(p.resolve()) for p in self.expert_paths]  # record_location is per read: no syscalls there
         for i, f in enumerate(m.expert_files):
             self._check_file(f.name, f.size, KIND_EXPERTS, i)
         for f in m.copied:
@@ -141,6 +146,24 @@ class ContainerReader:
         self._dense_mm: mmap.mmap | None = None
         self._dense_cache: dict[str, np.ndarray] | None = {} if cache_dense else None
         self._dense_verified: set[str] = set()
+
+    def _check_copied(self) -> None:
+        """config.json and the tokenizer files decide what is served: an edit after conversion, even one that
+        keeps the size, must not be served silently. They are small; xxh64 runs at GB/s."""
+        for f in self.manifest.copied:
+            p = self.dir / f.name
+            try:
+                raw = p.read_bytes()
+            except OSError as e:
+                raise ContainerError(f"{p}: cannot read ({e.strerror}); the manifest's field 'copied' lists it") from None
+            if len(raw) != f.size:
+                raise ContainerError(f"{p}: {len(raw)} bytes, the manifest's field 'copied' says {f.size}: it changed "
+                                     f"after conversion; rerun `coli convert` (or `coli verify {self.dir}`)")
+            got = xxhash.xxh64(raw).intdigest()
+            if f.xxh64 is not None and got != f.xxh64:
+                raise ContainerError(f"{p}: contents differ from the manifest's field 'copied' (xxh64 {got:016x}, "
+                                     f"recorded {f.xxh64:016x}): it was edited after conversion; rerun `coli convert` "
+                                     f"(or `coli verify {self.dir}`)")
 
     def _check_file(self, name: str, size: int, kind: int, number: int) -> None:
         p = self.dir / name
@@ -200,7 +223,7 @@ class ContainerReader:
     # ---- experts -------------------------------------------------------------------------------------------
     def record_location(self, layer: int, expert: int) -> RecordLocation:
         row = self.index[self._index_row(layer, expert)]
-        return RecordLocation(str(self.expert_paths[int(row["file"])].resolve()), int(row["offset"]),
+        return RecordLocation(self._resolved_paths[int(row["file"])], int(row["offset"]),
                               int(row["length"]), int(row["xxh64"]))
 
     def _index_row(self, layer: int, expert: int) -> int:

@@ -6,6 +6,7 @@ Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients);
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
 from coli.protocol.arena import Arena
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, Error, GenerateRequest, Hello,
-                                    Shutdown, Token)
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, DropSession, Error,
+                                    GenerateRequest, Hello, Shutdown, Token)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, send
 from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
@@ -42,7 +43,10 @@ class StopRequested(Exception):
 
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
-                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None) -> None:
+                  record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
+                  control: bytes | None = None) -> None:
+    """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
+    control messages from any other peer are refused. None accepts any peer."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -67,11 +71,20 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     "load_s": round(time.perf_counter() - t_load, 3)}
             if state["vram"]:
                 info.update(vram=state["vram"], gpu_name=state["gpu_name"])
-            if greet(sock, peer, msg, STAGE, info, log):
+            if greet(sock, peer, msg, STAGE, info, log, control=control):
                 state["supervisor"] = peer
+        elif control is not None and peer != control:
+            # clients reach the executor through the supervisor only (its checks and its fairness)
+            log.error("protocol_error", peer=repr(peer),
+                      error=f"{type(msg).__name__} refused: the executor takes messages only from the supervisor")
         elif isinstance(msg, Cancel):
             if state["current"] == msg.request_id:
                 raise Cancelled()
+        elif isinstance(msg, DropSession):
+            if state.get("session") == msg.session:   # in use: dropped once its request ends
+                state.setdefault("drop_after", set()).add(msg.session)
+            else:
+                log.info("session_dropped", session=msg.session, found=sessions.drop(msg.session))
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
             state["stop"] = True
@@ -196,7 +209,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sess, new_ids, cache = None, list(req.prompt_ids), None
         if req.session is not None:
             try:
-                sess = sessions.get(req.session, create=req.new_session)
+                sess = sessions.get(req.session, create=req.new_session, ephemeral=req.ephemeral)
             except (SessionError, WeightError, ValueError) as e:
                 send(sock, Error(ERROR_BAD_REQUEST, str(e), rid), peer=peer)
                 return
@@ -254,7 +267,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     break
                 full = list(req.prompt_ids) + out_tokens
                 if sess is not None:      # the session's cache lived on the GPU: take it up again on the CPU
-                    sess = sessions.get(req.session, create=True)
+                    sess = sessions.get(req.session, create=True, ephemeral=req.ephemeral)
                     prompt, cache = sess.reuse(full), sess.cache
                 else:
                     prompt, cache = full, None
@@ -308,12 +321,17 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 publish_stats()
             while inbox and not state["stop"]:
                 peer, req = inbox.pop(0)
+                state["session"] = req.session
                 try:
                     serve(peer, req)
                 except StopRequested:
                     break
                 except Exception as e:      # one request's failure is that request's Error, never the run's
                     request_failed(peer, req, e)
+                finally:
+                    state["session"] = None
+                    for name in state.pop("drop_after", ()):
+                        log.info("session_dropped", session=name, found=sessions.drop(name))
     finally:
         try:
             saved = sessions.save_all()
@@ -326,7 +344,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()
+        # every numpy view over the arenas must be gone before they unmap: the model, its expert source and
+        # the residency table hold them, also through `state` and the closures above, and cycles among them
+        # wait for the collector
+        state["model"] = state["vx"] = None
         del model, experts, table, sessions
+        gc.collect()
         for a in (tarena, arena):
             try:
                 a.close()

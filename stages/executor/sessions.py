@@ -47,6 +47,7 @@ class Session:
     name: str
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # exactly the positions held by `cache`
+    ephemeral: bool = False   # memory only: never saved, dropped instead of spilled (a `coli chat` session)
 
     def reuse(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one prompt token must stay new so the
@@ -101,7 +102,7 @@ class SessionStore:
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.session"
 
-    def get(self, name: str, create: bool) -> Session:
+    def get(self, name: str, create: bool, ephemeral: bool = False) -> Session:
         if not _NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-128 letters, digits, '.', '_' or '-'")
         if name in self.live:
@@ -112,8 +113,9 @@ class SessionStore:
         if s is None:
             if not create:
                 raise SessionError(f"unknown session {name!r}")
-            self._check_writable(name)
-            s = Session(name, self.new_cache())
+            if not ephemeral:               # an ephemeral session never touches the disk
+                self._check_writable(name)
+            s = Session(name, self.new_cache(), ephemeral=ephemeral)
         self.live[name] = s
         self._evict()
         return s
@@ -127,18 +129,34 @@ class SessionStore:
     def recover(self, name: str) -> None:
         """After a turn failed half-way (its cache may hold part of a step): a session whose file has every
         finished turn is dropped from memory and comes back from the file; one holding turns the file lacks
-        (a save failed) is cut back to the positions its tokens cover, which the failed turn never wrote."""
+        (a save failed) or kept in memory only (ephemeral) is cut back to the positions its tokens cover,
+        which the failed turn never wrote."""
         s = self.live.get(name)
         if s is None:
             return
-        if name not in self.save_failed:
+        if name not in self.save_failed and not s.ephemeral:
             self.forget(name)
             return
         s.cache.truncate(min(len(s.tokens), s.cache.length))
         del s.tokens[s.cache.length:]
 
-    def commit(self, s: Session) -> Path:
-        """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file."""
+    def drop(self, name: str) -> bool:
+        """Forget a session, in memory and on disk; False when there was none."""
+        s = self.live.pop(name, None)
+        self.clean.discard(name)
+        self.save_failed.discard(name)
+        p = self.path(name)
+        on_disk = _NAME.match(name) is not None and p.is_file()
+        if on_disk:
+            p.unlink()
+        return s is not None or on_disk
+
+    def commit(self, s: Session) -> Path | None:
+        """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file.
+        An ephemeral session is not saved (None) but counts as clean: evicted, it is dropped, not spilled."""
+        if s.ephemeral:
+            self.clean.add(s.name)
+            return None
         try:
             p = self.save(s)
         except OSError as e:
@@ -200,8 +218,18 @@ class SessionStore:
         return final
 
     def save_all(self) -> list[Path]:
-        """On shutdown: what is not on disk yet (every committed turn already is)."""
-        return [self.commit(s) for n, s in list(self.live.items()) if n not in self.clean]
+        """On shutdown: what is not on disk yet (every committed turn already is); never an ephemeral one.
+        One that cannot be saved is logged and does not keep the others from being saved."""
+        saved = []
+        for n, s in list(self.live.items()):
+            if n in self.clean or s.ephemeral:
+                continue
+            try:
+                saved.append(self.commit(s))
+            except SessionError as e:
+                if self.log is not None:
+                    self.log.error("session_not_saved", session=n, error=str(e))
+        return saved
 
     def load(self, name: str) -> Session:
         p = self.path(name)

@@ -17,12 +17,14 @@ import zmq
 from coli.container.reader import ContainerReader
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
+from coli.protocol.geometry import RunGeometry
 from coli.protocol.handshake import make_hello
 from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, Hello, ReadDone,
                                     ReadRequest, Shutdown, SlotRef)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, send
-from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.ramtier.answers import PREFETCH_TAG, AnswerBook, LeaseBook
 from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
 from coli.stages.tmpfiles import sweep_dead_temps, write_private
 
@@ -58,7 +60,10 @@ def pin_set(counts: np.ndarray, n_pins: int) -> list[int]:
 
 
 def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
-                 pin_fraction: float = 0.25, max_inflight_reads: int = 16, log_level: str = "info") -> None:
+                 pin_fraction: float = 0.25, max_inflight_reads: int = 16, log_level: str = "info",
+                 control: bytes | None = None) -> None:
+    """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); Hello and
+    Shutdown from any other peer are refused. None accepts any peer that says it is the supervisor."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -87,7 +92,10 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
     ps = parent_sentinel()
     if ps is not None:
         poller.register(ps, zmq.POLLIN)
-    peers: dict[int, bytes] = {}  # request id -> the executor peer that asked
+    geometry = RunGeometry(cfg.num_hidden_layers, tuple(cfg.moe_layers), E, arena.n_slots, arena.slot_bytes)
+    answers = AnswerBook()  # demand requests in flight: tag -> (peer, its request id, answers owed)
+    leases = LeaseBook()    # who holds which slot leases: only the holder may give one back
+    refused = LogOnce(log)
     supervisor: bytes | None = None
     ticker = Ticker(0.5)
     t_start = time.time()
@@ -99,16 +107,25 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
         by_req: dict[int, list] = {}
         for g in act.grants:
             by_req.setdefault(g.request_id, []).append(g)
-        for rid, grants in by_req.items():
-            layer = grants[0].key // E
-            msg = ExpertReady(rid, layer, [g.key % E for g in grants],
+        for tag, grants in by_req.items():
+            asker = answers.answered(tag, len(grants))
+            if asker is None:  # cannot happen (prefetches are never granted); give the leases back
+                for g in grants:
+                    carry_out(core.release(g.slot, g.gen))
+                continue
+            peer, rid = asker
+            for g in grants:
+                leases.granted(peer, g.slot, g.gen)
+            msg = ExpertReady(rid, grants[0].key // E, [g.key % E for g in grants],
                               [SlotRef(arena_name, g.slot, 0, record_len, g.gen) for g in grants])
-            _send_to(peers.get(rid), msg)
+            _send_to(peer, msg)
         fails: dict[tuple[int, str], list] = {}
         for f in act.failures:
             fails.setdefault((f.request_id, f.reason), []).append(f.key)
-        for (rid, reason), keys in fails.items():
-            _send_to(peers.get(rid), ExpertFailed(rid, keys[0] // E, [k % E for k in keys], reason))
+        for (tag, reason), keys in fails.items():
+            asker = answers.answered(tag, len(keys))
+            if asker is not None:
+                _send_to(asker[0], ExpertFailed(asker[1], keys[0] // E, [k % E for k in keys], reason))
         for r in act.reads:
             layer, e = divmod(r.key, E)
             loc = container.record_location(layer, e)
@@ -147,24 +164,34 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
             if sock in events:
                 for peer, msg in drain_router(sock, log):
                     if isinstance(msg, ExpertRequest):
-                        if not 0 <= msg.layer < cfg.num_hidden_layers or max(msg.experts) >= E:
-                            _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts,
-                                                        f"layer {msg.layer} / experts out of range"))
+                        why = geometry.expert_request_problem(msg.layer, msg.experts)
+                        if why:
+                            refused("expert_request_refused", error=why, peer=repr(peer))
+                            if msg.demand:
+                                _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts, why))
                             continue
-                        peers[msg.request_id] = peer
+                        tag = answers.expect(peer, msg.request_id, len(msg.experts)) if msg.demand else PREFETCH_TAG
                         keys = [msg.layer * E + e for e in msg.experts]
-                        carry_out(core.request(msg.request_id, keys, msg.demand))
+                        carry_out(core.request(tag, keys, msg.demand))
                     elif isinstance(msg, ExpertRelease):
                         act = Actions()
                         for ref in msg.refs:
-                            if ref.arena == arena_name and 0 <= ref.slot < arena.n_slots:
+                            if ref.arena == arena_name and leases.give_back(peer, ref.slot, ref.generation):
                                 act.extend(core.release(ref.slot, ref.generation))
+                            else:
+                                refused("release_refused", peer=repr(peer),
+                                        error=f"field 'refs': slot {ref.slot} generation {ref.generation} of arena "
+                                              f"{ref.arena!r} is not leased to this peer")
                         carry_out(act)
                     elif isinstance(msg, Hello):
                         info = {"slots": arena.n_slots, "slot_bytes": arena.slot_bytes, "pins": len(pins)}
-                        if greet(sock, peer, msg, STAGE, info, log):
+                        if greet(sock, peer, msg, STAGE, info, log, control=control):
                             supervisor = peer
                     elif isinstance(msg, Shutdown):
+                        if control is not None and peer != control:
+                            log.error("protocol_error", peer=repr(peer),
+                                      error="Shutdown refused: control messages are accepted only from the supervisor")
+                            continue
                         log.info("shutdown", reason=msg.reason)
                         running = False
                     else:
@@ -174,7 +201,8 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                 demand = c["hits"] + c["misses"]
                 c.update(resident=core.resident_count(), slots=arena.n_slots, pins=len(pins),
                          resident_bytes=core.resident_count() * record_len, read_bytes=read_bytes,
-                         hit_rate=(c["hits"] / demand) if demand else 0.0, uptime_s=time.time() - t_start)
+                         hit_rate=(c["hits"] / demand) if demand else 0.0, uptime_s=time.time() - t_start,
+                         requests_in_flight=len(answers), leases_held=len(leases))
                 send_stats(sock, supervisor, STAGE, c)
     finally:
         try:

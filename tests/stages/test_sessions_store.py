@@ -200,3 +200,36 @@ def test_recover_after_a_failed_turn_keeps_every_finished_turn(tmp_path):
     b.cache.length += 2
     st.recover("b")
     assert st.live["b"].tokens == [0, 1, 2, 3, 4] and st.live["b"].cache.length == 5
+
+
+def test_ephemeral_sessions_live_only_in_memory_and_drop_forgets_any_session(tmp_path):
+    st = store(tmp_path)
+    filled(st.get("chat-1", create=True, ephemeral=True), 3)
+    assert st.commit(st.live["chat-1"]) is None                  # a turn of it: nothing written
+    filled(st.get("kept", create=True), 3)
+    assert st.save_all() == [tmp_path / "kept.session"]          # an ephemeral session is never written
+    filled(st.get("other", create=True), 3)                      # evicts chat-1 (max 2 in memory): dropped, not spilled
+    assert "chat-1" not in st.live and not (tmp_path / "chat-1.session").exists()
+    with pytest.raises(SessionError, match="unknown session 'chat-1'"):
+        st.get("chat-1", create=False)
+    assert st.drop("kept") and not (tmp_path / "kept.session").exists() and "kept" not in st.live
+    assert st.drop("other") and not st.drop("other") and not st.drop("never")
+
+
+def test_recover_keeps_an_ephemeral_session_cut_back_and_save_all_saves_past_a_failure(tmp_path):
+    st = store(tmp_path)
+    e = st.get("eph", create=True, ephemeral=True)
+    filled(e, 4)
+    st.commit(e)
+    e = st.get("eph", create=False)
+    e.reuse([0, 1, 2, 3, 9])
+    e.cache.length += 1
+    st.recover("eph")                                      # it has no file: memory is its only copy
+    assert st.live["eph"].tokens == [0, 1, 2, 3] and st.live["eph"].cache.length == 4
+
+    st = store(tmp_path / "two")
+    (tmp_path / "two").mkdir()
+    for n in "ab":
+        filled(st.get(n, create=True), 2)
+    (tmp_path / "two" / "a.session").mkdir()               # a's save fails, b's must still happen
+    assert st.save_all() == [tmp_path / "two" / "b.session"]
