@@ -37,3 +37,16 @@ def test_only_the_holder_gives_a_lease_back():
     assert not leases.give_back(b"executor", 3, 8)  # another generation of the slot
     assert leases.give_back(b"executor", 3, 9) and leases.give_back(b"executor", 3, 9)
     assert not leases.give_back(b"executor", 3, 9) and len(leases) == 0
+
+
+def test_a_gone_peer_gives_back_every_lease_and_owes_nothing():
+    leases, book = LeaseBook(), AnswerBook()
+    leases.granted(b"gone", 1, 5)
+    leases.granted(b"gone", 1, 5)
+    leases.granted(b"gone", 2, 7)
+    leases.granted(b"executor", 3, 1)
+    tag = book.expect(b"gone", 9, 4)
+    keep = book.expect(b"executor", 9, 1)
+    assert sorted(leases.drop_peer(b"gone")) == [(1, 5), (1, 5), (2, 7)]
+    assert book.drop_peer(b"gone") == 1 and book.answered(tag, 1) is None
+    assert len(leases) == 1 and book.answered(keep, 1) == (b"executor", 9)
