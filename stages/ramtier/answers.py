@@ -51,6 +51,10 @@ class AnswerBook:
             del self._by_tag[tag]
         return a.peer, a.request_id
 
+    def owed_to_others(self, peer: bytes) -> int:
+        """Experts still owed to every peer but `peer` (each will become a lease when answered)."""
+        return sum(a.left for a in self._by_tag.values() if a.peer != peer)
+
     def drop_peer(self, peer: bytes) -> int:
         """`peer` disconnected: forget its requests (their grants, when reads land, find no asker and are
         given back). Returns how many were dropped."""
@@ -82,6 +86,10 @@ class LeaseBook:
         else:
             self._held[k] = n - 1
         return True
+
+    def held_by_others(self, peer: bytes) -> int:
+        """Leases held by every peer but `peer`."""
+        return sum(n for k, n in self._held.items() if k[0] != peer)
 
     def drop_peer(self, peer: bytes) -> list[tuple[int, int]]:
         """`peer` disconnected: every (slot, generation) lease it held, once per lease, to give back."""

@@ -20,7 +20,7 @@ from coli.protocol.arena import Arena
 from coli.protocol.codec import decode
 from coli.protocol.errors import ProtocolError
 from coli.protocol.geometry import RunGeometry
-from coli.protocol.handshake import make_hello
+from coli.protocol.handshake import make_hello, run_identity
 from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, Hello, ReadDone,
                                     ReadRequest, Shutdown, SlotRef)
 from coli.protocol.rundir import RunDir
@@ -31,6 +31,7 @@ from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
 from coli.stages.tmpfiles import sweep_dead_temps, write_private
 
 STAGE = "ramtier"
+FOREIGN_LEASE_FRACTION = 0.5  # of the slots, at most, leased to peers other than the run's executor
 USAGE_FILE = "coli-usage.json"  # in the container directory: per-expert demand counts across runs
 
 
@@ -91,6 +92,10 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
     # the connection's fd, and each message's SRCFD says which fd its peer came on.
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     peer_fd: dict[bytes, int] = {}  # peers seen -> the fd of their connection; pruned at disconnect
+    # The executor (its identity carries the run's secret) can always get half the slots or more: other
+    # peers together hold at most the rest, so none of them can stall the run by hoarding leases.
+    executor = run_identity("executor", control) if control is not None else None
+    foreign_cap = max(1, int(arena.n_slots * FOREIGN_LEASE_FRACTION))
     reader = make_socket(ctx, zmq.DEALER, rd.endpoint("reader"), bind=False, identity=STAGE.encode())
     send(reader, make_hello(STAGE))
     poller = zmq.Poller()
@@ -218,6 +223,15 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                             if msg.demand:
                                 _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts, why))
                             continue
+                        if executor is not None and peer != executor and msg.demand:
+                            held = leases.held_by_others(executor) + answers.owed_to_others(executor)
+                            if held + len(msg.experts) > foreign_cap:
+                                why = (f"field 'experts': {len(msg.experts)} more leases would give peers other than "
+                                       f"the run's executor {held + len(msg.experts)} of {arena.n_slots} slots "
+                                       f"(at most {foreign_cap})")
+                                refused("expert_request_refused", error=why, peer=repr(peer))
+                                _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts, why))
+                                continue
                         tag = answers.expect(peer, msg.request_id, len(msg.experts)) if msg.demand else PREFETCH_TAG
                         keys = [msg.layer * E + e for e in msg.experts]
                         carry_out(core.request(tag, keys, msg.demand))

@@ -50,3 +50,19 @@ def test_a_gone_peer_gives_back_every_lease_and_owes_nothing():
     assert sorted(leases.drop_peer(b"gone")) == [(1, 5), (1, 5), (2, 7)]
     assert book.drop_peer(b"gone") == 1 and book.answered(tag, 1) is None
     assert len(leases) == 1 and book.answered(keep, 1) == (b"executor", 9)
+
+
+def test_counts_of_what_other_peers_hold_and_are_owed():
+    leases, book = LeaseBook(), AnswerBook()
+    leases.granted(b"executor", 1, 1)
+    leases.granted(b"a", 2, 1)
+    leases.granted(b"b", 3, 1)
+    book.expect(b"executor", 1, 8)
+    book.expect(b"a", 2, 3)
+    assert leases.held_by_others(b"executor") == 2 and book.owed_to_others(b"executor") == 3
+
+
+def test_run_identity_carries_the_runs_secret():
+    from coli.protocol.handshake import run_identity
+    assert run_identity("executor", b"supervisor-0123abcd") == b"executor-0123abcd"
+    assert run_identity("executor", None) == b"executor"
