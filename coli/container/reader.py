@@ -107,7 +107,8 @@ class ContainerReader:
         # files: sizes and headers
         self._check_file(m.dense_file.name, m.dense_file.size, KIND_DENSE, 0)
         self.expert_paths = [self.dir / f.name for f in m.expert_files]
-        self._resolved_paths = [str(p.resolve()) for p in self.expert_paths]  # record_location is per read: no syscalls there
+        # record_location runs once per read: resolve (syscalls) here, once
+        self._resolved_paths = [str(p.resolve()) for p in self.expert_paths]
         for i, f in enumerate(m.expert_files):
             self._check_file(f.name, f.size, KIND_EXPERTS, i)
         for f in m.copied:
@@ -155,7 +156,8 @@ class ContainerReader:
             try:
                 raw = p.read_bytes()
             except OSError as e:
-                raise ContainerError(f"{p}: cannot read ({e.strerror}); the manifest's field 'copied' lists it") from None
+                raise ContainerError(f"{p}: cannot read ({e.strerror}); the manifest's field 'copied' lists it") \
+                    from None
             if len(raw) != f.size:
                 raise ContainerError(f"{p}: {len(raw)} bytes, the manifest's field 'copied' says {f.size}: it changed "
                                      f"after conversion; rerun `coli convert` (or `coli verify {self.dir}`)")
