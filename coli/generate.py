@@ -89,11 +89,10 @@ class Generation:
         pending = list(self.prompt_ids)
         if not pending:
             raise ValueError("nothing to continue from: give at least one new prompt token")
-        logits = self.model.forward(pending, self.cache)[-1]
+        tok = self._next(pending, sampler)
         self.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         for n in range(self.max_tokens):
-            tok = sampler(logits)
             self.stats.new_tokens = n + 1
             self.stats.decode_s = time.perf_counter() - t1
             yield tok
@@ -102,5 +101,12 @@ class Generation:
                 return
             if n + 1 == self.max_tokens:
                 return
-            logits = self.model.forward([tok], self.cache)[-1]
+            tok = self._next([tok], sampler)
         self.stats.decode_s = time.perf_counter() - t1
+
+    def _next(self, ids: Sequence[int], sampler: Sampler) -> int:
+        """The token after ids. Greedy takes the argmax on the backend (the same first maximum as the sampler's):
+        logits stay on the GPU and a decode step may be replayed from a CUDA graph (coli/gpu/graphs.py)."""
+        if self.sampling.greedy:
+            return self.model.greedy(ids, self.cache)
+        return sampler(self.model.forward(ids, self.cache)[-1])

@@ -7,8 +7,10 @@ Given a model's sizes and a machine's VRAM, RAM, disk and PCIe figures, decide w
     RAM  = reserve (OS, stage processes) [+ dense core and KV cache on the CPU path]
            + expert slots (learned pins + LRU) + free
 
-and the decode speed each tier implies. Tokens/s figures are transfer bounds (compute is not counted), with
-the engines overlapped, so a token costs max(disk time, PCIe time):
+and the decode speed each tier implies. Tokens/s figures are bounds with the engines overlapped, so a token
+costs max(disk time, PCIe time, CPU compute time); GPU compute is not counted (it is far below the copies),
+CPU compute is (the numpy path decodes every routed expert and multiplies the float32 dense core per token,
+at rates `coli plan` measures on this machine):
 
     all cold from disk    every routed expert of a token is read from NVMe
     all cold over PCIe    every routed expert is in RAM and crosses PCIe (none stays in VRAM)
@@ -50,6 +52,10 @@ class ModelSizes:
     expert_format: str
     dense_format: str
     dense_bytes_all_quantized: int | None = None  # the dense core if every weight were in dense_format
+    dense_params: int | None = None               # weights in the dense core (the CPU path holds them as float32)
+    dense_params_per_token: int | None = None     # of those, the ones every decoded token multiplies (no embedding)
+    dense_bytes_by_format: dict | None = None     # --dense format -> the dense core's bytes as convert writes it
+    expert_matrix: tuple | None = None            # (rows, cols, fmt, group, tile_kb) of one expert matrix (probes)
 
     @property
     def routed_bytes(self) -> int:
@@ -64,29 +70,57 @@ def _fmt(fmt: str, group: int) -> str:
     return f"{fmt} g{group}" if fmt in ("int4", "int2") else fmt
 
 
-def sizes_from_config(cfg: ModelConfig, name: str, experts: str = "int4", dense: str = "int4", group: int = 64,
-                      tile_kb: int = 512) -> ModelSizes:
-    """Sizes of the container `coli convert --experts E --dense D --group G` would write for this config
-    (its own layout code: tile padding, 4 KiB alignment, norms/routers/indexer heads kept f32)."""
-    from coli.container.format import MatrixLayout, RecordLayout, align
+# Dense formats `coli plan` tries when the asked one does not fit, largest (most faithful) first.
+DENSE_CHOICES = ("bf16", "int8", "int4")
+DEFAULT_DENSE = "int8"    # coli.container.writer.ConvertOptions.dense: what `coli convert` writes by default
+
+
+def dense_core_bytes(cfg: ModelConfig, dense: str, group: int = 64, tile_kb: int = 512) -> int:
+    """The dense-core file `coli convert --dense D --group G` writes for this config (its own layout code: tile
+    padding, 4 KiB alignment, norms/routers/indexer heads kept f32)."""
+    from coli.container.format import MatrixLayout, align
     from coli.container.writer import ConvertOptions, dense_format
     from coli.model.tensors import dense_shapes
 
-    opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb)
-    rec = RecordLayout.make(cfg.hidden_size, cfg.moe_intermediate_size, experts, group, tile_kb)
-    dense_bytes, params = 4096, 0  # the file header
+    opts = ConvertOptions(dense=dense, group=group, tile_kb=tile_kb)
+    n = 4096  # the file header
     for tname, shape in dense_shapes(cfg).items():
         rows, cols = shape if len(shape) == 2 else (1, math.prod(shape))
-        lay = MatrixLayout.make(rows, cols, dense_format(tname, shape, opts), group, tile_kb)
-        dense_bytes += align(lay.nbytes)
-        params += rows * cols
+        n += align(MatrixLayout.make(rows, cols, dense_format(tname, shape, opts), group, tile_kb).nbytes)
+    return n
+
+
+def _dense_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(all dense-core weights, the ones a decoded token multiplies: all but the embedding table)."""
+    from coli.model.tensors import dense_shapes
+
+    shapes = dense_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    return total, total - math.prod(shapes.get("model.embed_tokens.weight", (0,)))
+
+
+def _by_format(cfg: ModelConfig, group: int, tile_kb: int) -> dict:
+    return {f: dense_core_bytes(cfg, f, group, tile_kb) for f in DENSE_CHOICES}
+
+
+def sizes_from_config(cfg: ModelConfig, name: str, experts: str = "int4", dense: str = DEFAULT_DENSE,
+                      group: int = 64, tile_kb: int = 512) -> ModelSizes:
+    """Sizes of the container `coli convert --experts E --dense D --group G` would write for this config."""
+    from coli.container.format import RecordLayout
+
+    rec = RecordLayout.make(cfg.hidden_size, cfg.moe_intermediate_size, experts, group, tile_kb)
+    dense_bytes = dense_core_bytes(cfg, dense, group, tile_kb)
+    params, per_token = _dense_params(cfg)
     bits = {"int4": 4 + 16 / group, "int2": 2 + 16 / group, "int8": 8, "bf16": 16, "f32": 32}[dense]
     return ModelSizes(name=name, source=f"{name}: sizes as `coli convert --experts {experts} --dense {dense} "
                                         f"--group {group}` writes them", moe_layers=len(cfg.moe_layers),
                       experts_per_layer=cfg.n_routed_experts, experts_per_token=cfg.num_experts_per_tok,
                       expert_bytes=rec.nbytes, dense_bytes=dense_bytes, kv_values_per_token=cfg.kv_values_per_token(),
                       max_context=cfg.max_position_embeddings, expert_format=_fmt(experts, group),
-                      dense_format=_fmt(dense, group), dense_bytes_all_quantized=int(params * bits / 8))
+                      dense_format=_fmt(dense, group), dense_bytes_all_quantized=int(params * bits / 8),
+                      dense_params=params, dense_params_per_token=per_token,
+                      dense_bytes_by_format=_by_format(cfg, group, tile_kb),
+                      expert_matrix=(rec.gate.rows, rec.gate.cols, rec.gate.fmt, group, tile_kb))
 
 
 def sizes_from_container(model_dir: str | Path) -> ModelSizes:
@@ -98,12 +132,17 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     m = parse_manifest(d / MANIFEST_NAME)
     cfg = load_config(d)
     rec = m.record
+    group, tile_kb = int(m.args.get("group") or 64), int(m.args.get("tile_kb") or 512)
+    params, per_token = _dense_params(cfg)
     return ModelSizes(name=d.name, source=f"container {d} (manifest sizes)", moe_layers=len(cfg.moe_layers),
                       experts_per_layer=cfg.n_routed_experts, experts_per_token=cfg.num_experts_per_tok,
                       expert_bytes=rec.nbytes, dense_bytes=m.dense_file.size,
                       kv_values_per_token=cfg.kv_values_per_token(), max_context=cfg.max_position_embeddings,
                       expert_format=_fmt(rec.gate.fmt, rec.gate.group),
-                      dense_format=_fmt(str(m.args.get("dense", "?")), int(m.args.get("group") or 0)))
+                      dense_format=_fmt(str(m.args.get("dense", "?")), int(m.args.get("group") or 0)),
+                      dense_params=params, dense_params_per_token=per_token,
+                      dense_bytes_by_format=_by_format(cfg, group, tile_kb),
+                      expert_matrix=(rec.gate.rows, rec.gate.cols, rec.gate.fmt, rec.gate.group, tile_kb))
 
 
 @dataclass(frozen=True)
@@ -112,6 +151,8 @@ class Hardware:
     ram_gb: float
     disk_gbps: float
     pcie_gbps: float
+    cpu_expert_s: float | None = None   # CPU path: one routed expert for one token (decode + SwiGLU); None: not counted
+    cpu_gemv_gbps: float | None = None  # CPU path: float32 weight bytes/s of the dense core's matrix-vector products
     sources: dict = field(default_factory=dict)  # figure -> "given" / "measured ..." / "detected ..." / "assumed ..."
 
 
@@ -138,6 +179,7 @@ class Plan:
     per_token: dict
     tokens_per_s: dict
     problems: list[str] = field(default_factory=list)   # why it cannot run, each with what to change
+    dense_fits: dict = field(default_factory=dict)       # GPU path: --dense format -> VRAM expert slots (None: no fit)
     warnings: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
 
@@ -181,17 +223,20 @@ def make_plan(m: ModelSizes, hw: Hardware, o: PlanOptions = PlanOptions()) -> Pl
     # ---- VRAM --------------------------------------------------------------------------------------------
     vram = {"reserve": 0, "dense_core": 0, "kv_cache": 0, "expert_slots": 0, "free": vram_total, "total": vram_total}
     vram_slots = 0
+    dense_fits: dict = {}
     if gpu:
         reserve = min(int(o.vram_reserve_gb * GB), vram_total)
+        for fmt, nbytes in (m.dense_bytes_by_format or {}).items():
+            room = vram_total - reserve - nbytes - kv
+            dense_fits[fmt] = min(room // xb, n_experts) if room >= min_slots * xb else None
         need = reserve + m.dense_bytes + kv + min_slots * xb
         if need > vram_total:
             problems.append(
-                f"VRAM: the reserve ({_gb(reserve)}), the dense core ({_gb(m.dense_bytes)}), the KV cache for "
-                f"{o.context} tokens ({_gb(kv)}) and {min_slots} expert slots ({_gb(min_slots * xb)}) need "
+                f"VRAM: the reserve ({_gb(reserve)}), the dense core ({_gb(m.dense_bytes)}, {m.dense_format}), the KV "
+                f"cache for {o.context} tokens ({_gb(kv)}) and {min_slots} expert slots ({_gb(min_slots * xb)}) need "
                 f"{_gb(need)}; --vram-gb is {hw.vram_gb:g}. Use a GPU with at least {math.ceil(need / GB)} GB, lower "
                 f"--context{' or --kv-dtype bf16' if o.kv_dtype == 'fp32' else ''}"
-                + ("" if m.dense_format.startswith(("int4", "int2")) else ", convert the dense core smaller (--dense int4)")
-                + ", or plan the CPU path with --vram-gb 0")
+                + ", or plan the CPU path with --vram-gb 0" + _dense_advice(m, dense_fits))
         else:
             left = vram_total - reserve - m.dense_bytes - kv
             vram_slots = min(left // xb, n_experts)
@@ -201,12 +246,12 @@ def make_plan(m: ModelSizes, hw: Hardware, o: PlanOptions = PlanOptions()) -> Pl
     # ---- RAM ---------------------------------------------------------------------------------------------
     ram = {"reserve": 0, "dense_core": 0, "kv_cache": 0, "expert_slots": 0, "free": ram_total, "total": ram_total}
     reserve = min(int(o.ram_reserve_gb * GB), ram_total)
-    dense_ram, kv_ram = (0, 0) if gpu else (m.dense_bytes, kv)
+    dense_ram, kv_ram = (0, 0) if gpu else (_cpu_dense_bytes(m), kv)
     left = ram_total - reserve - dense_ram - kv_ram
     ram_slots = 0
     if left < min_slots * xb:
         need = reserve + dense_ram + kv_ram + min_slots * xb
-        what = "" if gpu else f", the dense core ({_gb(dense_ram)}) and the KV cache ({_gb(kv_ram)}; CPU path)"
+        what = "" if gpu else f", the dense core in float32 ({_gb(dense_ram)}) and the KV cache ({_gb(kv_ram)}; CPU path)"
         problems.append(f"RAM: the reserve ({_gb(reserve)}){what} and {min_slots} expert slots need {_gb(need)}; "
                         f"--ram-gb is {hw.ram_gb:g}. Raise --ram-gb to at least {math.ceil(need / GB)}"
                         + ("" if gpu else ", or plan with a GPU (--vram-gb)"))
@@ -238,7 +283,7 @@ def make_plan(m: ModelSizes, hw: Hardware, o: PlanOptions = PlanOptions()) -> Pl
         room = vram_total - min(int(o.vram_reserve_gb * GB), vram_total) - m.dense_bytes - min_slots * xb
         max_ctx = max(0, min(m.max_context, room // kv_tok))
     else:
-        room = ram_total - reserve - m.dense_bytes - min_slots * xb
+        room = ram_total - reserve - dense_ram - min_slots * xb
         max_ctx = max(0, min(m.max_context, room // kv_tok))
     kvd = {"values_per_token": m.kv_values_per_token, "dtype": o.kv_dtype, "bytes_per_token": kv_tok,
            "context": o.context, "bytes": kv, "where": "VRAM" if gpu else "RAM", "max_context_that_fits": int(max_ctx),
@@ -256,22 +301,30 @@ def make_plan(m: ModelSizes, hw: Hardware, o: PlanOptions = PlanOptions()) -> Pl
     pcie_bytes = (ram_hits + disk_reads) * xb if gpu else 0.0
     t_disk = disk_bytes / (hw.disk_gbps * GB)
     t_pcie = pcie_bytes / (hw.pcie_gbps * GB) if gpu else 0.0
-    t = max(t_disk, t_pcie)
+    t_compute = 0.0 if gpu else _cpu_compute_s(m, hw)
+    t = max(t_disk, t_pcie, t_compute)
     per_token = {"routed_experts": X, "vram_hits": vram_hits, "ram_hits": ram_hits, "disk_reads": disk_reads,
                  "hit_rate_vram": p_vram, "hit_rate_ram_or_vram": p_any, "routed_bytes": routed,
-                 "bytes_from_disk": disk_bytes, "bytes_over_pcie": pcie_bytes, "disk_s": t_disk, "pcie_s": t_pcie}
+                 "bytes_from_disk": disk_bytes, "bytes_over_pcie": pcie_bytes, "disk_s": t_disk, "pcie_s": t_pcie,
+                 "compute_s": t_compute}
+    bound_by = max((t_disk, "disk"), (t_pcie, "pcie"), (t_compute, "compute"))[1]
     tps = {
         "all_cold_disk": (hw.disk_gbps * GB) / routed,
         "all_cold_pcie": (hw.pcie_gbps * GB) / routed if gpu else None,
+        "cpu_compute": (1.0 / t_compute) if t_compute > 0 else None,  # None: GPU path, or not measured
         "expected": (1.0 / t) if t > 0 else None,  # None: no transfers at all once warm
-        "expected_bound_by": ("disk" if t_disk >= t_pcie else "pcie") if t > 0 else "compute",
+        "expected_bound_by": bound_by if t > 0 else "compute",
     }
     assumptions = [
         "uniform, independent routing: P(VRAM) = VRAM slots per layer / experts per layer; P(RAM or VRAM) = "
         "max(RAM, VRAM slots per layer) / experts per layer (inclusive tiers); learned pins do not help "
         "uniform routing",
-        "transfer bounds only: disk reads and PCIe copies overlap, so a token takes max(disk, PCIe) time; "
-        "compute and the dense core's reads (resident) are not counted",
+        ("GPU path: transfer bounds: disk reads and PCIe copies overlap, so a token takes max(disk, PCIe) time; "
+         "GPU compute and the dense core's reads (resident) are not counted" if gpu else
+         "CPU path: disk reads overlap compute, so a token takes max(disk, compute) time; compute = routed experts "
+         "x the measured time per expert (decode its record + SwiGLU) + the dense core's float32 weights (all but "
+         "the embedding) / the measured matrix-vector rate; attention over the KV cache is not counted"
+         + ("" if t_compute else " (no CPU rate given: compute not counted)")),
         f"reserves: {o.vram_reserve_gb:g} GB of VRAM (CUDA context, workspaces, activations), {o.ram_reserve_gb:g} "
         f"GB of RAM (OS, stage processes); expert slots are spread evenly over the {L} MoE layers",
         "GB = 1e9 bytes",
@@ -280,6 +333,37 @@ def make_plan(m: ModelSizes, hw: Hardware, o: PlanOptions = PlanOptions()) -> Pl
         assumptions.append(f"dense core {_gb(m.dense_bytes)} as the converter writes it (norms, routers and indexer "
                            f"heads stay f32); {_gb(m.dense_bytes_all_quantized)} if every weight were "
                            f"{m.dense_format}")
+    if not gpu and m.dense_params is not None:
+        assumptions.append(f"CPU path: the numpy backend holds the dense core dequantised to float32 "
+                           f"({_gb(dense_ram)} of RAM, whatever --dense the container has)")
     return Plan(ok=not problems, device="gpu" if gpu else "cpu", model=asdict(m) | {"routed_bytes": m.routed_bytes},
                 hardware=asdict(hw), options=asdict(o), vram=vram, ram=ram, slots=slots, kv=kvd,
-                per_token=per_token, tokens_per_s=tps, problems=problems, warnings=warnings, assumptions=assumptions)
+                per_token=per_token, tokens_per_s=tps, problems=problems, warnings=warnings, assumptions=assumptions,
+                dense_fits=dense_fits)
+
+
+def _cpu_dense_bytes(m: ModelSizes) -> int:
+    """RAM the CPU path's dense core takes: the numpy backend dequantises every dense tensor to float32 once."""
+    return 4 * m.dense_params if m.dense_params is not None else m.dense_bytes
+
+
+def _cpu_compute_s(m: ModelSizes, hw: Hardware) -> float:
+    """Seconds of numpy work per decoded token (0 when no CPU rate is given)."""
+    if hw.cpu_expert_s is None:
+        return 0.0
+    dense = 4 * (m.dense_params_per_token or 0) / (hw.cpu_gemv_gbps * GB) if hw.cpu_gemv_gbps else 0.0
+    return m.routed_per_token * hw.cpu_expert_s + dense
+
+
+def _dense_advice(m: ModelSizes, fits: dict) -> str:
+    """Which dense format fits the VRAM when the asked one does not (the most faithful first)."""
+    if not fits:
+        return ""
+    ok = [f for f in DENSE_CHOICES if fits.get(f) is not None]
+    if not ok:
+        smallest = DENSE_CHOICES[-1]
+        return (f". No dense format fits: even --dense {smallest} ({_gb(m.dense_bytes_by_format[smallest])}) leaves "
+                f"no room for {2 * m.experts_per_token} expert slots")
+    f = ok[0]
+    return (f". The dense core fits at --dense {f} ({_gb(m.dense_bytes_by_format[f])}, leaving {fits[f]:,} expert "
+            f"slots): convert with `coli convert SRC DST --dense {f}` (what it costs: docs/quantization.md)")

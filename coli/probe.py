@@ -148,3 +148,39 @@ def read_speed(files: list[Path], max_bytes: int = 512 << 20, max_seconds: float
 def expert_files(model_dir: str | Path) -> list[Path]:
     d = Path(model_dir)
     return sorted(d.glob("experts-*.coli"))
+
+
+@dataclass
+class CpuExpertSpeed:
+    expert_s: float       # one routed expert for one token on the numpy path: decode its record + SwiGLU
+    gemv_gbps: float      # float32 weight bytes/s of the matrix-vector products alone (the dense core's rate)
+    note: str
+
+
+def cpu_expert_speed(rows: int, cols: int, fmt: str, group: int, tile_kb: int, repeats: int = 2) -> CpuExpertSpeed:
+    """Time what the CPU path does per routed expert, on one matrix of the model's own expert layout: decode it
+    from record bytes (coli.container.quant, as the executor decodes a RAM-tier slot) and multiply one token by
+    it. gate, up and down hold the same number of weights, so an expert costs three times one matrix. The
+    bytes are a constant pattern (0x3C) that decodes to normal, finite numbers in every format: random bytes
+    would hold fp16 NaNs and subnormals, which run slower than real scales. Best of `repeats`."""
+    import numpy as np
+
+    from coli.container.format import MatrixLayout
+    from coli.container.quant import decode_matrix
+
+    lay = MatrixLayout.make(rows, cols, fmt, group, tile_kb)
+    buf = np.full(lay.nbytes, 0x3C, np.uint8)
+    x = np.full((1, cols), 0.01, np.float32)                              # [1, cols]: one token
+    best_dec = best_mul = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        w = decode_matrix(buf, lay)                                       # [rows, cols] float32
+        t1 = time.perf_counter()
+        y = x @ w.T                                                       # [1, rows]
+        t2 = time.perf_counter()
+        best_dec, best_mul = min(best_dec, t1 - t0), min(best_mul, t2 - t1)
+    del y
+    per_expert = 3 * (best_dec + best_mul)
+    gemv = rows * cols * 4 / max(best_mul, 1e-9) / 1e9
+    return CpuExpertSpeed(per_expert, gemv, f"one {rows} x {cols} {fmt} matrix decoded in {best_dec * 1e3:.0f} ms and "
+                                            f"multiplied in {best_mul * 1e3:.1f} ms (best of {max(1, repeats)})")

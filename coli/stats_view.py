@@ -2,7 +2,7 @@
 
 The snapshot is {stage: {counter: value, "t": time, ...}} as the supervisor republishes it; a
 previous snapshot (for rates) is optional. Engines shown: NVMe reader, RAM tier, PCIe copy lanes and
-SMs (from the executor; zero in CPU mode), CPU fallbacks, tokens/s, request latency."""
+SMs (from the executor; on the CPU path instead: compute busy and waiting for experts), CPU fallbacks, tokens/s, request latency."""
 
 from __future__ import annotations
 
@@ -21,7 +21,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:5.1f} %"
 
 
-def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None) -> list[tuple[str, str, str]]:
+def _on_gpu(e: dict, device: str | None) -> bool:
+    if device is not None:
+        return device in ("cuda", "gpu")
+    return "vram_slots" in e or e.get("copy_busy", 0.0) > 0 or e.get("sm_busy", 0.0) > 0
+
+
+def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None,
+         device: str | None = None) -> list[tuple[str, str, str]]:
+    """`device` is the executor's ("cuda", "numpy", ...; from the run's status); None guesses from the counters."""
     prev = prev or {}
     out: list[tuple[str, str, str]] = []
     r = snap.get("reader")
@@ -44,25 +52,36 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                     ("", "slots used", f"{e.get('vram_resident', 0)}/{e.get('vram_slots', 0)}"),
                     ("", "evictions", f"{e.get('evictions', 0)}"),
                     ("speculative lane", "busy", _pct(e.get("spec_busy", 0.0)))]
-        out += [("PCIe copy lanes", "busy", _pct(e.get("copy_busy", 0.0))),
-                ("SMs", "busy", _pct(e.get("sm_busy", 0.0))),
-                ("CPU fallbacks", "experts", f"{e.get('cpu_fallbacks', 0)}"),
+        if _on_gpu(e, device):
+            out += [("PCIe copy lanes", "busy", _pct(e.get("copy_busy", 0.0))),
+                    ("SMs", "busy", _pct(e.get("sm_busy", 0.0))),
+                    ("CPU fallbacks", "experts", f"{e.get('cpu_fallbacks', 0)}")]
+        else:  # the CPU path has no copy lanes or SMs: what its time goes to is compute and waiting for experts
+            pe = prev.get("executor")
+            forward = _rate(e, pe, "prefill_s") + _rate(e, pe, "decode_s")
+            wait = _rate(e, pe, "wait_s")
+            out += [("CPU compute (numpy)", "busy", _pct(min(1.0, max(0.0, forward - wait)))),
+                    ("", "waiting for experts", _pct(min(1.0, wait))),
+                    ("", "experts computed", f"{e.get('experts_served', 0)}")]
+        out += [
                 ("executor", "tokens/s (now)", f"{_rate(e, prev.get('executor'), 'tokens'):8.2f}"),
                 ("", "tokens/s (last request)", f"{e.get('last_tokens_per_s', 0.0):8.2f}"),
                 ("", "tokens / requests", f"{e.get('tokens', 0)} / {e.get('requests', 0)}")]
     s = snap.get("supervisor")
     if s:
-        out += [("requests", "queued / done / failed", f"{s.get('queued', 0)} / {s.get('completed', 0)} / {s.get('failed', 0)}"),
+        out += [("requests", "queued / running", f"{s.get('queued', 0)} / {s.get('running', 0)}"),
+                ("", "done / cancelled / failed", f"{s.get('completed', 0)} / {s.get('cancelled', 0)} / {s.get('failed', 0)}"),
                 ("", "last latency", f"{s.get('last_latency_s', 0.0):.3f} s")]
     return out
 
 
-def render(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None, title: str = "") -> Table:
+def render(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None, title: str = "",
+           device: str | None = None) -> Table:
     t = Table(title=title or None, show_edge=False, pad_edge=False)
     t.add_column("engine", style="bold")
     t.add_column("measure")
     t.add_column("value", justify="right")
-    for row in rows(snap, prev):
+    for row in rows(snap, prev, device):
         t.add_row(*row)
     if not snap:
         t.add_row("(no stats yet)", "", "")

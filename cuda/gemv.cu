@@ -47,6 +47,98 @@ __device__ void gemv_body(QMat W, int wrow0, int wz, int N, const float *x, long
     }
 COLI_FOR_FORMATS(GEMV_KERNEL)
 
+// ---- gemv_t_<fmt> ---------------------------------------------------------------------------------------
+// y[z][n] = sum_k x[z][k] * W[wrow0 + z*wz + k, n]      k < K (rows), n < W.cols, z = blockIdx.x
+//   x @ W with W's rows as the reduction: the absorbed-MLA query q_abs[h] = q_nope[h] @ w_kb[h] of one token
+//   (gemm_nn would run 64 x 64 tiles for one row). x [Z, x_z], y [Z, y_z] fp32.
+//   grid (Z), block B (B % nchunks == 0, nchunks = W.row_data / 16 <= B), dynamic smem = B * VALS * 4 bytes.
+//   Thread (r, c) = (tid / nchunks, tid % nchunks) reads 16-byte chunk c of rows r, r + R, ... (R = B / nchunks),
+//   GEMV_T_U rows loaded before any is used, and keeps the chunk's VALS column sums; the R partial sums of each
+//   column are added in order of r at the end (deterministic, no atomics). GEMV_T_U = 12: GLM-5's 192 rows per
+//   head are one pass at R = 16 (int8 and int4 at Lkv 512; 128 registers, no spills) -- with 4 (11 us on the H200
+//   for 64 heads of int8) each thread waited for three dependent round trips. The sum order over k is the same for
+//   any GEMV_T_U.
+#define GEMV_T_U 12
+template <int FMT>
+__device__ inline void chunk_vals(const uint4 &w, float *v) {   // the chunk's codes as floats, before scales
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
+        else if (FMT == FMT_BF16) {
+            v[2 * i] = __uint_as_float(ws[i] << 16);
+            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
+        } else if (FMT == FMT_INT8) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
+                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
+                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
+            }
+        }
+    }
+}
+
+template <int FMT>
+__device__ void gemv_t_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
+                            long long y_z) {
+    extern __shared__ float4 smem4[];
+    float *part = reinterpret_cast<float *>(smem4);           // [R][nchunks * V]
+    constexpr int V = Chunk<FMT>::VALS;
+    const int z = blockIdx.x;
+    const int nchunks = W.row_data / 16, R = blockDim.x / nchunks;
+    const int c = threadIdx.x % nchunks, r0 = threadIdx.x / nchunks;
+    const float *xz = x + z * x_z;
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] = 0.f;
+    for (int k0 = r0; k0 < K; k0 += GEMV_T_U * R) {
+        uint4 w[GEMV_T_U];
+        float s[GEMV_T_U], xk[GEMV_T_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_T_U; u++) {
+            const int k = k0 + u * R;
+            s[u] = 0.f;
+            if (k < K) {
+                const u8 *d, *m;
+                qmat_row(W, wrow0 + z * wz + k, d, m);
+                w[u] = ld_stream(d + 16 * c);
+                s[u] = chunk_scale<FMT>(m, c, W.group) * row_scale<FMT>(m);
+                xk[u] = xz[k];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_T_U; u++) {
+            if (k0 + u * R < K) {
+                float v[V];
+                chunk_vals<FMT>(w[u], v);
+                // v * s is the stored weight exactly (dequantize()), so each term is numpy's x[k] * W[k, n]
+#pragma unroll
+                for (int i = 0; i < V; i++) acc[i] = fmaf(xk[u], v[i] * s[u], acc[i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) part[r0 * nchunks * V + c * V + i] = acc[i];
+    __syncthreads();
+    for (int n = threadIdx.x; n < W.cols; n += blockDim.x) {
+        float a = 0.f;
+        for (int r = 0; r < R; r++) a += part[r * nchunks * V + n];
+        y[z * y_z + n] = a;
+    }
+}
+
+#define GEMV_T_KERNEL(NAME, FMT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(512) gemv_t_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int K, \
+                                                                    const float *x, long long x_z, float *y,  \
+                                                                    long long y_z) {                          \
+        gemv_t_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, K, x, x_z, y, y_z);                                   \
+    }
+COLI_FOR_FORMATS(GEMV_T_KERNEL)
+
 // ---- moe_gateup (first version: moe_gateup_int4_v1) -------------------------------------------------------------------------------
 // For the K routed experts of one token: h[k][j] = silu(gate_k[j] . x) * (up_k[j] . x)
 //   table: [K] device pointers to the experts' records (or NULL: every k uses `base`, for a dense SwiGLU)
@@ -376,6 +468,133 @@ __device__ void moe_down2_body(const u8 *const *table, const u8 *base, long long
                             accumulate);                                                                      \
     }
 COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
+
+// ---- gemv2_<fmt>: the dense decode GEMV, second version (gemv_<fmt> above is kept for the benchmark) ---------
+// Same result as gemv_<fmt>: y[z][n] = sum_k W[wrow0 + z*wz + n, k] * x[z][k], n < N, z = blockIdx.y.
+// The first version gives a 2048 x 6144 int4 matrix (q_a) 1,024 warps that each stage x (24 KiB) before their
+// first weight load and then walk a row pair twice; at GLM-5's small dense shapes it runs at 15-30 % of the
+// device copy, latency-bound. Here:
+//   * split-K: the 8 warps of a block are P = 8 / ks row pairs x ks segments of the columns (ks in 1, 2, 4, 8,
+//     the host's choice: enough warps to fill the device for short matrices like the router's 256 rows); the
+//     segments' partial sums meet in shared memory and are added in segment order (deterministic);
+//   * the block's first rows are prefetched into L2 BEFORE x is staged (16-byte loads), so HBM works while x
+//     arrives; each later group's rows are prefetched while the current one is computed;
+//   * weights and int4 group scales are loaded together, U chunks per lane per row (warp_rows_dot2's loop over
+//     one segment), int4 nibbles converted in place (chunk_dot2).
+//   grid (<= resident blocks, Z), block 256, dynamic smem = padded cols * 4. x 16-byte aligned (x_z % 4 == 0);
+//   int4 groups 32/64/128 (the host keeps gemv_<fmt> otherwise). __launch_bounds__(256, 2): two blocks per SM (int4:
+//   121 registers, no spills; without the bound 142 left one block, 8 warps per SM, and q_b's 16384 x 2048 ran at
+//   21 % of the copy against v1's 29 % on the H200).
+#define GEMV2_WARPS 8
+template <int FMT> struct Gemv2Cfg { static constexpr int U = FMT == FMT_INT4 ? 6 : 4; };
+
+template <int FMT>
+__device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y,
+                           long long y_z, int ks) {
+    extern __shared__ float4 smem4[];
+    float *xs = reinterpret_cast<float *>(smem4);
+    __shared__ float red[2][GEMV2_WARPS][2];
+    constexpr int V = Chunk<FMT>::VALS, U = Gemv2Cfg<FMT>::U;
+    const int z = blockIdx.y;
+    const int nchunks = W.row_data / 16;
+    const int gshift = group_shift(W.group);
+    const uint32_t M = opaque_magic(gshift);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int P = GEMV2_WARPS / ks, pp = warp / ks, seg = warp - pp * ks;
+    const int cps = (nchunks + ks - 1) / ks;
+    const int c_lo = min(nchunks, seg * cps), c_hi = min(nchunks, c_lo + cps);
+    const int npairs = (N + 1) / 2, ngroups = (npairs + P - 1) / P;
+    const int rbase = wrow0 + z * wz;
+    // lanes 0/1: data segment of row n0/n1, lanes 2/3: their metadata (segment 0 only)
+    auto prefetch = [&](int g) {
+        const int p = g * P + pp;
+        if (lane < 4 && g < ngroups && p < npairs && (lane < 2 || seg == 0)) {
+            const int n = min(2 * p + (lane & 1), N - 1);
+            const u8 *d, *m;
+            qmat_row(W, rbase + n, d, m);
+            if (lane < 2) l2_prefetch(d + 16 * c_lo, 16 * (c_hi - c_lo));
+            else l2_prefetch(m, W.row_meta);
+        }
+    };
+    prefetch(blockIdx.x);
+    {   // stage x: 16-byte loads, swizzled as stage_x does
+        const float4 *x4 = reinterpret_cast<const float4 *>(x + z * x_z);
+        const int n4 = nchunks * (V / 4), have4 = W.cols / 4;
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+            const int c = i / (V / 4), k = i - c * (V / 4);
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < have4) v = x4[i];
+            else if (4 * i < W.cols) {            // a ragged last float4 (cols % 4 != 0)
+                const float *xr = x + z * x_z;
+                v.x = xr[4 * i];
+                if (4 * i + 1 < W.cols) v.y = xr[4 * i + 1];
+                if (4 * i + 2 < W.cols) v.z = xr[4 * i + 2];
+            }
+            reinterpret_cast<float4 *>(xs)[xs_slot<FMT>(c, k)] = v;
+        }
+    }
+    __syncthreads();
+    int buf = 0;
+    for (int g = blockIdx.x; g < ngroups; g += gridDim.x, buf ^= 1) {
+        prefetch(g + gridDim.x);
+        const int p = g * P + pp;
+        float acc[2] = {0.f, 0.f};
+        const u8 *d[2], *m[2];
+        if (p < npairs) {
+            qmat_row(W, rbase + 2 * p, d[0], m[0]);
+            qmat_row(W, rbase + min(2 * p + 1, N - 1), d[1], m[1]);
+            for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
+                uint4 w[2][U];
+                float sc[2][U];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const int c = c0 + 32 * u;
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        if (c < c_hi) {
+                            w[r][u] = ld_stream(d[r] + 16 * (long long)c);
+                            sc[r][u] = FMT == FMT_INT4 ? ld_half_nc(m[r] + 2 * (c >> gshift)) : 1.f;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const int c = c0 + 32 * u;
+                    if (c < c_hi) {
+                        float xv[V];
+                        load_x<FMT>(xs, c, xv);
+#pragma unroll
+                        for (int r = 0; r < 2; r++) acc[r] = fmaf(sc[r][u], chunk_dot2<FMT>(w[r][u], xv, M), acc[r]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++) acc[r] = warp_sum(acc[r]) * row_scale<FMT>(m[r]);
+        }
+        if (ks == 1) {
+            if (lane == 0 && p < npairs) {
+                y[z * y_z + 2 * p] = acc[0];
+                if (2 * p + 1 < N) y[z * y_z + 2 * p + 1] = acc[1];
+            }
+            continue;
+        }
+        if (lane == 0) { red[buf][warp][0] = acc[0]; red[buf][warp][1] = acc[1]; }
+        __syncthreads();              // red[buf] is rewritten two groups later, after the next barrier
+        if (seg == 0 && lane < 2 && p < npairs && 2 * p + lane < N) {
+            float a = 0.f;
+            for (int j = 0; j < ks; j++) a += red[buf][warp + j][lane];
+            y[z * y_z + 2 * p + lane] = a;
+        }
+    }
+}
+
+#define GEMV2_KERNEL(NAME, FMT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, 2) gemv2_##NAME(                               \
+        QMAT_PARAMS(w), int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z,       \
+        int ks) {                                                                                             \
+        gemv2_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z, ks);                                \
+    }
+COLI_FOR_FORMATS(GEMV2_KERNEL)
 
 // ---- read_ceiling: the bandwidth a kernel gets just READING the bytes a MoE launch reads -------------------
 // For the benchmark only: reads K regions of `nbytes` (at table[k] + off) with the same 16-byte streaming loads,

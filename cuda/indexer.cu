@@ -11,8 +11,9 @@
 //   qscale = ihd^-0.5, wscale = ih^-0.5.
 //   grid (ceil(T / 64), S), block 256 (8 warps; warp per key, lane per head), dynamic smem = ih*(ihd+1)*4 + ih*4.
 #define IDX_KEYS_PER_BLOCK 64
-extern "C" __global__ void indexer_scores(const float *iq, const float *kidx, const float *hw, int ih, int ihd,
-                                          int start, int T, float qscale, float wscale, int topk, float *score) {
+__device__ __forceinline__ void indexer_scores_body(const float *iq, const float *kidx, const float *hw, int ih,
+                                                    int ihd, int start, int T, float qscale, float wscale, int topk,
+                                                    float *score) {
     extern __shared__ float smem[];
     float *qs = smem;                       // [ih][ihd + 1] (padded: lanes = heads hit distinct banks)
     float *ws = smem + ih * (ihd + 1);      // [ih]
@@ -40,6 +41,18 @@ extern "C" __global__ void indexer_scores(const float *iq, const float *kidx, co
     }
 }
 
+extern "C" __global__ void indexer_scores(const float *iq, const float *kidx, const float *hw, int ih, int ihd,
+                                          int start, int T, float qscale, float wscale, int topk, float *score) {
+    indexer_scores_body(iq, kidx, hw, ih, ihd, start, T, qscale, wscale, topk, score);
+}
+
+// indexer_scores_dyn: the same with (start, T) = (posT[0], posT[1]) read from device memory, for a decode step
+// replayed from a CUDA graph (coli/gpu/graphs.py): grid (ceil(capacity / 64), S); blocks past T return at once.
+extern "C" __global__ void indexer_scores_dyn(const float *iq, const float *kidx, const float *hw, int ih, int ihd,
+                                              const int *posT, float qscale, float wscale, int topk, float *score) {
+    indexer_scores_body(iq, kidx, hw, ih, ihd, posT[0], posT[1], qscale, wscale, topk, score);
+}
+
 // ---- topk_select ---------------------------------------------------------------------------------------
 // idx[s, 0 .. k) = the k = min(topk, n_vis) best visible keys of row s in ascending key order (ties at the
 // threshold: the lowest key indices), cnt[s] = k.  idx [S, kmax] int32 (kmax >= k), cnt [S] int32.
@@ -63,8 +76,8 @@ __device__ inline void block_exclusive_scan(int *v, int nw, int lane, int *total
     if (lane == 31) *total = x;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) topk_select(const float *score, int T, int start, int topk,
-                                                               int kmax, int *idx, int *cnt) {
+__device__ __forceinline__ void topk_select_body(const float *score, int T, int start, int topk, int kmax, int *idx,
+                                                 int *cnt) {
     __shared__ unsigned hist[256];
     __shared__ unsigned s_prefix, s_mask;
     __shared__ int s_krem, s_base_eq, s_base_out;
@@ -131,4 +144,16 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const float *scor
         __syncthreads();
     }
     if (threadIdx.x == 0) cnt[s] = topk;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) topk_select(const float *score, int T, int start, int topk,
+                                                               int kmax, int *idx, int *cnt) {
+    topk_select_body(score, T, start, topk, kmax, idx, cnt);
+}
+
+// topk_select_dyn: the same with (start, T) = (posT[0], posT[1]) read from device memory (graph replay). A row
+// with n_vis <= topk gets idx = 0 .. n_vis-1 and cnt = n_vis, which mla_attend reads exactly as the dense mask.
+extern "C" __global__ void __launch_bounds__(1024) topk_select_dyn(const float *score, const int *posT, int topk,
+                                                                   int kmax, int *idx, int *cnt) {
+    topk_select_body(score, posT[1], posT[0], topk, kmax, idx, cnt);
 }

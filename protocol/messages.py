@@ -40,6 +40,7 @@ ERROR_PROTOCOL = "protocol"
 ERROR_STAGE_DEAD = "stage_dead"
 ERROR_OVERLOADED = "overloaded"
 ERROR_INTERNAL = "internal"
+ERROR_STAGE_UNRESPONSIVE = "stage_unresponsive"  # a stage sent no heartbeat for --stage-timeout seconds
 
 
 def short(value: object, limit: int = 60) -> str:
@@ -184,6 +185,23 @@ class StatusReply(Message):
         _name("request_id", self.request_id)
 
 
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Stage -> supervisor (on its own `heartbeat` socket), every fraction of a second from a thread of
+    the stage's own: the process is scheduled and alive. A stage that is stopped (SIGSTOP) or wedged as a
+    whole goes quiet, and the supervisor calls it unresponsive after `--stage-timeout` seconds."""
+
+    KIND: ClassVar[int] = 0x09
+    stage: str
+    pid: int
+    t: float
+
+    def __post_init__(self) -> None:
+        _name("stage", self.stage)
+        _need(self.pid > 0, f"pid must be > 0, got {self.pid}")
+        _need(math.isfinite(self.t), f"t must be finite, got {self.t}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # generation: client <-> supervisor <-> executor
 
@@ -196,7 +214,9 @@ class GenerateRequest(Message):
     `seed` None means the executor picks one. `session` names a conversation whose KV cache is kept
     between turns (and saved on shutdown): the executor reuses the longest prefix of `prompt_ids` it
     already holds and prefills only the rest; None for a one-shot request. An unknown session is an
-    error unless `new_session` asks to create it."""
+    error unless `new_session` asks to create it. `ephemeral` (with `new_session`) makes a session that
+    lives only in memory: never saved to disk, dropped instead of spilled when evicted (`coli chat`'s
+    per-chat session; DropSession ends it)."""
 
     KIND: ClassVar[int] = 0x10
     request_id: str
@@ -210,6 +230,7 @@ class GenerateRequest(Message):
     ignore_eos: bool
     session: str | None = None
     new_session: bool = False
+    ephemeral: bool = False
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
@@ -273,6 +294,20 @@ class Cancel(Message):
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class DropSession(Message):
+    """Client -> executor (through the supervisor): forget a session's KV cache, in memory and on disk. A
+    session in use is dropped when its request ends. No reply (`coli chat` sends it as it exits)."""
+
+    KIND: ClassVar[int] = 0x14
+    session: str
+
+    def __post_init__(self) -> None:
+        _name("session", self.session)
+        _need(all(c.isalnum() or c in "._-" for c in self.session),
+              f"session must be letters, digits, '.', '_' or '-', got {short(self.session)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -417,8 +452,8 @@ class ReadDone(Message):
 
 # Every message type, in kind order. codec.py decodes only these; a test checks nothing is missing.
 ALL_MESSAGES: tuple[type[Message], ...] = (
-    Hello, Ready, Shutdown, Stats, StageDead, Error, StatusRequest, StatusReply,
-    GenerateRequest, Token, Done, Cancel,
+    Hello, Ready, Shutdown, Stats, StageDead, Error, StatusRequest, StatusReply, Heartbeat,
+    GenerateRequest, Token, Done, Cancel, DropSession,
     SlotRef, ExpertRequest, ExpertReady, ExpertFailed, ExpertRelease,
     ReadRequest, ReadDone,
 )  # fmt: skip

@@ -4,6 +4,8 @@
         <stage>.sock            accept control messages from anyone who can reach them)
         logs/<stage>.jsonl
         coli.pid                "<pid> <start time>" of the supervisor
+        claim.lock              flock'ed by the supervisor for its whole life: the one atomic "this run is
+                                mine" (kept across runs; the kernel drops the lock when its holder dies)
         state.json              the run: model, budgets, stage pids, arena names (the supervisor's)
 
 <base> is $COLI_RUN_DIR, else $XDG_RUNTIME_DIR/coli, else /tmp/coli-<uid>.
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -47,6 +50,14 @@ def _process_start(pid: int) -> int | None:
     return int(raw[raw.rindex(b")") + 2 :].split()[19])
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return raw[raw.rindex(b")") + 2 :][:1] == b"Z"
+
+
 def _alive(pid: int, start: int | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -54,6 +65,8 @@ def _alive(pid: int, start: int | None) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else: alive, but maybe a reused pid
+    if _zombie(pid):
+        return False  # dead, only not reaped yet by its parent (a shell, a test harness)
     if start is not None:
         now = _process_start(pid)
         if now is not None and now != start:
@@ -71,6 +84,14 @@ def _write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class RunClaimed(RunDirError):
+    """Another live process holds the run (it is up, starting, or being cleaned up)."""
+
+    def __init__(self, message: str, pid: int | None):
+        super().__init__(message)
+        self.pid = pid
 
 
 class RunDir:
@@ -153,6 +174,58 @@ class RunDir:
     def state_file(self) -> Path:
         return self.path / "state.json"
 
+    @property
+    def lock_file(self) -> Path:
+        return self.path / "claim.lock"
+
+    # -- the claim --------------------------------------------------------------------------------------
+
+    def claim(self) -> None:
+        """Make this process the run's only owner, atomically: an exclusive flock on claim.lock, held
+        until release() or this process dies (the kernel drops it even on SIGKILL). Two `coli up` of one
+        name started at the same instant both see "no pid file" with a check-then-write; only one of them
+        gets the lock. Raises RunClaimed, naming the holder's pid where its pid file is already written."""
+        if getattr(self, "_claim_fd", None) is not None:
+            return
+        while True:
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                rec = self._read_pid_quietly()
+                pid = rec[0] if rec is not None and _alive(*rec) else None
+                who = f"supervisor pid {pid}" if pid is not None else "another `coli up` or `coli down` is on it"
+                raise RunClaimed(f"run {self.name!r} is already up or starting ({who}): stop it with "
+                                 f"`coli down --name {self.name}` or pick another --name", pid) from None
+            # the file we locked must still be the one at the path (a cleanup may have removed it between
+            # our open and our lock, and a third process would then lock a fresh file): else try again
+            try:
+                same = os.stat(self.lock_file, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._claim_fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        """Give the claim back (the end of a clean stop)."""
+        fd, self._claim_fd = getattr(self, "_claim_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def claimed(self) -> bool:
+        """True while this process holds the claim."""
+        return getattr(self, "_claim_fd", None) is not None
+
+    def _read_pid_quietly(self) -> tuple[int, int | None] | None:
+        try:
+            return self.read_pid()
+        except RunDirError:
+            return None
+
     def _stage(self, stage: str) -> str:
         if not isinstance(stage, str) or not _STAGE.fullmatch(stage):
             raise RunDirError(f"stage name {stage!r} must be 1-{MAX_STAGE_CHARS} characters of a-z 0-9 _ -")
@@ -227,6 +300,8 @@ class RunDir:
         for entry in self.path.iterdir():
             if entry.name == "logs" and entry.is_dir() and not entry.is_symlink():
                 continue
+            if entry.name == self.lock_file.name:
+                continue  # removing a lock file someone may hold would let a third process lock a new one
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:

@@ -12,7 +12,9 @@ Measures, in one run:
      Records rotate over --sets distinct groups of 8 (> 2 GB) so the 60 MB L2 never holds a previous launch's
      weights; the target is >= 60 % of the copy bandwidth;
   3. the other main kernels at GLM-5 shapes (dense GEMV, lm_head, MLA attention, indexer, router, norms, rope,
-     prefill GEMMs) with their times and, for weight-streaming ones, bandwidth.
+     prefill GEMMs) with their times and, for weight-streaming ones, bandwidth; the dense GEMVs in both versions
+     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), the
+     first version against the split-context one, with the new one's parts and its chunk sweep.
 Prints a table and, last, one JSON line.
 """
 
@@ -69,8 +71,9 @@ class Timer:
             self.spin = rt.module("gemv").get_function("bench_spin")
             self.spin.prepare("q")
 
-    def per_call_us(self, fn, iters: int, reps: int = 5, warmup: int = 3) -> float:
-        """Median over `reps` of (time of `iters` back-to-back calls) / iters, timed with CUDA events."""
+    def per_call_us(self, fn, iters: int, reps: int = 5, warmup: int = 3, spin_us: int = 50) -> float:
+        """Median over `reps` of (time of `iters` back-to-back calls) / iters, timed with CUDA events. spin_us per
+        call must cover the host's cost of issuing one (an op of several launches and allocations needs more)."""
         for _ in range(warmup):
             fn(0)
         self.rt.synchronize()
@@ -78,7 +81,7 @@ class Timer:
         for r in range(reps):
             a, b = self.rt.event(), self.rt.event()
             if self.spin is not None:
-                self.spin.prepared_async_call((1, 1, 1), (1, 1, 1), self.rt.stream, int(iters * 50_000))
+                self.spin.prepared_async_call((1, 1, 1), (1, 1, 1), self.rt.stream, int(iters * spin_us * 1000))
             a.record(self.rt.stream)
             for i in range(iters):
                 fn(r * iters + i)
@@ -243,6 +246,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sets", type=int, default=24, help="distinct groups of 8 experts the decode rotates over")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--dense-16k", action="store_true", help="also time attention over all 16,384 keys (no DSA)")
+    ap.add_argument("--dense-only", action="store_true",
+                    help="only the copy, the dense GEMVs and the attention rows (skip the MoE and the other kernels)")
     ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
     a = ap.parse_args()
     if a.moe_compare:
@@ -250,6 +256,7 @@ def main() -> int:
 
     from coli.container.format import RecordLayout
     from coli.model.backend import cos_sin_table
+    from coli.gpu import attention_split
     from coli.gpu.cuda_backend import CudaBackend, DeviceMask
     from coli.gpu.cuda_weights import DeviceRecord, HeadView, QWeight
 
@@ -279,84 +286,85 @@ def main() -> int:
     add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
     del src, dst
 
-    # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
-    # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
-    # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
-    cmp_res = run_moe_compare(a)
-    res["moe_compare"] = cmp_res
-    lay = RecordLayout.make(H, IM, "int4", 64, 512)
-    want = gb._moe_version(lay, K)        # what the backend's default picks for this launch
-    ok = [v for v in VERSIONS if cmp_res.get(v, {}).get("ok", False)]
-    use = want if want in ok else (ok[-1] if ok else "v1")
-    if use != want:
-        print(f"!! moe {want} kernels failed in the comparison "
-              f"({cmp_res.get(want, {}).get('error', cmp_res.get('error'))}); the rest of this benchmark"
-              f" uses {use}", flush=True)
-        gb.moe_kernels = use
-    best = cmp_res.get(use, {})
-    lay = RecordLayout.make(H, IM, "int4", 64, 512)
-    gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
-    dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
-    for ver in VERSIONS:
-        v = cmp_res.get(ver, {})
-        tag = f"{ver}{'' if v.get('ok') else ' FAILED'}"
-        for key, label, nb in (("gateup_us", "moe_gateup_int4  8 x (2 x 2048 x 6144) g64", gu_bytes),
-                               ("down_us", "moe_down_int4    8 x 6144 x 2048 g64", dn_bytes),
-                               ("layer_us", "moe decode layer (gate/up + down)", gu_bytes + dn_bytes)):
-            if v.get(key):
-                r = add(f"{label} [{tag}]", v[key], nb)
-                r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
-    if best.get("layer_us"):
-        res.update(moe_kernels=use,
-                   moe_gateup_us=best["gateup_us"], moe_down_us=best["down_us"], moe_layer_us=best["layer_us"],
-                   moe_gateup_GBps=round(gu_bytes / best["gateup_us"] / 1e3, 1),
-                   moe_down_GBps=round(dn_bytes / best["down_us"] / 1e3, 1),
-                   moe_layer_GBps=round((gu_bytes + dn_bytes) / best["layer_us"] / 1e3, 1),
-                   moe_bytes_per_layer=gu_bytes + dn_bytes)
-        for k in ("gateup", "down", "layer"):
-            res[f"moe_{k}_frac"] = round(res[f"moe_{k}_GBps"] / copy_bw, 3)
+    if not a.dense_only:    # --dense-only: the copy, then the GEMV and attention rows
+        # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
+        # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
+        # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
+        cmp_res = run_moe_compare(a)
+        res["moe_compare"] = cmp_res
+        lay = RecordLayout.make(H, IM, "int4", 64, 512)
+        want = gb._moe_version(lay, K)        # what the backend's default picks for this launch
+        ok = [v for v in VERSIONS if cmp_res.get(v, {}).get("ok", False)]
+        use = want if want in ok else (ok[-1] if ok else "v1")
+        if use != want:
+            print(f"!! moe {want} kernels failed in the comparison "
+                  f"({cmp_res.get(want, {}).get('error', cmp_res.get('error'))}); the rest of this benchmark"
+                  f" uses {use}", flush=True)
+            gb.moe_kernels = use
+        best = cmp_res.get(use, {})
+        lay = RecordLayout.make(H, IM, "int4", 64, 512)
+        gu_bytes = K * (lay.gate.nbytes + lay.up.nbytes) + 4 * (H + K * IM)
+        dn_bytes = K * lay.down.nbytes + 4 * (K * IM + H)
+        for ver in VERSIONS:
+            v = cmp_res.get(ver, {})
+            tag = f"{ver}{'' if v.get('ok') else ' FAILED'}"
+            for key, label, nb in (("gateup_us", "moe_gateup_int4  8 x (2 x 2048 x 6144) g64", gu_bytes),
+                                   ("down_us", "moe_down_int4    8 x 6144 x 2048 g64", dn_bytes),
+                                   ("layer_us", "moe decode layer (gate/up + down)", gu_bytes + dn_bytes)):
+                if v.get(key):
+                    r = add(f"{label} [{tag}]", v[key], nb)
+                    r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
+        if best.get("layer_us"):
+            res.update(moe_kernels=use,
+                       moe_gateup_us=best["gateup_us"], moe_down_us=best["down_us"], moe_layer_us=best["layer_us"],
+                       moe_gateup_GBps=round(gu_bytes / best["gateup_us"] / 1e3, 1),
+                       moe_down_GBps=round(dn_bytes / best["down_us"] / 1e3, 1),
+                       moe_layer_GBps=round((gu_bytes + dn_bytes) / best["layer_us"] / 1e3, 1),
+                       moe_bytes_per_layer=gu_bytes + dn_bytes)
+            for k in ("gateup", "down", "layer"):
+                res[f"moe_{k}_frac"] = round(res[f"moe_{k}_GBps"] / copy_bw, 3)
 
-    # records for the moe() op below (the kernels the backend now launches)
-    host_recs, pool, nrec = record_pool(rt, lay, a.sets * K, rng)
-    x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
+        # records for the moe() op below (the kernels the backend now launches)
+        host_recs, pool, nrec = record_pool(rt, lay, a.sets * K, rng)
+        x = gb.upload((rng.standard_normal((1, H)) * 1.0).astype(F32))
 
-    # the whole moe() op (host: table upload, grouping; device: the same two launches)
-    recs = {e: DeviceRecord(int(pool) + e * lay.nbytes, lay) for e in range(nrec)}
-    routes = [np.array([[s * K + k for k in range(K)]], np.int64) for s in range(a.sets)]
-    wh = rng.uniform(0.1, 0.5, (1, K)).astype(F32)
+        # the whole moe() op (host: table upload, grouping; device: the same two launches)
+        recs = {e: DeviceRecord(int(pool) + e * lay.nbytes, lay) for e in range(nrec)}
+        routes = [np.array([[s * K + k for k in range(K)]], np.int64) for s in range(a.sets)]
+        wh = rng.uniform(0.1, 0.5, (1, K)).astype(F32)
 
-    def moe_op(i):
-        ids = routes[i % a.sets]
-        gb.moe(x, ids, wh, ((int(e), recs[int(e)]) for e in ids[0]))
-    t0 = time.perf_counter()
-    for i in range(50):
-        moe_op(i)
-    rt.synchronize()
-    add("moe() op, one token (host + device)", (time.perf_counter() - t0) / 50 * 1e6, gu_bytes + dn_bytes,
-        "wall clock incl. Python")
+        def moe_op(i):
+            ids = routes[i % a.sets]
+            gb.moe(x, ids, wh, ((int(e), recs[int(e)]) for e in ids[0]))
+        t0 = time.perf_counter()
+        for i in range(50):
+            moe_op(i)
+        rt.synchronize()
+        add("moe() op, one token (host + device)", (time.perf_counter() - t0) / 50 * 1e6, gu_bytes + dn_bytes,
+            "wall clock incl. Python")
 
-    # the decode layer per number of experts in one launch (streaming submits partial batches: VRAM hits first,
-    # then misses as they land), scalar v2 against the tensor-core kernels forced on (GPU time)
-    per_k = {}
-    xk = gb.upload(rng.standard_normal((1, H)).astype(F32))
-    wk = gb.upload(np.full(MOE_K_MAX, 0.125, F32))
-    yk = gb.empty((1, H))
-    for k in range(1, MOE_K_MAX + 1):
-        ktabs = [rt.to_device(np.array([int(pool) + ((s * K + j) % nrec) * lay.nbytes for j in range(k)], np.uint64))
-                 for s in range(a.sets)]
-        row = {}
-        for ver in ("v2", "mma"):
-            sc = gb.moe_scratch(lay, k, version=ver)
-            if sc.version != ver:
-                continue
-            row[ver] = round(tm.per_call_us(
-                lambda i, sc=sc: (gb.moe_gateup(sc, ktabs[i % a.sets].ptr, xk.ptr),
-                                  gb.moe_down(sc, ktabs[i % a.sets].ptr, wk.ptr, yk.ptr, False)), a.iters), 2)
-        row["auto"] = gb._moe_version(lay, k, "auto")
-        per_k[k] = row
-        print(f"moe decode layer, K = {k}: {row}", flush=True)
-    res["moe_layer_us_per_k"] = per_k
-    del pool
+        # the decode layer per number of experts in one launch (streaming submits partial batches: VRAM hits first,
+        # then misses as they land), scalar v2 against the tensor-core kernels forced on (GPU time)
+        per_k = {}
+        xk = gb.upload(rng.standard_normal((1, H)).astype(F32))
+        wk = gb.upload(np.full(MOE_K_MAX, 0.125, F32))
+        yk = gb.empty((1, H))
+        for k in range(1, MOE_K_MAX + 1):
+            ktabs = [rt.to_device(np.array([int(pool) + ((s * K + j) % nrec) * lay.nbytes for j in range(k)], np.uint64))
+                     for s in range(a.sets)]
+            row = {}
+            for ver in ("v2", "mma"):
+                sc = gb.moe_scratch(lay, k, version=ver)
+                if sc.version != ver:
+                    continue
+                row[ver] = round(tm.per_call_us(
+                    lambda i, sc=sc: (gb.moe_gateup(sc, ktabs[i % a.sets].ptr, xk.ptr),
+                                      gb.moe_down(sc, ktabs[i % a.sets].ptr, wk.ptr, yk.ptr, False)), a.iters), 2)
+            row["auto"] = gb._moe_version(lay, k, "auto")
+            per_k[k] = row
+            print(f"moe decode layer, K = {k}: {row}", flush=True)
+        res["moe_layer_us_per_k"] = per_k
+        del pool
 
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
     def qw(rows_, cols_, fmt, group=64):
@@ -364,35 +372,70 @@ def main() -> int:
         from coli.gpu.cuda_weights import upload_stored
         return upload_stored(rt, b, l, (rows_, cols_), "bench")
 
+    def dev_copy(w):
+        """The same stored matrix at another device address (a device-to-device copy)."""
+        buf = rt.alloc(w.nbytes)
+        rt.copy(int(buf), w.ptr, w.nbytes)
+        return QWeight(int(buf), w.layout, w.shape, buf)
+
+    def arr_copies(x, n):
+        """x and n - 1 device copies of it (DeviceArrays at other addresses)."""
+        out = [x]
+        for _ in range(n - 1):
+            y = rt.empty(x.shape, x.dtype)
+            rt.copy(y.ptr, x.ptr, x.nbytes)
+            out.append(y)
+        return out
+
     x1 = gb.upload(rng.standard_normal((1, H)).astype(F32))
+    # the dense decode GEMVs, both versions (gemv_<fmt> v1, gemv2_<fmt> v2: cuda_backend.GEMV_KERNELS); each
+    # matrix rotates over copies totalling > 120 MB so that L2 (60 MB) never holds the previous call's weights
+    gemv_res = res["gemv"] = {}
+    from coli.gpu.cuda_backend import gemv2_split
     for name, (r_, c_, fmt) in {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
                                 "q_b_proj": (16384, 2048, "int4"), "o_proj": (H, 16384, "int4"),
                                 "shared gate (int4)": (2048, H, "int4"), "router (f32)": (256, H, "f32")}.items():
         w = qw(r_, c_, fmt)
+        ncopy = max(2, -(-(120 << 20) // w.nbytes))
+        ws_ = [w] + [dev_copy(w) for _ in range(ncopy - 1)]
         xin = gb.upload(rng.standard_normal((1, c_)).astype(F32))
-        us = tm.per_call_us(lambda i: gb.linear(xin, w), a.iters)
-        add(f"gemv {name} {r_}x{c_} {fmt}", us, w.nbytes + 4 * (c_ + r_))
-    lm = qw(V, H, "int4")
-    us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
-    add(f"lm_head gemv {V}x{H} int4", us, lm.nbytes)
-    logits = gb.linear(x1, lm)
-    us = tm.per_call_us(lambda i: gb.argmax(logits), 5)
-    add("argmax over 154880 (incl. D2H of the index)", us)
-    del lm
-    sg, su, sd = qw(2048, H, "int4"), qw(2048, H, "int4"), qw(H, 2048, "int4")
-    us = tm.per_call_us(lambda i: gb.swiglu(x1, sg, su, sd), a.iters)
-    add("shared expert swiglu (fused, 2 launches)", us, sg.nbytes + su.nbytes + sd.nbytes)
+        nb = w.nbytes + 4 * (c_ + r_)
+        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, rt.sm_count)}
+        for ver in ("v1", "v2"):
+            gb.gemv_kernels = ver
+            us = tm.per_call_us(lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)
+            r = add(f"gemv {name} {r_}x{c_} {fmt} [{ver}]", us, nb)
+            r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
+            row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
+        gb.gemv_kernels = "v2"
+        del ws_
+    if not a.dense_only:
+        lm = qw(V, H, "int4")
+        us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
+        add(f"lm_head gemv {V}x{H} int4", us, lm.nbytes)
+        logits = gb.linear(x1, lm)
+        us = tm.per_call_us(lambda i: gb.argmax(logits), 5)
+        add("argmax over 154880 (incl. D2H of the index)", us)
+        del lm
+        sg, su, sd = qw(2048, H, "int4"), qw(2048, H, "int4"), qw(H, 2048, "int4")
+        us = tm.per_call_us(lambda i: gb.swiglu(x1, sg, su, sd), a.iters)
+        add("shared expert swiglu (fused, 2 launches)", us, sg.nbytes + su.nbytes + sd.nbytes)
 
     nh, dn, dr, dv, L = 64, 192, 64, 256, 512
     kvb = qw(nh * (dn + dv), L, "int8")
     w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
+    attn = res["mla_attend"] = {}     # per case: v1 / new whole-op us, the new one's parts, the chunk sweep
+    # kv_b and the cache rotate over copies (> 120 MB each) so that every call reads them from HBM, as a decode step
+    # does after the other layers' weights went through L2
+    NKV = 9
+    kvbs = [kvb] + [dev_copy(kvb) for _ in range(NKV - 1)]
+    heads = [(HeadView(k, 0, dn + dv, dn, nh), HeadView(k, dn, dn + dv, dv, nh)) for k in kvbs]
     for T in (2048, 16384):
-        lat = gb.upload(rng.standard_normal((T, L)).astype(F32))
-        kpe = gb.upload(rng.standard_normal((T, dr)).astype(F32))
+        ncache = max(2, -(-(120 << 20) // (4 * T * (L + dr))))
+        lats = arr_copies(gb.upload(rng.standard_normal((T, L)).astype(F32)), ncache)
+        kpes = arr_copies(gb.upload(rng.standard_normal((T, dr)).astype(F32)), ncache)
+        lat, kpe = lats[0], kpes[0]
         q = gb.upload(rng.standard_normal((1, nh, dn + dr)).astype(F32))
-        mask = DeviceMask(1, T, T - 1)
-        us = tm.per_call_us(lambda i: gb.mla_attend(q, lat, kpe, w_kb, w_vb, mask, 1 / 16), a.iters)
-        add(f"mla_attend decode T={T} (dense) int8 kv_b", us, kvb.nbytes + 4 * T * (L + dr))
         ih, ihd = 32, 128
         iq = gb.upload(rng.standard_normal((1, ih, ihd)).astype(F32))
         kid = gb.upload(rng.standard_normal((T, ihd)).astype(F32))
@@ -400,41 +443,75 @@ def main() -> int:
         pos = np.array([T - 1])
         us = tm.per_call_us(lambda i: gb.indexer_select(iq, kid, hw, pos, 2048), a.iters)
         add(f"indexer scores + top-2048 decode T={T}", us, 4 * T * ihd)
-        m = gb.indexer_select(iq, kid, hw, pos, 2048)
-        us = tm.per_call_us(lambda i: gb.mla_attend(q, lat, kpe, w_kb, w_vb, m, 1 / 16), a.iters)
-        add(f"mla_attend decode T={T} top-2048", us, kvb.nbytes + 4 * 2048 * (L + dr))
-    rw = qw(256, H, "f32")
-    bias = gb.upload(rng.standard_normal(256).astype(F32) * 0.01)
-    t0 = time.perf_counter()
-    for i in range(50):
-        gb.route(x1, rw, bias, 1, 1, 8, True, 2.5)
-    add("route (gemv + top-8 + D2H sync)", (time.perf_counter() - t0) / 50 * 1e6, None, "wall clock incl. sync")
-    nw = gb.upload(np.ones(H, F32))
-    us = tm.per_call_us(lambda i: gb.rms_norm(x1, nw, 1e-5), a.iters)
-    add("rmsnorm 1 x 6144", us)
-    qq = gb.upload(rng.standard_normal((1, nh, dn + dr)).astype(F32))
-    cos, sin = cos_sin_table([100], dr, 1e6)
-    us = tm.per_call_us(lambda i: gb.rope(qq, cos, sin, dn), a.iters)
-    add("rope q 64 heads", us)
-    qa = qw(2048, H, "int4")
-    for S in (64, 512):
+        cases = {"dense": (DeviceMask(1, T, T - 1), T), "top-2048": (gb.indexer_select(iq, kid, hw, pos, 2048), 2048)}
+        for cname, (mask, nkeys) in cases.items():
+            if T == 16384 and cname == "dense" and not a.dense_16k:
+                continue
+            c = attn[f"T={T} {cname}"] = {}
+            nb = kvb.nbytes + 4 * nkeys * (L + dr)
+            for ver in ("v1", "split1", "auto"):
+                gb.attn_kernels = ver
+                us = tm.per_call_us(lambda i: gb.mla_attend(q, lats[i % ncache], kpes[i % ncache], *heads[i % NKV],
+                                                            mask, 1 / 16), a.iters, spin_us=400)
+                add(f"mla_attend decode T={T} {cname} [{'split' if ver == 'auto' else ver}]", us, nb)
+                c[ver] = round(us, 2)
+            gb.attn_kernels = "split1"
+            c["core_split1_us"] = round(tm.per_call_us(lambda i: gb.attend_core(
+                gb.empty((1, nh, L)), q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+            gb.attn_kernels = "auto"
+            # the new op's three parts: q_abs (gemv_t), the split context (part + combine), o (gemv over heads)
+            q_abs, ctx, o = gb.empty((1, nh, L)), gb.empty((1, nh, L)), gb.empty((1, nh * dv))
+            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+                kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
+            c["o_us"] = round(tm.per_call_us(lambda i: gb._gemv(
+                kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
+
+            def core(i):
+                gb.attend_core(q_abs, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16)
+            c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
+            c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
+            sweep = c["core_us_by_chunk"] = {}
+            for ch in (16, 32, 64, 128, 256, 512):
+                gb.attn_chunk = ch
+                sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
+            gb.attn_chunk = None
+            print(f"mla_attend T={T} {cname}: {json.dumps(c)}", flush=True)
+        gb.attn_kernels = "auto"
+        del lat, kpe, kid, lats, kpes
+    del kvbs, heads
+    if not a.dense_only:
+        rw = qw(256, H, "f32")
+        bias = gb.upload(rng.standard_normal(256).astype(F32) * 0.01)
+        t0 = time.perf_counter()
+        for i in range(50):
+            gb.route(x1, rw, bias, 1, 1, 8, True, 2.5)
+        add("route (gemv + top-8 + D2H sync)", (time.perf_counter() - t0) / 50 * 1e6, None, "wall clock incl. sync")
+        nw = gb.upload(np.ones(H, F32))
+        us = tm.per_call_us(lambda i: gb.rms_norm(x1, nw, 1e-5), a.iters)
+        add("rmsnorm 1 x 6144", us)
+        qq = gb.upload(rng.standard_normal((1, nh, dn + dr)).astype(F32))
+        cos, sin = cos_sin_table([100], dr, 1e6)
+        us = tm.per_call_us(lambda i: gb.rope(qq, cos, sin, dn), a.iters)
+        add("rope q 64 heads", us)
+        qa = qw(2048, H, "int4")
+        for S in (64, 512):
+            xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
+            us = tm.per_call_us(lambda i: gb.linear(xs_, qa), 5)
+            add(f"gemm prefill S={S} 2048x6144 int4", us, None, f"{2 * S * 2048 * H / us / 1e6:.2f} TFLOP/s")
+        # grouped MoE prefill: 64 tokens over 32 experts
+        E = 32
+        plist = rt.alloc(E * lay.nbytes)
+        for e in range(E):
+            rt.upload_bytes(host_recs[e % len(host_recs)], int(plist) + e * lay.nbytes)
+        precs = {e: DeviceRecord(int(plist) + e * lay.nbytes, lay) for e in range(E)}
+        S = 64
         xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
-        us = tm.per_call_us(lambda i: gb.linear(xs_, qa), 5)
-        add(f"gemm prefill S={S} 2048x6144 int4", us, None, f"{2 * S * 2048 * H / us / 1e6:.2f} TFLOP/s")
-    # grouped MoE prefill: 64 tokens over 32 experts
-    E = 32
-    plist = rt.alloc(E * lay.nbytes)
-    for e in range(E):
-        rt.upload_bytes(host_recs[e % len(host_recs)], int(plist) + e * lay.nbytes)
-    precs = {e: DeviceRecord(int(plist) + e * lay.nbytes, lay) for e in range(E)}
-    S = 64
-    xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
-    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
-    wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
-    want = sorted(set(ids.ravel().tolist()))
-    us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, precs[e]) for e in want)), 3)
-    add(f"moe prefill S={S}, {E} experts int4 (grouped GEMM)", us, None,
-        f"{2 * S * K * 3 * IM * H / us / 1e6:.2f} TFLOP/s")
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+        wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
+        want = sorted(set(ids.ravel().tolist()))
+        us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, precs[e]) for e in want)), 3)
+        add(f"moe prefill S={S}, {E} experts int4 (grouped GEMM)", us, None,
+            f"{2 * S * K * 3 * IM * H / us / 1e6:.2f} TFLOP/s")
 
     # ---- report ------------------------------------------------------------------------------------------------
     res["kernels"] = rows
@@ -451,27 +528,41 @@ def main() -> int:
         summary.append(text.strip("\n"))
         print(text)
 
-    say(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), every kernel version, same run "
-        f"(child's copy {cmp_res.get('d2d_copy_GBps')} GB/s; target: layer >= 60% of the copy, <= ~63 us):")
-    for ver in VERSIONS:
-        v = cmp_res.get(ver, {})
-        if v.get("layer_us"):
-            say(f"  {ver}: gate/up {v['gateup_us']:.1f} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']:.1f} us "
-                f"({100 * v['down_frac']:.1f}%), layer {v['layer_us']:.1f} us ({100 * v['layer_frac']:.1f}%; "
-                f"repeat {v['layer_us_repeat']:.1f} us)  rel err h {v.get('gateup_rel_err', float('nan')):.1e} "
-                f"y {v.get('down_rel_err', float('nan')):.1e}  {'ok' if v.get('ok') else 'WRONG'}")
-        else:
-            say(f"  {ver}: FAILED {v.get('error', '')} {json.dumps(v)[:300]}")
-    v1 = cmp_res.get("v1", {})
-    for ver in VERSIONS[1:]:
-        v = cmp_res.get(ver, {})
-        if v1.get("layer_us") and v.get("layer_us"):
-            say(f"  speed-up {ver}/v1: gate/up {v1['gateup_us'] / v['gateup_us']:.2f}x, down "
-                f"{v1['down_us'] / v['down_us']:.2f}x, layer {v1['layer_us'] / v['layer_us']:.2f}x")
-    if "moe_layer_GBps" in res:
-        say(f"fused MoE decode ({res['moe_kernels']}, gate/up + down): {res['moe_layer_GBps']} GB/s = "
-            f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
+    if cmp_res:                      # (absent with --dense-only)
+        say(f"\nfused MoE decode, 8 experts int4 g64 (GLM-5), every kernel version, same run "
+            f"(child's copy {cmp_res.get('d2d_copy_GBps')} GB/s; target: layer >= 60% of the copy, <= ~63 us):")
+        for ver in VERSIONS:
+            v = cmp_res.get(ver, {})
+            if v.get("layer_us"):
+                say(f"  {ver}: gate/up {v['gateup_us']:.1f} us ({100 * v['gateup_frac']:.1f}%), down {v['down_us']:.1f} us "
+                    f"({100 * v['down_frac']:.1f}%), layer {v['layer_us']:.1f} us ({100 * v['layer_frac']:.1f}%; "
+                    f"repeat {v['layer_us_repeat']:.1f} us)  rel err h {v.get('gateup_rel_err', float('nan')):.1e} "
+                    f"y {v.get('down_rel_err', float('nan')):.1e}  {'ok' if v.get('ok') else 'WRONG'}")
+            else:
+                say(f"  {ver}: FAILED {v.get('error', '')} {json.dumps(v)[:300]}")
+        v1 = cmp_res.get("v1", {})
+        for ver in VERSIONS[1:]:
+            v = cmp_res.get(ver, {})
+            if v1.get("layer_us") and v.get("layer_us"):
+                say(f"  speed-up {ver}/v1: gate/up {v1['gateup_us'] / v['gateup_us']:.2f}x, down "
+                    f"{v1['down_us'] / v['down_us']:.2f}x, layer {v1['layer_us'] / v['layer_us']:.2f}x")
+        if "moe_layer_GBps" in res:
+            say(f"fused MoE decode ({res['moe_kernels']}, gate/up + down): {res['moe_layer_GBps']} GB/s = "
+                f"{100 * res['moe_layer_frac']:.1f}% of the {res['d2d_copy_GBps']} GB/s device copy (target >= 60%)")
     res["moe_summary"] = summary
+    att = res.get("mla_attend", {})
+    if att:
+        print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
+        for k, c in att.items():
+            print(f"  {k}: v1 {c['v1']:.1f} us -> split1 {c['split1']:.1f} -> split {c['auto']:.1f} us "
+                  f"({c['v1'] / c['auto']:.1f}x); parts: q_abs {c['q_abs_us']:.1f}, context {c['core_us']:.1f} "
+                  f"(split1's {c['core_split1_us']:.1f}), o {c['o_us']:.1f}; context by chunk {c['core_us_by_chunk']}")
+    gv = res.get("gemv", {})
+    if gv:
+        print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")
+        for k, g in gv.items():
+            print(f"  {k}: {g['v1']['us']:.1f} us ({100 * g['v1']['frac']:.0f}%) -> {g['v2']['us']:.1f} us "
+                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}")
     line = json.dumps(res)
     if a.json_out:
         a.json_out.write_text(line + "\n")

@@ -41,6 +41,8 @@ COMBOS = [
     ("int2", "int8", 32), ("int2", "bf16", 32),
     # context rows: lossless experts with a quantised core, and all-bf16
     ("f32", "int8", 64), ("bf16", "bf16", 64),
+    # the smallest core: what a 16 GB GPU needs for GLM-5 (coli plan)
+    ("int4", "int4", 64),
 ]
 
 
@@ -160,6 +162,9 @@ def markdown(res: dict, seconds: float) -> str:
         "in these models the core's rounding dominates once it is int8. It is spread over the whole core — keeping any "
         "one group (indexer, attention, embeddings, MLPs) in f32 removed at most ~30 % of it on seed 1234 (a one-off experiment, not part of this script). A bf16 core is "
         "the choice where quality matters and it fits (GLM-5: ~38 GB vs ~19 GB at int8).",
+        f"* An int4 g64 core (with int4 g64 experts) costs KL {kl('int4 g64', 'int4 g64'):.1e}, "
+        f"{kl('int4 g64', 'int4 g64') / kl('int4 g64', 'int8'):.1f}x the int8 core's {kl('int4 g64', 'int8'):.1e}: the smallest "
+        "core, the one a 16 GB GPU needs for GLM-5 (`coli plan`), and why `coli convert` keeps int8 as its default.",
         f"* top-1 is a noisy measure on these models: their next-token distributions are almost flat (median fp32 "
         f"top-1/top-2 logit margin {res['fp32_margin_median']:.3f} against a logit spread — std over the vocabulary — of "
         f"{res['fp32_logit_std_median']:.3f}), so the argmax flips at perturbations a trained model would shrug off. "

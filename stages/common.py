@@ -175,3 +175,53 @@ def send_stats(sock, supervisor: bytes, stage: str, counters: dict) -> None:
         send(sock, Stats(stage, time.time(), counters), peer=supervisor, flags=zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
+
+
+HEARTBEAT_PERIOD_S = 0.25
+
+
+class HeartbeatThread:
+    """Sends `Heartbeat` to the supervisor every `period` seconds from a thread with its own socket (a
+    ZeroMQ socket belongs to one thread), so the stage's hot path neither sends nor blocks it. It proves
+    the process is alive and scheduled, not that the stage's loop progresses: a long prefill still beats.
+    Sends never block: with the supervisor gone or slow, beats are dropped."""
+
+    def __init__(self, endpoint: str, stage: str, period: float = HEARTBEAT_PERIOD_S):
+        import threading
+
+        self.endpoint, self.stage, self.period = endpoint, stage, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{stage}", daemon=True)
+
+    def start(self) -> "HeartbeatThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import zmq
+
+        from coli.protocol.messages import Heartbeat
+        from coli.protocol.sockets import send
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while not connected: stale beats mean nothing
+        try:
+            sock.connect(self.endpoint)
+            pid = os.getpid()
+            while not self._stop.is_set():
+                try:
+                    send(sock, Heartbeat(self.stage, pid, time.time()), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self._stop.wait(self.period)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

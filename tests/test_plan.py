@@ -1,6 +1,7 @@
 """`coli plan`: GLM-5 sizes from the converter's own layout code, placements whose parts add up to each tier,
 per-token expert counts and bytes that add up, tokens/s bounds that follow from them, refusals that say what
-to change, and container sizes read from a real manifest (equal to what the plan predicts before converting)."""
+to change (and which dense format fits), CPU-path compute counted from a measured rate, and container sizes read
+from a real manifest (equal to what the plan predicts before converting)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import sys
 import pytest
 
 from coli.config import preset
-from coli.plan import GB, Hardware, PlanOptions, make_plan, sizes_from_config, sizes_from_container
+from coli.plan import (DEFAULT_DENSE, GB, Hardware, PlanOptions, dense_core_bytes, make_plan, sizes_from_config,
+                       sizes_from_container)
 
 XB = 20_054_016  # one GLM-5 expert at int4 g64 (reference glm5.md §7)
 
@@ -24,7 +26,7 @@ def coli(*args, env=None, timeout=120):
 
 @pytest.fixture(scope="module")
 def glm5():
-    return sizes_from_config(preset("glm5"), "preset glm5")
+    return sizes_from_config(preset("glm5"), "preset glm5", dense="int4")
 
 
 def test_glm5_sizes_match_the_reference(glm5):
@@ -67,8 +69,12 @@ def check_sums(p: dict) -> None:
     else:
         assert pt["bytes_over_pcie"] == 0 and tps["all_cold_pcie"] is None
     if tps["expected"] is not None:
-        assert math.isclose(tps["expected"], 1 / max(pt["disk_s"], pt["pcie_s"]))
-        assert tps["expected"] >= tps["all_cold_disk"] * (1 - 1e-12)
+        assert math.isclose(tps["expected"], 1 / max(pt["disk_s"], pt["pcie_s"], pt["compute_s"]))
+        compute_bound = tps["cpu_compute"] if tps["cpu_compute"] is not None else math.inf
+        assert tps["expected"] >= min(tps["all_cold_disk"], compute_bound) * (1 - 1e-12)
+        assert tps["expected"] <= compute_bound * (1 + 1e-12)
+    if p["device"] == "gpu":
+        assert pt["compute_s"] == 0 and tps["cpu_compute"] is None
     kv = p["kv"]
     assert kv["bytes"] == kv["bytes_per_token"] * kv["context"]
     assert kv["bytes_per_token"] == kv["values_per_token"] * {"bf16": 2, "fp32": 4}[kv["dtype"]]
@@ -94,21 +100,23 @@ def test_glm5_16gb_vram_64gb_ram_numbers_add_up(glm5):
 
 @pytest.mark.timeout(60)
 def test_cli_prints_the_glm5_placement_and_its_json_adds_up():
-    r = coli("plan", "--preset", "glm5", "--vram-gb", "16", "--ram-gb", "64")
+    r = coli("plan", "--preset", "glm5", "--vram-gb", "16", "--ram-gb", "64", "--dense", "int4")
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
     for text in ("VRAM 16.00 GB", "RAM 64.00 GB", "dense core (resident)", "10.63 GB", "expert slots",
                  "KV cache (8,192 tokens)", "all cold from disk: 0.50 tok/s", "all cold over PCIe: 2.08 tok/s",
                  "expected:", "uniform, independent routing", "10.17 GB if every weight were int4 g64"):
         assert text in out, text
-    j = coli("plan", "--preset", "glm5", "--vram-gb", "16", "--ram-gb", "64", "--json")
+    j = coli("plan", "--preset", "glm5", "--vram-gb", "16", "--ram-gb", "64", "--dense", "int4", "--json")
     p = json.loads(j.stdout)
     check_sums(p)
     assert p["hardware"]["sources"]["vram"] == "given" and p["hardware"]["sources"]["disk"].startswith("assumed")
 
 
 @pytest.mark.parametrize("args,needle", [
-    (("--vram-gb", "8", "--ram-gb", "64"), "Use a GPU with at least 13 GB"),
+    (("--vram-gb", "8", "--ram-gb", "64", "--dense", "int4"), "Use a GPU with at least 13 GB"),
+    (("--vram-gb", "8", "--ram-gb", "64"), "Use a GPU with at least 22 GB"),
+    (("--vram-gb", "12", "--ram-gb", "64", "--dense", "int4"), "No dense format fits: even --dense int4 (10.63 GB)"),
     (("--vram-gb", "16", "--ram-gb", "4.1"), "Raise --ram-gb to at least 5"),
     (("--vram-gb", "16", "--ram-gb", "64", "--context", "300000"), "lower --context"),
     (("--vram-gb", "16", "--ram-gb", "64", "--context", "65536", "--kv-dtype", "fp32"), "--kv-dtype bf16"),
@@ -130,8 +138,69 @@ def test_cpu_path_keeps_dense_core_and_kv_in_ram(glm5):
                   PlanOptions(context=4096)).to_dict()
     assert p["ok"] and p["device"] == "cpu"
     check_sums(p)
-    assert p["ram"]["dense_core"] == glm5.dense_bytes and p["ram"]["kv_cache"] == 54_912 * 2 * 4096
+    # the numpy backend dequantises the whole dense core to float32 once, whatever the container's --dense
+    assert p["ram"]["dense_core"] == 4 * glm5.dense_params == 4 * 19_135_487_232
+    assert p["ram"]["kv_cache"] == 54_912 * 2 * 4096
     assert p["vram"]["total"] == 0 and p["slots"]["vram"] == 0
+
+
+def test_plan_defaults_to_the_dense_format_convert_writes():
+    from coli.container.writer import ConvertOptions
+
+    assert DEFAULT_DENSE == ConvertOptions().dense
+    j = coli("plan", "--preset", "glm5", "--vram-gb", "24", "--ram-gb", "64", "--json")
+    assert j.returncode == 0, j.stderr
+    p = json.loads(j.stdout)
+    assert p["model"]["dense_format"] == DEFAULT_DENSE
+    assert p["model"]["dense_bytes"] == dense_core_bytes(preset("glm5"), DEFAULT_DENSE)
+
+
+@pytest.mark.timeout(60)
+def test_16gb_with_convert_defaults_refuses_and_names_the_dense_format_that_fits(glm5):
+    r = coli("plan", "--preset", "glm5", "--vram-gb", "16", "--ram-gb", "64", "--disk-gbps", "6", "--pcie-gbps", "25")
+    assert r.returncode == 2
+    err = " ".join(r.stderr.split())
+    assert "the dense core (19.55 GB, int8)" in err and "need 21.77 GB" in err, err
+    slots = int((16 * GB - 1 * GB - glm5.dense_bytes - 54_912 * 2 * 8192) // XB)
+    assert f"The dense core fits at --dense int4 (10.63 GB, leaving {slots:,} expert slots)" in err, err
+    assert "coli convert SRC DST --dense int4" in err
+    p = json.loads(coli("plan", "--preset", "glm5", "--vram-gb", "16", "--ram-gb", "64", "--disk-gbps", "6",
+                        "--pcie-gbps", "25", "--json").stdout)
+    assert p["dense_fits"] == {"bf16": None, "int8": None, "int4": slots}
+    # the format it names really fits, with exactly those slots
+    ok = make_plan(glm5, Hardware(vram_gb=16, ram_gb=64, disk_gbps=6, pcie_gbps=25)).to_dict()
+    assert ok["ok"] and ok["slots"]["vram"] == slots
+
+
+def test_cpu_path_is_bound_by_compute_when_numpy_is_slower_than_the_disk(glm5):
+    hw = Hardware(vram_gb=0, ram_gb=128, disk_gbps=6.0, pcie_gbps=25.0, cpu_expert_s=0.2, cpu_gemv_gbps=3.0)
+    p = make_plan(glm5, hw, PlanOptions(context=4096)).to_dict()
+    check_sums(p)
+    pt, tps = p["per_token"], p["tokens_per_s"]
+    compute = 600 * 0.2 + 4 * glm5.dense_params_per_token / 3e9     # experts + the float32 dense core, no embedding
+    assert glm5.dense_params_per_token == glm5.dense_params - 154_880 * 6144
+    assert math.isclose(pt["compute_s"], compute) and math.isclose(tps["cpu_compute"], 1 / compute)
+    assert tps["expected_bound_by"] == "compute" and math.isclose(tps["expected"], 1 / compute)
+    assert tps["expected"] < tps["all_cold_disk"] / 50    # the transfer-only figure promised ~100x too much
+    # a CPU fast enough leaves the disk as the bound
+    fast = make_plan(glm5, Hardware(vram_gb=0, ram_gb=128, disk_gbps=6.0, pcie_gbps=25.0, cpu_expert_s=1e-6,
+                                    cpu_gemv_gbps=1e6), PlanOptions(context=4096)).to_dict()
+    check_sums(fast)
+    assert fast["tokens_per_s"]["expected_bound_by"] == "disk"
+
+
+@pytest.mark.timeout(60)
+def test_cli_cpu_plan_measures_the_numpy_expert_rate_here():
+    j = coli("plan", "--preset", "tiny", "--vram-gb", "0", "--ram-gb", "8", "--disk-gbps", "6", "--json")
+    assert j.returncode == 0, j.stderr
+    p = json.loads(j.stdout)
+    check_sums(p)
+    hw, c = p["hardware"], preset("tiny")
+    assert hw["sources"]["cpu"].startswith(f"measured: one {c.moe_intermediate_size} x {c.hidden_size} int4 matrix")
+    assert hw["cpu_expert_s"] > 0 and hw["cpu_gemv_gbps"] > 0
+    assert p["tokens_per_s"]["cpu_compute"] is not None and p["per_token"]["compute_s"] > 0
+    r = coli("plan", "--preset", "tiny", "--vram-gb", "0", "--ram-gb", "8", "--disk-gbps", "6")
+    assert "CPU compute:" in r.stdout and "ms per routed expert" in " ".join(r.stdout.split())
 
 
 def test_everything_cached_means_no_transfers():

@@ -8,7 +8,8 @@
                                     a bar per scenario with its ceiling as a marker; baselines (baseline: true) hatched
                                     grey, without ceiling
 
-Without matplotlib every function raises PlotsUnavailable, naming it (the bench catches that and skips plots).
+matplotlib is the `[bench]` extra (also in `[dev]`), not a base dependency: nothing at run time draws. Without it
+every function raises PlotsUnavailable, naming it and how to install it (the bench says so once and skips plots).
 Each returns the path written.
 """
 
@@ -23,15 +24,27 @@ LANES = ("demand", "speculative", "compute")
 _LANE_COLOURS = {"demand": "#d62728", "speculative": "#1f77b4", "compute": "#2ca02c"}
 
 
+INSTALL_HINT = "pip install -e '.[bench]', or pip install matplotlib"
+
+
 class PlotsUnavailable(ColiError):
-    """matplotlib is not installed (pip install matplotlib); the plots are skipped."""
+    """matplotlib is not installed (the `[bench]` extra); the plots are skipped."""
+
+
+def missing() -> str | None:
+    """Why plots cannot be drawn here (matplotlib absent, with the install line), or None when they can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"matplotlib is not installed ({INSTALL_HINT}): no plots written"
+    return None
 
 
 def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PlotsUnavailable("matplotlib is not installed (pip install matplotlib): no plots written") from None
+        raise PlotsUnavailable(f"matplotlib is not installed ({INSTALL_HINT}): no plots written") from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     return plt

@@ -125,6 +125,27 @@ def scale_capacity(vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: in
             "notes": notes}
 
 
+def row_order(names: list[str]) -> list[str]:
+    """Scenario rows in ROW_ORDER; a budget's rows (budget-16gb, budget-nospec-16gb, ...) where "budget" and
+    "budget-nospec" stand, in the order they ran."""
+    out = []
+    for base in ROW_ORDER:
+        if base in ("budget", "budget-nospec"):
+            out += [n for n in names if n == base or (n.startswith(base + "-") and n.endswith("gb")
+                                                      and n[len(base) + 1:-2].replace(".", "").isdigit())]
+        elif base in names:
+            out.append(base)
+    return out
+
+
+def _slice_dense_format(slice_dir: Path) -> tuple[str, int]:
+    """The dense core's format and group as the slice's converter options recorded them (coli bench make-slice
+    --dense-format)."""
+    from coli.container.format import MANIFEST_NAME, parse_manifest
+    m = parse_manifest(Path(slice_dir) / MANIFEST_NAME)
+    return str(m.args.get("dense", "bf16")), int(m.args.get("group") or 64)
+
+
 def summarise(values) -> dict:
     """n, mean, p50, p99, max of a list (None figures when empty)."""
     a = np.asarray(list(values), dtype=np.float64)
@@ -295,17 +316,27 @@ class _Runner:
             if self._before is not None:
                 self._before()
             times = []
+            if m.step_graphs is not None:        # the device time of each replayed step, beside its wall time
+                m.step_graphs.time_gpu, m.step_graphs.gpu_s = True, []
             for _ in range(self.N):
                 rt.synchronize()
                 t = time.perf_counter()
                 tok = m.greedy([tok], cache)
                 rt.synchronize()
                 times.append(time.perf_counter() - t)
+            g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
+            self.graphs = (None if g is None else
+                           {"replays": g.replays, "segment_steps": g.segment_steps, "captures": g.captures,
+                            "eager_reason": g.last_reason,
+                            "gpu_ms_mean": float(np.mean(g.gpu_s)) * 1e3 if g.gpu_s else None})
+            if g is not None:
+                g.time_gpu = False
             return times
         finally:
             m.route_override = saved
 
     _before: Callable[[], None] | None = None
+    graphs: dict | None = None     # the last decode's replay counters (None: every step eager)
 
     def head_time(self, reps: int = 20) -> float:
         b, rt = self.b, self.b.rt
@@ -354,7 +385,7 @@ class _Runner:
         vx.finish()
         snap = delta(vx.snapshot(), marks["snap"])
         i = marks["delays"]
-        row = {"scenario": name, "token_s": times, "counters": snap,
+        row = {"scenario": name, "token_s": times, "counters": snap, "graphs": self.graphs,
                "delays_us": vx.delays_us[i:], "delay_nbytes": vx.delay_nbytes[i:],
                "host": delta(dict(getattr(host, "stats", {}) or {}), marks["host"]), "vram_slots": vx.n_slots}
         if timeline and vx.timeline:
@@ -423,7 +454,7 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
         g_wall = nv["bytes"] / wall / GB if wall else None
         out["nvme"] = {**nv, "GBps_busy": g_busy, "GBps_wall": g_wall, "peak_GBps": nvme_peak,
                        "busy_over_peak": ratio(g_busy, nvme_peak), "wall_over_peak": ratio(g_wall, nvme_peak)}
-    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched"):
+    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched", "vram_gb", "predicted"):
         if k in raw:
             out[k] = raw[k]
     return out
@@ -432,13 +463,19 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
 def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0, ram_gb: float = 64.0,
                   tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
                   report: Callable[[str], None] = print) -> dict:
-    """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md)."""
+    """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md).
+    vram_gb: one budget or several ("16,24,32" or a list): the budget scenarios run once per budget (rows
+    budget-16gb, ...), everything else at the first."""
+    from coli.bench.budget import parse_budgets
+    budgets = parse_budgets(",".join(f"{v:g}" for v in vram_gb) if isinstance(vram_gb, (list, tuple)) else vram_gb)
+    vram_gb = budgets[0]
     slice_dir = Path(slice_dir)
     names = parse_scenarios(scenarios) if isinstance(scenarios, str) else list(scenarios)
     if not peer:
         names = [n for n in names if n != "peer"]
     res: dict[str, Any] = {"slice": str(slice_dir), "tokens": tokens, "warmup_tokens": WARMUP_TOKENS,
-                           "vram_gb": vram_gb, "ram_gb": ram_gb, "tile_kb": tile_kb, "scenarios_asked": names,
+                           "vram_gb": vram_gb, "vram_gb_budgets": budgets, "ram_gb": ram_gb, "tile_kb": tile_kb,
+                           "scenarios_asked": names,
                            "rows": [], "notes": [], "extrapolation": (
                                "tokens/s extrapolated to GLM-5 (75 MoE + 3 dense layers): 1 / (75 x moe_layer_s + 78 x "
                                "dense_layer_s + head_s_full); per-layer cache capacities scaled to what the full model "
@@ -490,6 +527,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         nomoe = float(np.mean(t))
         _, dense_layer = split_times(nomoe, nomoe, r.L, head_slice)
         res["nomoe_token_ms"] = summarise([x * 1e3 for x in t])
+        res["nomoe_graphs"] = r.graphs
         res["dense_layer_ms"] = dense_layer * 1e3
     except Exception as e:   # noqa: BLE001
         res["notes"].append(f"the no-routed-expert decode failed ({type(e).__name__}: {e}): no MoE/dense split, "
@@ -516,7 +554,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             res_x = ResidentExperts(r.b.rt, r.reader)
             r.model.experts = res_x
             try:
-                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": r.decode()}
+                t = r.decode()
+                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
             finally:
                 r.model.experts = _NoExperts()
                 del res_x
@@ -545,7 +584,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         for spec in (True, False):
             def spec_ram(spec=spec):
                 host = r.memory_tier()
-                vx = r.vram(host, 3 * r.K)
+                vx = r.vram(host, 3 * r.K, speculate=spec)     # on here whatever COLI_SPEC_COPIES says
                 pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                 name = "spec-ram" if spec else "spec-ram-off"
                 try:
@@ -575,29 +614,51 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             return row
         guarded("disk", disk)
     if "budget" in names:
-        for spec in (True, False):
-            def budget(spec=spec):
-                host = CachedHostTier(r.reader, scal["slice_ram_slots"], direct=True)
-                vx = r.vram(host, scal["slice_vram_slots"])
-                pilot = OraclePilot(vx, r.routing, r.L) if spec else None
-                try:
-                    row = r.run_vx("budget" if spec else "budget-nospec", vx, host, source=pilot, nvme=host.direct)
-                finally:
-                    vx.close()
-                    host.close()
-                row["label"] = (f"budget {vram_gb:g} GB VRAM / {ram_gb:g} GB RAM (scaled), speculation "
-                                f"{'on: ORACLE pilot (trace experts of layer l+1)' if spec else 'off'}")
-                row["speculation"] = "oracle" if spec else "off"
-                row["ram_slots"] = scal["slice_ram_slots"]
-                if pilot is not None:
-                    row["oracle_prefetched"] = pilot.prefetched
-                return row
-            guarded("budget" if spec else "budget-nospec", budget)
+        from coli.bench.budget import budget_name, plan_bound, predict_hits
+        several = len(budgets) > 1
+        dense_fmt, group = _slice_dense_format(slice_dir)
+        h2d = (ceil or {}).get("whole_GBps")
+        for vb in budgets:
+            sc = scal if vb == vram_gb else scale_capacity(vb, ram_gb, fdense, kv_bytes(full, 4096), WORKSPACE_BYTES,
+                                                           r.layout.nbytes + (-r.layout.nbytes) % 4096, r.L, r.K)
+            if vb != vram_gb:
+                res.setdefault("scaling_by_budget", {})[f"{vb:g}"] = sc
+            # what coli sim and coli plan say for the same case, computed before the run
+            predicted: dict[str, Any] = {}
+            try:
+                predicted["sim"] = predict_hits(r.routing.idx, tokens=WARMUP_TOKENS + tokens, warmup=WARMUP_TOKENS,
+                                                vram_slots=sc["slice_vram_slots"], ram_slots=sc["slice_ram_slots"])
+                predicted["plan"] = plan_bound(vb, ram_gb, dense=dense_fmt, group=group, pcie_gbps=h2d,
+                                               disk_gbps=nvme_peak)
+            except Exception as e:   # noqa: BLE001 -- a prediction failing must not cost the measurement
+                predicted["error"] = f"{type(e).__name__}: {e}"
+            for spec in (True, False):
+                rname = budget_name("budget" if spec else "budget-nospec", vb, several)
+
+                def budget(spec=spec, sc=sc, vb=vb, rname=rname, predicted=predicted):
+                    host = CachedHostTier(r.reader, sc["slice_ram_slots"], direct=True)
+                    vx = r.vram(host, sc["slice_vram_slots"], speculate=spec)
+                    pilot = OraclePilot(vx, r.routing, r.L) if spec else None
+                    try:
+                        row = r.run_vx(rname, vx, host, source=pilot, nvme=host.direct)
+                    finally:
+                        vx.close()
+                        host.close()
+                    row["label"] = (f"budget {vb:g} GB VRAM / {ram_gb:g} GB RAM (scaled), speculation "
+                                    f"{'on: ORACLE pilot (trace experts of layer l+1)' if spec else 'off'}")
+                    row["speculation"] = "oracle" if spec else "off"
+                    row["ram_slots"] = sc["slice_ram_slots"]
+                    row["vram_gb"] = vb
+                    row["predicted"] = predicted
+                    if pilot is not None:
+                        row["oracle_prefetched"] = pilot.prefetched
+                    return row
+                guarded(rname, budget)
     warm_moe = None
     if "warm" in raws and "token_s" in raws["warm"] and nomoe is not None:
         warm_moe, _ = split_times(float(np.mean(raws["warm"]["token_s"])), nomoe, r.L, head_slice)
         res["warm_moe_layer_ms"] = warm_moe * 1e3
-    for name in ROW_ORDER:
+    for name in row_order(list(raws)):
         raw = raws.get(name)
         if raw is None:
             continue
@@ -608,6 +669,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
                            nvme_peak=nvme_peak)
         row["token_s_raw"] = raw["token_s"]
+        if "graphs" in raw:
+            row["graphs"] = raw["graphs"]
         if raw.get("timeline"):
             row["timeline"] = raw["timeline"]
         res["rows"].append(row)
@@ -686,6 +749,10 @@ def _plots(res: dict, plots_dir, ceil, report) -> None:
         try:
             fn(p)
             res["plots"][name] = str(p)
+        except mod.PlotsUnavailable as e:   # said once, not once per plot
+            res["notes"].append(f"no plots: {e}")
+            report(f"no plots: {e}")
+            return
         except Exception as e:   # noqa: BLE001
             res["notes"].append(f"plot {name} failed: {type(e).__name__}: {e}")
 
@@ -732,11 +799,17 @@ def table_rows(res: dict) -> list[list[str]]:
         h, nv = row.get("h2d") or {}, row.get("nvme") or {}
         hr = row.get("hit_rates") or {}
         dd = ((row.get("demand_delay") or {}).get("us") or {})
-        out.append([row["scenario"], _f(row.get("tokens_per_s_glm5")), _f(row["token_ms"]["mean"]),
+        tps, vh, rh = _f(row.get("tokens_per_s_glm5")), _f(hr.get("vram"), "{:.0%}"), _f(hr.get("ram"), "{:.0%}")
+        pr = row.get("predicted")
+        if pr:                           # budget rows: coli plan's bound and coli sim's hit rates beside them
+            tps += f" (plan {_f((pr.get('plan') or {}).get('tokens_per_s'))})"
+            vh += f" (sim {_f((pr.get('sim') or {}).get('vram'), '{:.0%}')})"
+            rh += f" (sim {_f((pr.get('sim') or {}).get('ram'), '{:.0%}')})"
+        out.append([row["scenario"], tps, _f(row["token_ms"]["mean"]),
                     _f(row.get("moe_layer_ms")),
                     f"{_f(h.get('eff_busy_GBps'))} ({_f(h.get('busy_over_peak'), '{:.0%}')})" if h else "-",
                     f"{_f(nv.get('GBps_wall'))} ({_f(nv.get('wall_over_peak'), '{:.0%}')})" if nv else "-",
-                    _f(row.get("overlap_efficiency")), _f(hr.get("vram"), "{:.0%}"), _f(hr.get("ram"), "{:.0%}"),
+                    _f(row.get("overlap_efficiency")), vh, rh,
                     str(row.get("cpu_fallbacks_total", "-")), _f(dd.get("p99"), "{:.0f}")])
     return out
 

@@ -104,8 +104,10 @@ def stream(
     scenario: str = typer.Option("all", "--scenario", help="Comma list of warm, cold-ram, disk, budget, sync, peer; "
                                                            "or all."),
     tokens: int = typer.Option(16, "--tokens", min=1, help="Timed decode tokens per scenario (after 2 warm-up)."),
-    vram_gb: float = typer.Option(16.0, "--vram-gb", help="VRAM budget the capacities are scaled from (budget "
-                                                          "scenario, the peer's budget)."),
+    vram_gb: str = typer.Option("16", "--vram-gb", help="VRAM budget(s) in GB the capacities are scaled from: one, "
+                                                        "or a comma list (16,24,32) to run the budget scenario once "
+                                                        "per budget; the first is the peer's and the other "
+                                                        "scenarios' budget."),
     ram_gb: float = typer.Option(64.0, "--ram-gb", help="RAM budget the RAM-tier capacity is scaled from."),
     tile_kb: int = typer.Option(1024, "--tile-kb", min=4, help="H2D copy tile in KiB."),
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full result as JSON here."),
@@ -116,9 +118,11 @@ def stream(
 
 @clean_errors
 def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
+    from coli.bench.budget import parse_budgets
     from coli.bench.stream import parse_scenarios, run_scenarios
     from coli.errors import ColiError
     names = parse_scenarios(scenario)
+    vram_gb = parse_budgets(vram_gb)          # a bad list is refused before the GPU is touched
     if not Path(dir).is_dir():
         raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
     try:
@@ -128,6 +132,11 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
         raise ColiError(f"coli bench stream needs a CUDA GPU: {e}") from None
     except ImportError as e:
         raise ColiError(f"coli bench stream needs a CUDA GPU: PyCUDA is not importable ({e})") from None
+    if plots is not None:
+        from coli.bench.plots import missing
+        why = missing()
+        if why:   # say it before minutes of benchmark, not after; the numbers are still worth having
+            stderr_note(f"--plots {plots}: {why}; the benchmark runs without them")
     run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
                   plots_dir=plots, peer="peer" in names, report=stderr_note)
 

@@ -1,10 +1,12 @@
 """`coli chat`: talk to a running model — an interactive REPL that streams tokens and keeps the
-conversation, or one-shot with -p TEXT / --prompt-ids (the same JSON as `coli run`)."""
+conversation (coli/cli/chat_repl.py: line editing, history, slash commands, Ctrl-C stops the answer, the KV
+cache kept between turns), or one-shot with -p TEXT / --prompt-ids (the same JSON as `coli run`)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import uuid
 from typing import Optional
 
 import typer
@@ -25,8 +27,9 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens."),
     system: Optional[str] = typer.Option(None, "--system", help="A system message to start the conversation."),
-    session: Optional[str] = typer.Option(None, "--session", help="Keep this conversation's KV cache between turns "
-                                          "and across restarts (created if new; each turn prefills only new tokens)."),
+    session: Optional[str] = typer.Option(None, "--session", help="Keep this conversation's KV cache across "
+                                          "restarts too (created if new). Without it the interactive chat keeps "
+                                          "the cache between turns in a session of its own, dropped at exit."),
     as_json: bool = typer.Option(False, "--json", help="One-shot: print one JSON object (like `coli run --json`)."),
 ) -> None:
     """Chat with a running model (start one with `coli up`)."""
@@ -63,9 +66,16 @@ def _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
                     out["text"] = tok.decode(r.tokens)
                 print(json.dumps(out))
                 return
-            _stream_answer(client, tok, ids, max_tokens, kw)
+            _, _, stopped = _stream_answer(client, tok, ids, max_tokens, kw)
+            if stopped:
+                raise KeyboardInterrupt
             return
-        _repl(client, tok, template, system, max_tokens, kw)
+        if tok is None:
+            raise ColiError("this model has no tokenizer.json: the interactive chat needs one (use --prompt-ids)")
+        from coli.cli.chat_repl import repl
+        repl(client, tok, template, system, session, max_tokens, kw,
+             encode=lambda messages: _encode_turn(tok, template, messages),
+             stream_answer=lambda ids, extra: _stream_answer(client, tok, ids, max_tokens, kw | extra))
 
 
 def _encode_turn(tok, template, messages) -> list[int]:
@@ -75,51 +85,39 @@ def _encode_turn(tok, template, messages) -> list[int]:
     return tok.encode(text)
 
 
-def _stream_answer(client, tok, ids, max_tokens, kw) -> list[int]:
+def _stream_answer(client, tok, ids, max_tokens, kw):
+    """Print the answer as it streams; (tokens, the Done message or None, stopped by Ctrl-C). Ctrl-C closes the
+    stream, which cancels the request: the executor stops at its next token and the session keeps what was
+    generated so far."""
     from coli.tokenizer import StreamDecoder
 
     eos = set(client.info.get("eos_token_ids") or [])
     stream = StreamDecoder(tok, skip_special_tokens=True) if tok is not None else None
     out: list[int] = []
-    for item in client.stream(ids, max_tokens, **kw):
-        if isinstance(item, int):
-            out.append(item)
-            if stream is not None:
-                if item not in eos:
-                    sys.stdout.write(stream.push(item))
+    done, stopped = None, False
+    rid = f"chat-{uuid.uuid4().hex}"
+    it = client.stream(ids, max_tokens, request_id=rid, **kw)
+    try:
+        for item in it:
+            if isinstance(item, int):
+                out.append(item)
+                if stream is not None:
+                    if item not in eos:
+                        sys.stdout.write(stream.push(item))
+                else:
+                    sys.stdout.write(f"{item} ")
+                sys.stdout.flush()
             else:
-                sys.stdout.write(f"{item} ")
-            sys.stdout.flush()
+                done = item
+    except KeyboardInterrupt:
+        it.close()                          # sends Cancel
+        stopped = True
+        done = client.wait_done(rid)        # its real usage (what the session reused and kept)
     if stream is not None:
         sys.stdout.write(stream.flush())
-    sys.stdout.write("\n")
-    return out
-
-
-def _repl(client, tok, template, system, max_tokens, kw) -> None:
-    if tok is None:
-        raise ColiError("this model has no tokenizer.json: the interactive chat needs one (use --prompt-ids)")
-    messages = [{"role": "system", "content": system}] if system else []
-    print(f"chatting with {client.info.get('model')} — empty line or Ctrl-D to quit, /reset to forget the conversation",
-          file=sys.stderr)
-    eos = set(client.info.get("eos_token_ids") or [])
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return
-        if not line.strip():
-            return
-        if line.strip() == "/reset":
-            messages = messages[:1] if system else []
-            continue
-        messages.append({"role": "user", "content": line})
-        ids = _encode_turn(tok, template, messages)
-        sys.stdout.write("model> ")
-        answer = _stream_answer(client, tok, ids, max_tokens, kw)
-        messages.append({"role": "assistant", "content": tok.decode([t for t in answer if t not in eos],
-                                                                    skip_special_tokens=True)})
+    sys.stdout.write(" [stopped]\n" if stopped else "\n")
+    sys.stdout.flush()
+    return out, done, stopped
 
 
 def register(app: typer.Typer) -> None:

@@ -34,6 +34,48 @@ def clean_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def require_device(device: str) -> None:
+    """Refuse --device gpu where PyCUDA is not installed, before any stage starts (found without importing it:
+    only the GPU stage imports PyCUDA). A driver or device problem is still reported by the GPU stage."""
+    import importlib.util
+
+    if device in ("gpu", "cuda") and importlib.util.find_spec("pycuda") is None:
+        raise ColiError(f"--device {device}: PyCUDA is not installed: pip install -e '.[gpu]' in a clone (or pip install "
+                        f"'colistream[gpu]'; needs a CUDA driver), or use --device cpu")
+
+
+class LazyProgress:
+    """A rich progress bar on stderr that appears at the first progress report, not before: bad input is found
+    before any work is reported, so its error stays one line with no empty bar above it."""
+
+    def __init__(self, label: str, eta: bool = False):
+        from rich.console import Console
+
+        self.label, self.eta = label, eta
+        self.console = Console(stderr=True)
+        self._bar = self._task = None
+
+    def update(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+            cols = [TextColumn(self.label), BarColumn(), DownloadColumn(), TransferSpeedColumn()]
+            self._bar = Progress(*cols, *([TimeRemainingColumn()] if self.eta else []), console=self.console)
+            self._bar.start()
+            self._task = self._bar.add_task(self.label, total=total)
+        self._bar.update(self._task, completed=done, total=total)
+
+    def print(self, message: str) -> None:
+        self.console.print(message, highlight=False, markup=False)
+
+    def __enter__(self) -> "LazyProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
 def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]

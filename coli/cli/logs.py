@@ -37,6 +37,9 @@ def pretty(rec: dict) -> str:
     from rich.markup import escape
 
     lvl = str(rec.get("level", "info")).lower()
+    if rec.get("event") == "run_started":  # where one run of this name ends and the next begins
+        return (f"[bold]──── run {escape(str(rec.get('run', '?')))} started {escape(str(rec.get('date', rec.get('ts', ''))))} "
+                f"(supervisor pid {rec.get('supervisor_pid', '?')}, model {escape(str(rec.get('model', '?')))}) ────[/]")
     ts = str(rec.get("ts", ""))[11:23]
     rest = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in rec.items()
                     if k not in ("ts", "stage", "level", "event", "pid"))
@@ -60,23 +63,33 @@ def logs(
     stage: Optional[str] = typer.Option(None, "--stage", help="Only this stage (supervisor, reader, ramtier, executor)."),
     level: Optional[str] = typer.Option(None, "--level", help="Minimum level: debug | info | warning | error."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines as they are written."),
+    tail: Optional[int] = typer.Option(None, "--tail", "-n", help="Only the last N records (after --stage/--level)."),
     as_json: bool = typer.Option(False, "--json", help="Raw JSON lines."),
 ) -> None:
     """Show the run's logs, merged across stages in time order."""
-    _logs(name, stage, level, follow, as_json)
+    _logs(name, stage, level, follow, as_json, tail)
+
+
+KNOWN_STAGES = ("supervisor", "reader", "ramtier", "executor", "gateway")
 
 
 @clean_errors
-def _logs(name, stage, level, follow, as_json):
+def _logs(name, stage, level, follow, as_json, tail=None):
     from rich.console import Console
 
     from coli.protocol.rundir import default_base
 
     if level is not None and level not in LEVELS:
         raise ColiError(f"--level {level!r}: choose from {', '.join(LEVELS)}")
+    if tail is not None and tail < 0:
+        raise ColiError(f"--tail {tail}: give a number of records >= 0")
     d = default_base() / name / "logs"
     if not d.is_dir():
         raise ColiError(f"no logs for run {name!r} (looked in {d})")
+    if stage is not None:
+        valid = sorted(set(KNOWN_STAGES) | {f.stem for f in d.glob("*.jsonl")})
+        if stage not in valid:
+            raise ColiError(f"--stage {stage!r} is not a stage of run {name!r}: choose from {', '.join(valid)}")
     con = Console(highlight=False, soft_wrap=True)
 
     def show(rec: dict) -> None:
@@ -87,7 +100,8 @@ def _logs(name, stage, level, follow, as_json):
                 con.print(pretty(rec))
 
     files = sorted(d.glob("*.jsonl"))
-    for rec in merged(files):
+    recs = [r for r in merged(files) if keep(r, stage, level)]
+    for rec in recs[-tail:] if tail else ([] if tail == 0 else recs):
         show(rec)
     if follow:
         try:

@@ -11,6 +11,7 @@ import typer
 
 from coli.cli.common import clean_errors
 from coli.errors import ColiError
+from coli.plan import DEFAULT_DENSE
 
 ASSUMED_DISK_GBPS = 6.0    # a consumer Gen4 NVMe (ARCHITECTURE §1: 6-11 GB/s)
 ASSUMED_PCIE_GBPS = 25.0   # PCIe Gen4 x16 at ~88% of its raw rate
@@ -30,7 +31,8 @@ def plan(
                                           "(default 8192, or the model's limit if smaller)."),
     kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="bf16 | fp32."),
     experts: str = typer.Option("int4", "--experts", help="Expert format for --preset / a checkpoint."),
-    dense: str = typer.Option("int4", "--dense", help="Dense-core format for --preset / a checkpoint."),
+    dense: str = typer.Option(DEFAULT_DENSE, "--dense", help="Dense-core format for --preset / a checkpoint (the "
+                              "default is `coli convert`'s; a plan that does not fit says which format does)."),
     group: int = typer.Option(64, "--group", help="Quantisation group size for int4/int2."),
     vram_reserve_gb: float = typer.Option(1.0, "--vram-reserve-gb", min=0.0, help="VRAM kept for CUDA and workspaces."),
     ram_reserve_gb: float = typer.Option(4.0, "--ram-reserve-gb", min=0.0, help="RAM kept for the OS and processes."),
@@ -45,20 +47,20 @@ def _sizes(model, preset, experts, dense, group):
     from coli.config import load_config
     from coli.config import preset as get_preset
     from coli.container.format import MANIFEST_NAME
+    from coli.model_store import check_model_dir
     from coli.plan import sizes_from_config, sizes_from_container
 
     if (model is None) == (preset is None):
         raise ColiError("give exactly one of --model DIR and --preset NAME (e.g. --preset glm5)")
     if preset is not None:
         return sizes_from_config(get_preset(preset), f"preset {preset}", experts, dense, group)
-    if not model.is_dir():
-        raise ColiError(f"--model {model}: no such directory")
+    check_model_dir(model)
     if (model / MANIFEST_NAME).is_file():
         return sizes_from_container(model)
     return sizes_from_config(load_config(model), model.name, experts, dense, group)
 
 
-def hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps):
+def hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps, expert_matrix=None):
     from coli import probe
     from coli.plan import Hardware
 
@@ -100,8 +102,14 @@ def hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps):
             src["pcie"] = "assumed: PCIe Gen4 x16 (pass --pcie-gbps)"
     else:
         src["pcie"] = "given"
+    cpu_expert_s = cpu_gemv_gbps = None
+    if vram_gb == 0 and expert_matrix is not None:
+        # The CPU path is bound by numpy work, not transfers (docs/perf-notes.md): measure it here (~1-2 s).
+        speed = probe.cpu_expert_speed(*expert_matrix)
+        cpu_expert_s, cpu_gemv_gbps = speed.expert_s, speed.gemv_gbps
+        src["cpu"] = f"measured: {speed.note}"
     return Hardware(vram_gb=round(vram_gb, 3), ram_gb=round(ram_gb, 3), disk_gbps=disk_gbps, pcie_gbps=pcie_gbps,
-                    sources=src)
+                    cpu_expert_s=cpu_expert_s, cpu_gemv_gbps=cpu_gemv_gbps, sources=src)
 
 
 @clean_errors
@@ -110,7 +118,7 @@ def _plan(model, preset, vram_gb, ram_gb, disk_gbps, pcie_gbps, context, kv_dtyp
     from coli.plan import PlanOptions, make_plan
 
     sizes = _sizes(model, preset, experts, dense, group)
-    hw = hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps)
+    hw = hardware(model, vram_gb, ram_gb, disk_gbps, pcie_gbps, sizes.expert_matrix)
     p = make_plan(sizes, hw, PlanOptions(context=context, kv_dtype=kv_dtype, vram_reserve_gb=vram_reserve_gb,
                                          ram_reserve_gb=ram_reserve_gb))
     if as_json:
@@ -145,7 +153,9 @@ def show(p) -> None:
               f"{_b(kv['bytes_per_token'])}/token ({kv['dtype']})")
     src = hw["sources"]
     con.print(f"machine: VRAM {hw['vram_gb']:g} GB ({src.get('vram')}); RAM {hw['ram_gb']:g} GB ({src.get('ram')}); "
-              f"disk {hw['disk_gbps']:.2f} GB/s ({src.get('disk')}); PCIe {hw['pcie_gbps']:.2f} GB/s ({src.get('pcie')})")
+              f"disk {hw['disk_gbps']:.2f} GB/s ({src.get('disk')}); PCIe {hw['pcie_gbps']:.2f} GB/s ({src.get('pcie')})"
+              + (f"; CPU {hw['cpu_expert_s'] * 1e3:.0f} ms per routed expert, float32 GEMV {hw['cpu_gemv_gbps']:.2f} "
+                 f"GB/s ({src.get('cpu')})" if hw.get("cpu_expert_s") is not None else ""))
     for title, tier, rows in (
         ("VRAM", p.vram, [("reserve (CUDA context, workspaces)", "reserve", ""),
                           ("dense core (resident)", "dense_core", ""),
@@ -189,17 +199,26 @@ def show(p) -> None:
               f"({100 * (1 - pt['hit_rate_ram_or_vram']):.1f}%); {_b(pt['routed_bytes'])} routed = "
               f"{_b(pt['bytes_from_disk'])} from disk"
               + (f", {_b(pt['bytes_over_pcie'])} over PCIe" if p.device == "gpu" else ""))
-    con.print("[bold]tokens/s bounds[/] (transfers only):")
+    con.print("[bold]tokens/s bounds[/]" + (" (transfers only; GPU compute not counted):" if p.device == "gpu" else
+                                            " (CPU path: disk transfers and numpy compute):"))
     con.print(f"  all cold from disk:  {_tps(tps['all_cold_disk'])}  ({_b(pt['routed_bytes'])} / "
               f"{hw['disk_gbps']:.2f} GB/s)")
     if p.device == "gpu":
         con.print(f"  all cold over PCIe:  {_tps(tps['all_cold_pcie'])}  ({_b(pt['routed_bytes'])} / "
                   f"{hw['pcie_gbps']:.2f} GB/s; every expert in RAM, none kept in VRAM)")
+    if tps.get("cpu_compute") is not None:
+        con.print(f"  CPU compute:         {_tps(tps['cpu_compute'])}  ({pt['routed_experts']} experts x "
+                  f"{hw['cpu_expert_s'] * 1e3:.0f} ms + the float32 dense core at {hw['cpu_gemv_gbps']:.2f} GB/s = "
+                  f"{pt['compute_s']:.1f} s per token)")
     if tps["expected"] is None:
         con.print("  expected:            no transfers once warm (bound by compute)")
     else:
         con.print(f"  expected:            {_tps(tps['expected'])}  (bound by {tps['expected_bound_by']}: disk "
-                  f"{pt['disk_s']:.3f} s" + (f", PCIe {pt['pcie_s']:.3f} s" if p.device == "gpu" else "") + " per token)")
+                  f"{pt['disk_s']:.3f} s" + (f", PCIe {pt['pcie_s']:.3f} s" if p.device == "gpu" else "")
+                  + (f", compute {pt['compute_s']:.1f} s" if pt.get("compute_s") else "") + " per token)")
+    if p.dense_fits:
+        con.print("dense formats on this GPU: " + "; ".join(
+            f"--dense {f}: " + ("does not fit" if n is None else f"{n:,} expert slots") for f, n in p.dense_fits.items()))
     for w in p.warnings:
         con.print(f"[yellow]note:[/] {w}")
     con.print("assumptions: " + "; ".join(p.assumptions))

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coli.cli.common import clean_errors, parse_ids, sampling_from_options, stderr_note
+from coli.cli.common import clean_errors, parse_ids, require_device, sampling_from_options, stderr_note
 from coli.errors import ColiError
 
 
@@ -51,11 +51,14 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
          record_routing=None, topp=None, gpu=None):
     from coli.generate import ContextTooLong, Generation, context_problem
     from coli.loader import load_model
+    from coli.model_store import check_model_dir
     from coli.tokenizer import StreamDecoder, load_tokenizer
 
     if (prompt is None) == (prompt_ids is None):
         raise ColiError("give exactly one of --prompt or --prompt-ids")
     params = sampling_from_options(greedy, temperature, top_p, top_k, seed)
+    model = check_model_dir(model, names=True)   # a missing or half-converted --model is said as such, not as "no tokenizer.json"
+    require_device(device)
 
     tok = load_tokenizer(model)
     if prompt is not None:

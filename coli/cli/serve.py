@@ -66,12 +66,43 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key from --api-key (or COLI_API_KEY) or from --api-key-file; a key on the command line is
+    visible to every local user in `ps`, a file (mode 0600) or the environment is not."""
+    if api_key is not None and api_key_file is not None:
+        raise ColiError("give the API key once: --api-key (or COLI_API_KEY) or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.read().strip()
+            mode = os.stat(api_key_file).st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColiError(f"--api-key-file {api_key_file}: cannot read it: {getattr(e, 'strerror', None) or e}") \
+                from None
+        if not api_key:
+            raise ColiError(f"--api-key-file {api_key_file}: the file is empty (write the key on its first line)")
+        if "\n" in api_key:
+            raise ColiError(f"--api-key-file {api_key_file}: the file holds more than one line (only the key)")
+        if mode & 0o077:
+            print(f"warning: --api-key-file {api_key_file} is readable by other users (chmod 600 it)",
+                  file=sys.stderr, flush=True)
+        return api_key
+    if api_key is not None and not api_key.strip():
+        raise ColiError("--api-key (or COLI_API_KEY) is empty")
+    return api_key
+
+
+API_KEY_HELP = ("Require 'Authorization: Bearer KEY' or 'x-api-key: KEY'. Prefer COLI_API_KEY or --api-key-file: "
+                "a key on the command line is visible to every local user in `ps`.")
+API_KEY_FILE_HELP = "Read the API key from this file (its first line; keep it chmod 600)."
+
+
 def serve(
     name: str = typer.Option("default", "--name", help="Run name (the run must be up: `coli up`)."),
     http: str = typer.Option(DEFAULT_HTTP, "--http", help="[HOST:]PORT to listen on (0 = a free port). Binds "
                              "127.0.0.1 unless a host is given."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="COLI_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' (env COLI_API_KEY)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="COLI_API_KEY", help=API_KEY_HELP),
+    api_key_file: Optional[str] = typer.Option(None, "--api-key-file", help=API_KEY_FILE_HELP),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id clients use (default: the model "
                                              "directory's name, 'demo' for the demo)."),
     default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", min=1,
@@ -81,15 +112,22 @@ def serve(
     exit_with_run: bool = typer.Option(False, "--exit-with-run", help="Stop when the run stops."),
     token_timeout: float = typer.Option(600.0, "--token-timeout", min=1.0,
                                         help="Seconds without a token (queue wait included) before a 504."),
+    max_request_mb: float = typer.Option(4.0, "--max-request-mb", min=0.001,
+                                         help="Largest request body accepted (bigger ones get HTTP 413)."),
+    max_stream_backlog: int = typer.Option(4096, "--max-stream-backlog", min=1,
+                                           help="Tokens a streaming client may leave unread before its request "
+                                                "is stopped with a client_too_slow error."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
-    """Serve a run over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, plus
-    /health and /metrics (Prometheus)."""
-    _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_run, token_timeout, log_level)
+    """Serve a run over HTTP: OpenAI-compatible /v1/chat/completions (tools, reasoning), /v1/completions,
+    /v1/models, the Anthropic Messages API /v1/messages, plus /health and /metrics (Prometheus). The API key can come from --api-key, COLI_API_KEY or --api-key-file."""
+    _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
+           max_request_mb, max_stream_backlog, log_level)
 
 
 @clean_errors
-def _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_run, token_timeout, log_level):
+def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
+           max_request_mb, max_stream_backlog, log_level):
     import uvicorn
 
     from coli.serve.client import Client, RunNotFound
@@ -98,8 +136,7 @@ def _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_
     from coli.stages.common import configure_logging
 
     host, port = parse_http(http)
-    if api_key is not None and not api_key.strip():
-        raise ColiError("--api-key is empty")
+    api_key = read_api_key(api_key, api_key_file)
     deadline = time.monotonic() + wait
     while True:  # the run must answer before we listen (clean error instead of a server that only says 503)
         try:
@@ -114,7 +151,8 @@ def _serve(name, http, api_key, model_name, default_max_tokens, wait, exit_with_
     port = sock.getsockname()[1]
     log = configure_logging(RunDir(name, create=False).log_path("gateway"), "gateway", log_level)
     cfg = GatewayConfig(run_name=name, api_key=api_key, model_id=model_name, default_max_tokens=default_max_tokens,
-                        token_timeout=token_timeout)
+                        token_timeout=token_timeout, max_body_bytes=int(max_request_mb * (1 << 20)),
+                        max_stream_backlog=max_stream_backlog)
     gw = Gateway(cfg, log)
     app = create_app(cfg, log, gw)
     try:

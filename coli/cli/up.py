@@ -14,19 +14,27 @@ import typer
 from coli.cli.common import clean_errors, fail
 from coli.errors import ColiError
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def up(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container or Hugging Face checkpoint (default: the built-in demo model)."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Container, Hugging Face checkpoint, or a name "
+                                         "`coli models` lists (ORG/REPO from `coli pull`); default: the built-in demo model."),
     name: str = typer.Option("default", "--name", help="Run name (several runs can be up at once)."),
     ram_gb: float = typer.Option(4.0, "--ram-gb", help="RAM tier budget for expert slots, in GB."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | gpu."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Start in the background and return once the run is ready."),
     startup_timeout: float = typer.Option(120.0, "--startup-timeout", help="Seconds each stage gets to become ready."),
+    stage_timeout: float = typer.Option(5.0, "--stage-timeout", min=0.5,
+                                        help="Seconds a ready stage may send no heartbeat before it is called "
+                                             "unresponsive: its requests fail naming it, `coli status` says so."),
     reader_threads: int = typer.Option(4, "--reader-threads", min=1, help="NVMe reader threads."),
     queue_depth: int = typer.Option(16, "--queue-depth", min=1, help="Reads in flight at most."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
     http: Optional[str] = typer.Option(None, "--http", help="Also serve the OpenAI-compatible HTTP API on [HOST:]PORT "
-                                       "(`coli serve` beside the run; key from COLI_API_KEY)."),
+                                       "(`coli serve` beside the run; API key from COLI_API_KEY or --api-key-file)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="With --http: read the gateway's API key "
+                                                "from this file (first line, chmod 600) instead of COLI_API_KEY."),
     record_routing: Optional[Path] = typer.Option(None, "--record-routing", metavar="FILE",
                                                   help="Append every token's routed experts and weights to FILE "
                                                        "(docs/traces.md; read it with `coli sim --trace FILE`)."),
@@ -37,32 +45,60 @@ def up(
     vram_policy: str = typer.Option("freq", "--vram-policy", help="VRAM slot replacement: freq | lru | rdf | lfu."),
     stream_tile_kb: int = typer.Option(1024, "--stream-tile-kb", min=4, help="GPU: tile of the speculative copy lane in KiB (a demand waits behind at most one)."),
     max_context: int = typer.Option(4096, "--max-context", min=16, help="KV positions the VRAM budget reserves."),
+    http_shown: Optional[str] = typer.Option(None, "--http-shown", hidden=True,  # set by --detach for its child
+                                             help="The --http address a gateway beside this run listens on."),
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
+    experts: Optional[str] = typer.Option(None, "--experts", help="When --model is a checkpoint: the routed expert "
+                                          "format it is converted to once (default as `coli convert`: int4)."),
+    dense: Optional[str] = typer.Option(None, "--dense", help="When --model is a checkpoint: the dense core format "
+                                        "(default as `coli convert`: int8)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
-    gateway = _gateway_beside(name, http, startup_timeout, detach) if http else None
+    model = _container_for(model, experts, dense)
+    if api_key_file is not None and not http:
+        fail("--api-key-file is for the HTTP gateway: give --http too")
+    gateway = _gateway_beside(name, http, startup_timeout, detach, api_key_file) if http else None
     ok = False
     try:
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu)
+            record_routing, pilot, gpu, stage_timeout, http or http_shown)
         ok = True
+        if gateway is not None and detach:
+            _confirm_gateway(gateway, name, http, startup_timeout)
     finally:  # foreground: the run has stopped; detached: only if the run did not come up
         if gateway is not None and (not detach or not ok) and gateway.poll() is None:
             gateway.terminate()
 
 
+# ---- --model: a registry name or a checkpoint becomes a container here, in the foreground (progress shown, also
+# before --detach), so the run itself only ever opens a container ----
+@clean_errors
+def _container_for(model: Optional[Path], experts: Optional[str], dense: Optional[str]) -> Optional[Path]:
+    from coli.model_store import resolve_container
+
+    if model is None and experts is None and dense is None:
+        return None   # the demo model: the supervisor converts it (f32, tiny)
+    from coli.hub.progress import transfer_bars
+
+    with transfer_bars(sys.stderr.isatty(), ("converting", "bytes")) as (note, bar):
+        return resolve_container(model, report=note, experts=experts, dense=dense, progress=bar)
+
+
 # ---- --http: the gateway (coli serve) as a process beside the run; it waits for the run and exits with it ----
-def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
-    from coli.cli.serve import parse_http
+def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool, api_key_file: Path | None = None):
+    from coli.cli.serve import bind_socket, parse_http, read_api_key
     from coli.protocol.rundir import RunDir, default_base
     from coli.protocol.errors import RunDirError
 
     try:
-        parse_http(http)
+        host, port = parse_http(http)
+        if port:  # fail now, before starting a run that would come up without its gateway
+            bind_socket(host, port).close()
+        read_api_key(None, str(api_key_file) if api_key_file else None)  # a bad key file fails before the run starts
         live = RunDir(name, create=False).is_live()
     except RunDirError:
         live = False
@@ -72,6 +108,8 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
         return None  # `coli up` is about to say the run is already up
     args = [sys.executable, "-m", "coli.cli.main", "serve", "--name", name, "--http", http, "--exit-with-run",
             "--wait", str(startup_timeout * 3 + 600)]
+    if api_key_file is not None:
+        args += ["--api-key-file", str(api_key_file.resolve())]  # the path, never the key, goes on the command line
     if not detach:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL)
     base = default_base()
@@ -83,44 +121,87 @@ def _gateway_beside(name: str, http: str, startup_timeout: float, detach: bool):
     return proc
 
 
+def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> None:
+    """--http with --detach: the run is up; return once its gateway listens. A gateway that exits instead
+    (the port taken meanwhile, a bad --http host) takes the run down with it and `coli up` fails."""
+    from coli.serve.client import Client
+    from coli.protocol.rundir import default_base
+
+    log = default_base() / f"{name}.serve.log"
+    deadline = time.monotonic() + startup_timeout + 60
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "listening on" in text:
+            return
+        if gateway.poll() is not None:
+            break
+        time.sleep(0.1)
+    try:
+        with Client(name) as c:
+            c.down("its HTTP gateway did not start", wait=30)
+    except ColiError:
+        pass
+    if gateway.poll() is None:
+        gateway.terminate()
+    tail = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1] if log.exists() else ""
+    fail(f"--http {http}: the HTTP gateway did not start ({tail}); run {name!r} was stopped (log {log})", code=1)
+
+
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None, pilot="off", gpu=None):
+        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None):
+    from coli.cli.common import require_device
+    from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
 
+    if log_level not in LOG_LEVELS:
+        raise ColiError(f"--log-level {log_level!r} is not a level: choose from {', '.join(LOG_LEVELS)}")
     try:
         ahead = parse_pilot(pilot)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    if model is not None and not model.is_dir():
-        raise ColiError(f"--model {model}: no such directory")
+    if model is not None:
+        model = check_model_dir(model, names=True)   # a directory, or a name `coli models` lists
+    require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead, gpu)
+                       record_routing, ahead, gpu, stage_timeout, http)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
-                      pilot=ahead, gpu=dict(gpu or {}))
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http)
+    say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
-    run_supervisor(opts, say)
+    stopped = run_supervisor(opts, say)
+    if stopped.failed:  # the run died (a stage crashed): a script or a unit file must see it
+        raise typer.Exit(1)
+
+
+def _say_while_the_terminal_lasts(message: str) -> None:
+    # a closed terminal (SIGHUP) turns stderr into EIO: the run must still stop cleanly, and its log says why
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None):
+            pilot=0, gpu=None, stage_timeout=5.0, http=None):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
             "--startup-timeout", str(startup_timeout), "--reader-threads", str(reader_threads),
-            "--queue-depth", str(queue_depth), "--log-level", log_level]
+            "--queue-depth", str(queue_depth), "--log-level", log_level, "--stage-timeout", str(stage_timeout)]
     if model is not None:
         args += ["--model", str(model.resolve())]
     if record_routing is not None:
         args += ["--record-routing", str(record_routing.resolve())]
     if pilot:
         args += ["--pilot", str(pilot)]
+    if http:
+        args += ["--http-shown", http]  # the gateway is ours to start (done above); the run only records it
     for k, v in (gpu or {}).items():
         if v is not None:
             args += [{"policy": "--vram-policy", "tile_kb": "--stream-tile-kb"}.get(k, "--" + k.replace("_", "-")), str(v)]
@@ -162,12 +243,17 @@ def _down(name, timeout):
     from coli.protocol.rundir import RunDir
     from coli.stages.supervisor.process import clean_stale
 
+    from coli.stages.supervisor.sweep import describe, sweep_dead_segments
+
+    swept = sweep_dead_segments()  # leftovers of SIGKILLed runs of any name
+    if swept:
+        print(describe(swept))
     try:
         rd = RunDir(name, create=False)
     except RunDirError:
         raise ColiError(f"no run named {name!r}") from None
-    if rd.is_stale() or (rd.read_pid() is None and not rd.is_live()):
-        clean_stale(rd, print)
+    if not rd.is_live():
+        _down_not_live(rd)
         return
     try:
         with Client(name) as c:
@@ -176,6 +262,27 @@ def _down(name, timeout):
         clean_stale(rd, print)
         return
     print(f"run {name!r} stopped")
+
+
+def _down_not_live(rd) -> None:
+    """A run dir whose run is not up: clean what a dead supervisor left, or say it is stopped already.
+    The claim is taken first, so this never races a `coli up` of the same name."""
+    from coli.serve.client import not_up_message
+    from coli.protocol.rundir import RunClaimed
+    from coli.stages.supervisor.process import clean_stale
+
+    try:
+        rd.claim()
+    except RunClaimed:
+        raise ColiError(f"run {rd.name!r} is starting (or being cleaned up by another `coli down`): "
+                        f"try again in a moment") from None
+    try:
+        if rd.is_stale():
+            clean_stale(rd, print)
+        else:
+            print(not_up_message(rd).replace("start it with", "nothing to stop; start it with"))
+    finally:
+        rd.release()
 
 
 def status(name: str = typer.Option("default", "--name", help="Run name."),
@@ -201,9 +308,13 @@ def _status(name, as_json):
               f"up {st['uptime_s']:.0f} s, {st['queued']} request(s) queued")
     con.print(f"RAM tier: {st['ram_slots']} slots × {st['slot_bytes'] / 2**20:.2f} MiB "
               f"({100 * st['ram_fraction_of_experts']:.0f}% of the experts, --ram-gb {st['ram_gb']}), device {st['device']}")
-    t = Table("stage", "pid", "state", "uptime s")
+    t = Table("stage", "pid", "state", "uptime s", "last heartbeat")
     for n, s in st["stages"].items():
-        t.add_row(n, str(s["pid"]), s["state"], f"{s['uptime_s']:.0f}")
+        state = s["state"]
+        if state == "unresponsive":  # say why, from the supervisor's look at the process
+            state = f"[bold red]unresponsive[/]: {s.get('info', {}).get('unresponsive', '')}"
+        age = s.get("heartbeat_age_s")
+        t.add_row(n, str(s["pid"]), state, f"{s['uptime_s']:.0f}", "-" if age is None else f"{age:.1f} s ago")
     con.print(t)
 
 

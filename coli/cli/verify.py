@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from coli.cli.common import clean_errors, stderr_note
+from coli.cli.common import LazyProgress, clean_errors, stderr_note
 
 
 def verify(
@@ -25,17 +25,15 @@ def verify(
 @clean_errors
 def _verify(model, as_json, fail_fast, no_progress):
     from coli.container.check import verify_container
+    from coli.model_store import check_model_dir
+
+    check_model_dir(model, "")
 
     if no_progress or as_json:
         rep = verify_container(model, stop_at_first=fail_fast)
     else:
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-        with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=Console(stderr=True)) as bar:
-            task = bar.add_task("verify", total=None)
-            rep = verify_container(model, progress=lambda d, t: bar.update(task, completed=d, total=t),
-                                   stop_at_first=fail_fast)
+        with LazyProgress("verifying") as bar:   # appears once the container has opened
+            rep = verify_container(model, progress=bar.update, stop_at_first=fail_fast)
     if as_json:
         print(json.dumps({"ok": rep.ok, "checked": rep.checked, "bytes": rep.bytes,
                           "bad": [{"file": b.file, "offset": b.offset, "length": b.length, "what": b.what,

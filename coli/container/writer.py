@@ -704,21 +704,26 @@ def _dense_steps(m: SrcMatrix, lay: MatrixLayout) -> list[tuple[int, int]]:
 
 def _jobs(source: Source, plan: Plan, start: int) -> Iterator[_Job]:
     for i in range(start, len(plan.units)):
-        u = plan.units[i]
-        if u.kind == "header":
-            head = file_header(KIND_DENSE if u.file == DENSE_NAME else KIND_EXPERTS, u.file_number)
-            yield _Job(i, u.offset, True, lambda head=head: head)
-        elif u.kind == "dense":
-            shape, lay = plan.dense[u.name]
-            m = source.matrix(u.name, shape)
-            steps = _dense_steps(m, lay)
-            for k, (r0, r1) in enumerate(steps):
-                last = k == len(steps) - 1
-                pos = u.offset + lay.tile(r0 // lay.rows_per_tile)[0]
-                pad = u.length - lay.nbytes if last else 0
-                yield _Job(i, pos, last, partial(_dense_piece, source, m, lay, r0, r1, pad))
-        else:
-            yield _Job(i, u.offset, True, partial(_expert_record, source, plan.record, u.layer, u.expert))
+        yield from unit_jobs(source, plan, i)
+
+
+def unit_jobs(source: Source, plan: Plan, i: int) -> Iterator[_Job]:
+    """The pieces of unit i, in order (the hub converter produces units out of plan order, shard by shard)."""
+    u = plan.units[i]
+    if u.kind == "header":
+        head = file_header(KIND_DENSE if u.file == DENSE_NAME else KIND_EXPERTS, u.file_number)
+        yield _Job(i, u.offset, True, lambda head=head: head)
+    elif u.kind == "dense":
+        shape, lay = plan.dense[u.name]
+        m = source.matrix(u.name, shape)
+        steps = _dense_steps(m, lay)
+        for k, (r0, r1) in enumerate(steps):
+            last = k == len(steps) - 1
+            pos = u.offset + lay.tile(r0 // lay.rows_per_tile)[0]
+            pad = u.length - lay.nbytes if last else 0
+            yield _Job(i, pos, last, partial(_dense_piece, source, m, lay, r0, r1, pad))
+    else:
+        yield _Job(i, u.offset, True, partial(_expert_record, source, plan.record, u.layer, u.expert))
 
 
 def _what(u: Unit) -> str:

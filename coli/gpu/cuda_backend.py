@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from coli.errors import ColiError
+from coli.gpu import attention_split
 from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
 from coli.gpu.cuda_weights import (
     FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
@@ -49,13 +51,21 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("router", "route_topk"): "PPiiiiifPP",
         ("gemm", "moe_reduce"): "PiiiPi",
         ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
+        # a decode step replayed from a CUDA graph (coli/gpu/graphs.py): per-token values read from device memory
+        ("graph", "kv_put"): "PqPP", ("graph", "expert_table"): "PiPP",
+        ("indexer", "indexer_scores_dyn"): "PPPiiPffiP", ("indexer", "topk_select_dyn"): "PPiiPP",
     }
     for nj in (1, 2, 4, 8, 16):
         s[("attention", f"mla_attend_{nj}")] = "PPiiPPPPiiiiifP"
+        s[("attention", f"mla_attend_part_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
+        s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
         s[("elementwise", f"dequant_{f}")] = QM + "iP"
         s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
+        s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
+        s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
@@ -91,6 +101,24 @@ MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts pe
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
+# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks (cuda/attention.cu
+# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "split1" the same with the first split kernel
+# (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
+# row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
+ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
+# Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
+# staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
+GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
+GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
+ATTN_VERSIONS = ("auto", "split1", "v1")
+GEMV_VERSIONS = ("v2", "v1")
+
+
+def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
+    """A kernel-version setting's value, or a one-line error naming the setting and what it takes."""
+    if value not in allowed:
+        raise ColiError(f"{setting}={value!r} is not a kernel version: use one of {', '.join(allowed)}")
+    return value
 
 
 @dataclass
@@ -132,6 +160,17 @@ class CudaBackend:
         self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
         self._mma_usable: bool | None = None  # moe_mma.cu compiled here (see _mma_fits)
         self._scratch: dict[tuple, MoeScratch] = {}   # fused-decode buffers by (layout, K, version asked)
+        self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
+        self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
+        self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
+        # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
+        # (token, position, rope angles, routing) are then read from its device buffer instead of the host
+        self.step = None
+
+    def graph_decoder(self, model):
+        """The replayed decode step for `model` (coli.gpu.graphs.GraphDecoder), or None with COLI_GRAPHS=0."""
+        from coli.gpu.graphs import GraphDecoder, graphs_enabled
+        return GraphDecoder(model, self) if graphs_enabled() else None
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -156,6 +195,12 @@ class CudaBackend:
         row = dst.nbytes // dst.shape[0]
         if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
             raise ValueError(f"cannot write rows {src.shape} into {dst.shape} at {start}")
+        if self.step is not None:       # captured step: the row goes where the step's device position says
+            st = self.step.check_rows(src.shape[0], "write_rows")
+            st.check_start(start)
+            n = row // 4
+            self.rt.launch(self._fn("graph", "kv_put"), (self._grid1d(n),), 256, src.ptr, n, st.pos_ptr, dst.ptr)
+            return
         self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
 
     def rows(self, x: DeviceArray, n: int) -> DeviceArray:
@@ -183,9 +228,12 @@ class CudaBackend:
         ids = np.asarray(ids, np.int64)
         S = int(ids.shape[0])
         out = self.empty((S, table.cols))
-        ids_d = self.rt.to_device_async(ids.astype(np.int32))
+        if self.step is not None:                 # captured step: the token is in the step's device inputs
+            ids_ptr = self.step.check_rows(S, "embed").token_ptr
+        else:
+            ids_ptr = self.rt.to_device_async(ids.astype(np.int32)).ptr
         fn = self._fn("elementwise", f"embed_{table.fmt}")
-        self.rt.launch(fn, (S,), 256, *table.args(), ids_d.ptr, out.ptr)
+        self.rt.launch(fn, (S,), 256, *table.args(), ids_ptr, out.ptr)
         return out
 
     def add(self, a: DeviceArray, b: DeviceArray) -> DeviceArray:
@@ -246,7 +294,10 @@ class CudaBackend:
     def rope(self, x: DeviceArray, cos: np.ndarray, sin: np.ndarray, offset: int) -> DeviceArray:
         S, n, d = x.shape
         half = cos.shape[-1]
-        cs, sn = self._cos_sin(cos, sin)
+        if self.step is not None:       # captured step: this position's angles are in the step's device inputs
+            cs, sn = self.step.check_rows(S, "rope").angles(half)
+        else:
+            cs, sn = self._cos_sin(cos, sin)
         out = self.empty(x.shape)
         fn = self._fn("rope", "rope")
         self.rt.launch(fn, (self._grid1d(x.size),), 256, x.ptr, cs.ptr, sn.ptr, out.ptr, S, n, d, offset, half)
@@ -257,8 +308,16 @@ class CudaBackend:
         """y[z][n] = W[wrow0 + z*wz + n] . x[z]; False when the GEMV kernel does not apply (use _gemm)."""
         if not w.vec_ok:
             return False
-        fn = self._fn("gemv", f"gemv_{w.fmt}")
         smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
+            fn = self._fn("gemv", f"gemv2_{w.fmt}")
+            if self.rt.allow_smem(fn, smem):
+                ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
+                blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+                self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
+                return True
+        fn = self._fn("gemv", f"gemv_{w.fmt}")
         if not self.rt.allow_smem(fn, smem):
             return False
         pairs = -(-N // 2)
@@ -282,22 +341,76 @@ class CudaBackend:
         if Lkv > 512 or dr > 64:
             raise ValueError(f"mla_attend supports kv_lora_rank <= 512 and rope dim <= 64 (got {Lkv}, {dr})")
         mask = self.device_mask(allowed, S, T)
+        decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
-        self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
-                   q_abs.ptr, nh * Lkv, Lkv, nh)
-        ctx = self.empty((S, nh, Lkv))
-        nj = next(j for j in (1, 2, 4, 8, 16) if 32 * j >= Lkv)
-        fn = self._fn("attention", f"mla_attend_{nj}")
-        idx = mask.idx.ptr if mask.idx is not None else 0
-        cnt = mask.cnt.ptr if mask.cnt is not None else 0
-        self.rt.launch(fn, (nh, S), 256, q_abs.ptr, q.ptr, dq, dn, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax,
-                       mask.start, nh, Lkv, dr, F32(scale), ctx.ptr, smem=8 * Lkv * 4)
+        if not (decode and self._gemv_t(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh, q.ptr, dq, q_abs.ptr, Lkv)):
+            self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
+                       q_abs.ptr, nh * Lkv, Lkv, nh)
+        # a captured step (coli/gpu/graphs.py) sizes the split by attn_span: the same chunks as the eager step at this T
+        n_max = self.step.attn_n_max if self.step is not None else None
+        ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max)
         # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
         o = self.empty((S, nh * dv))
-        self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
-                   o.ptr, nh * dv, dv, nh)
+        if not (decode and self._gemv(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh, ctx.ptr, Lkv, o.ptr, dv)):
+            self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
+                       o.ptr, nh * dv, dv, nh)
         return o
+
+    def attend_core(self, q_abs: DeviceArray, q: DeviceArray, pe_off: int, lat: DeviceArray, k_pe: DeviceArray,
+                    mask: DeviceMask, scale: float, T_dev: int = 0, n_max: int | None = None) -> DeviceArray:
+        """ctx [S, nh, Lkv] = softmax over the mask's keys of (q_abs . lat + q_pe . k_pe) * scale, applied to lat;
+        q_pe = q[..., pe_off:]. The split-context kernels (cuda/attention.cu, coli/gpu/attention_split.py) where
+        they apply, else one block per (head, row). T_dev: device address of the cache length as an int32 (dense
+        masks; 0: mask.T), with n_max the most keys a row can have, which sizes the grid (CUDA-graph replay)."""
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        dr = dq - pe_off
+        ctx = self.empty((S, nh, Lkv))
+        nj = next(j for j in (1, 2, 4, 8, 16) if 32 * j >= Lkv)
+        idx = mask.idx.ptr if mask.idx is not None else 0
+        cnt = mask.cnt.ptr if mask.cnt is not None else 0
+        split = self.attn_kernels != "v1" and attention_split.split_fits(Lkv, dr, lat.ptr, k_pe.ptr)
+        if not split:
+            if T_dev:
+                raise ValueError("attend_core: T_dev needs the split-context kernels (COLI_ATTN_KERNELS != v1)")
+            fn = self._fn("attention", f"mla_attend_{nj}")
+            self.rt.launch(fn, (nh, S), 256, q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax,
+                           mask.start, nh, Lkv, dr, F32(scale), ctx.ptr, smem=8 * Lkv * 4)
+            return ctx
+        if n_max is None:
+            n_max = mask.kmax if mask.idx is not None else mask.start + S
+        chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
+        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
+        smem = attention_split.smem_bytes(Lkv, dr)
+        if not self.rt.allow_smem(fn, smem):
+            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        grid = (nchunk, attention_split.head_groups(nh), S)
+        args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,
+                dr, F32(scale), chunk, nchunk)
+        if nchunk == 1:                   # one chunk per row: the block normalises and writes ctx itself
+            self.rt.launch(fn, grid, attention_split.THREADS, *args, 0, 0, ctx.ptr, smem=smem)
+            return ctx
+        pm, pl = self.empty((S, nh, nchunk)), self.empty((S, nh, nchunk))
+        pc = self.empty((S, nh, nchunk, Lkv))
+        self.rt.launch(fn, grid, attention_split.THREADS, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
+        fc = self._fn("attention", "mla_attend_combine")
+        self.rt.launch(fc, (nh, S), attention_split.COMBINE_THREADS, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
+                       T_dev, S, nh, Lkv, chunk, nchunk, ctx.ptr)
+        return ctx
+
+    def _gemv_t(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """y[z][n] = x[z] @ W[wrow0 + z*wz : + K] (n < W.cols); False when gemv_t does not apply (use _gemm)."""
+        if not w.vec_ok:
+            return False
+        vals = _chunk_vals(w.fmt)
+        nchunks = w.layout.row_data_bytes // 16
+        threads = nchunks * ((256 if vals > 16 else 512) // nchunks)
+        if threads == 0:
+            return False
+        fn = self._fn("gemv", f"gemv_t_{w.fmt}")
+        self.rt.launch(fn, (Z,), threads, *w.args(), wrow0, wz, K, x, x_z, y, y_z, smem=threads * vals * 4)
+        return True
 
     def device_mask(self, allowed: Any, S: int, T: int) -> DeviceMask:
         """A DeviceMask from the indexer's result or from a host bool [S, T]."""
@@ -324,6 +437,8 @@ class CudaBackend:
         start = int(positions[0])
         if not np.array_equal(positions, np.arange(start, start + S)) or start + S != T:
             raise ValueError("indexer_select on the GPU needs positions start..start+S-1 with T = start + S")
+        if self.step is not None:
+            return self._indexer_select_step(iq, k_idx, head_w, index_topk)
         if start + S <= index_topk:
             return DeviceMask(S, T, start)                       # every row keeps all its visible keys
         kmax = min(index_topk, T)
@@ -342,6 +457,26 @@ class CudaBackend:
             self.rt.launch(f_tk, (n,), 1024, scores.ptr, T, start + s0, index_topk, kmax,
                            idx.ptr + s0 * kmax * 4, cnt.ptr + s0 * 4)
         return DeviceMask(S, T, start, idx, cnt, kmax)
+
+    def _indexer_select_step(self, iq: DeviceArray, k_idx: DeviceArray, head_w: DeviceArray,
+                             index_topk: int) -> DeviceMask:
+        """indexer_select inside a captured step (S = 1): (start, T) come from the step's device inputs, the
+        scores kernel's grid covers the cache's capacity (blocks past T return), and topk_select always writes
+        an index list -- all visible keys in order while T <= topk, which mla_attend reads exactly as the dense
+        mask the eager step uses then."""
+        st = self.step.check_rows(iq.shape[0], "indexer_select")
+        _, ih, ihd = iq.shape
+        T, cap = k_idx.shape[0], st.capacity
+        scores = self.empty((1, cap))
+        idx = self.rt.empty((1, index_topk), np.int32)
+        cnt = self.rt.empty((1,), np.int32)
+        smem = (ih * (ihd + 1) + ih) * 4
+        self.rt.launch(self._fn("indexer", "indexer_scores_dyn"), (-(-cap // 64), 1), 256, iq.ptr, k_idx.ptr,
+                       head_w.ptr, ih, ihd, st.pos_ptr, F32(ihd ** -0.5), F32(ih ** -0.5), index_topk, scores.ptr,
+                       smem=smem)
+        self.rt.launch(self._fn("indexer", "topk_select_dyn"), (1,), 1024, scores.ptr, st.pos_ptr, index_topk,
+                       index_topk, idx.ptr, cnt.ptr)
+        return DeviceMask(1, T, T - 1, idx, cnt, index_topk)
 
     # ---- MLPs -------------------------------------------------------------------------------------------------
     def swiglu(self, x: DeviceArray, gate: QWeight, up: QWeight, down: QWeight) -> DeviceArray:
@@ -368,6 +503,8 @@ class CudaBackend:
         smem = (2 * E + 2 * n_group) * 4
         self.rt.launch(fn, (S,), 256, logits.ptr, bias.ptr, E, n_group, topk_group, top_k, int(norm_topk_prob),
                        F32(scaling), idx_d.ptr, w_d.ptr, smem=smem)
+        if self.step is not None:       # captured step: the choice stays on the device (see moe_step)
+            return DeviceRoute(idx_d, w_d, top_k), None
         if self.busy is not None:
             self.busy.mark("route")
         idx = self.rt.to_host(idx_d).astype(np.int64)
@@ -377,6 +514,30 @@ class CudaBackend:
             return prune_topp(idx, w, topp)
         self._route = (idx, idx_d, w_d)
         return idx, w
+
+    def moe_step(self, layer: int, x: DeviceArray, route: "DeviceRoute") -> DeviceArray:
+        """The routed sum [1, H] of a captured decode step: the experts `route` chose (or the step's forced routing
+        for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
+        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch)."""
+        st = self.step.check_rows(x.shape[0], "moe_step")
+        if st.mode == "dropped":             # every slot dropped: the eager step's routed sum is zeros too
+            out = self.empty((1, x.shape[1]))
+            self.rt.zero(out.ptr, out.nbytes)
+            return out
+        idx_ptr, w_ptr = st.route_ptrs(layer, route)
+        slots, lay = st.slots_row(layer), st.rec_layout
+        out = self.empty((1, x.shape[1]))
+        f_tab = self._fn("graph", "expert_table")
+        for c0 in range(0, route.K, MOE_MAXK):
+            k = min(MOE_MAXK, route.K - c0)
+            table = self.rt.empty((k,), np.uint64)
+            self.rt.launch(f_tab, (1,), 32, idx_ptr + 4 * c0, k, slots, table.ptr)
+            sc = self.moe_scratch(lay, k)
+            st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
+            if not (self.moe_gateup(sc, table.ptr, x.ptr) and self.moe_down(sc, table.ptr, w_ptr + 4 * c0, out.ptr,
+                                                                            c0 > 0)):
+                raise CudaError("MoE decode kernels do not fit this device's shared memory")
+        return out
 
     def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:
         """Routed sum [S, H]. `experts` yields (id, handle) pairs -- DeviceRecord (computed here), ExpertWeights
@@ -704,16 +865,30 @@ class CudaBackend:
     # ---- logits ---------------------------------------------------------------------------------------------
     def argmax(self, x: DeviceArray) -> np.ndarray:
         """Index of the first maximum of each row of x [S, V] (greedy decoding), computed on the device."""
+        out = self.rt.empty((x.shape[0],), np.int32)
+        self.argmax_into(x, out.ptr)
+        if self.busy is not None:
+            self.busy.mark("end")
+        return self.rt.to_host(out).astype(np.int64)
+
+
+    def argmax_into(self, x: DeviceArray, out: int) -> None:
+        """out[s] (int32, device) = the first maximum of row s of x [S, V]; queued, nothing read back."""
         S, V = x.shape
         G = max(1, min(-(-V // 1024), 64))
         pv = self.empty((S, G))
         pi = self.rt.empty((S, G), np.int32)
-        out = self.rt.empty((S,), np.int32)
         self.rt.launch(self._fn("argmax", "argmax_partial"), (G, S), 1024, x.ptr, V, pv.ptr, pi.ptr)
-        self.rt.launch(self._fn("argmax", "argmax_final"), (S,), 1024, pv.ptr, pi.ptr, G, out.ptr)
-        if self.busy is not None:
-            self.busy.mark("end")
-        return self.rt.to_host(out).astype(np.int64)
+        self.rt.launch(self._fn("argmax", "argmax_final"), (S,), 1024, pv.ptr, pi.ptr, G, out)
+
+
+@dataclass
+class DeviceRoute:
+    """A router's choice left on the device (a captured decode step): idx [1, K] int32, weights [1, K] fp32."""
+
+    idx: DeviceArray
+    weights: DeviceArray
+    K: int
 
 
 @dataclass
@@ -771,6 +946,21 @@ def mma_layout_ok(lay, K: int) -> bool:
             and d.rows == g.cols and d.cols == g.rows
             and u.rows == g.rows and u.cols == g.cols and u.group == g.group
             and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
+
+
+def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
+    """gemv2_<fmt> stages x with 16-byte loads and finds an int4 group by a shift."""
+    return x % 16 == 0 and x_z % 4 == 0 and (fmt != "int4" or group in (32, 64, 128))
+
+
+def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
+    """Column segments per row pair (ks) of gemv2: doubled (up to the block's 8 warps) while the matrix has fewer
+    warp tasks than two per-SM blocks' worth of warps and each segment keeps >= 2 chunks per lane -- the router's
+    256 x 6144 f32 gets 8, q_a's 2048 x 6144 int4 2, o_proj's 6144 rows 1."""
+    ks, pairs = 1, -(-N // 2)
+    while ks < GEMV2_WARPS and pairs * ks < 2 * GEMV2_WARPS * sm_count and nchunks // (2 * ks) >= 64:
+        ks *= 2
+    return ks
 
 
 def _chunk_vals(fmt: str) -> int:

@@ -24,7 +24,8 @@ import numpy as np
 
 from coli.errors import ColiError
 
-MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "indexer", "moe_mma", "norm", "rope", "router")
+MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "graph", "indexer", "moe_mma", "norm", "rope",
+           "router")
 
 
 class CudaUnavailable(ColiError):
@@ -174,6 +175,9 @@ class CudaRuntime:
         self._fns: dict[tuple[str, str], Any] = {}
         self._smem_set: dict[int, int] = {}
         self.launches = 0
+        # While a graph is captured (begin_capture .. end_capture): every allocation made, kept alive by the graph
+        # (its replays use the same addresses); None when not capturing.
+        self._capture_keep: list | None = None
 
     # ---- kernels ------------------------------------------------------------------------------------
     def module(self, name: str):
@@ -232,17 +236,74 @@ class CudaRuntime:
         try:
             fn.prepared_async_call(g, (int(block), 1, 1), self.stream, *args, shared_size=int(smem))
             self.launches += 1
-            if self.sync_debug:
+            if self.sync_debug and self._capture_keep is None:
                 self.stream.synchronize()
         except self.drv.Error as e:
             raise CudaError(f"kernel {fn.coli_name} (grid {g}, block {block}, smem {smem}): {e}") from None
 
+    # ---- graphs ---------------------------------------------------------------------------------------
+    @property
+    def capturing(self) -> bool:
+        return self._capture_keep is not None
+
+    def _not_capturing(self, what: str) -> None:
+        """A host round trip (a synchronisation, a staged upload) cannot be part of a graph: refuse it while
+        capturing, so the capture fails with this name instead of the driver's invalidated-capture error."""
+        if self._capture_keep is not None:
+            raise CudaError(f"{what} during a CUDA graph capture (the step is not graphable: run it eagerly)")
+
+    def begin_capture(self) -> None:
+        """Capture everything queued on the compute stream from now on into a graph (coli/gpu/graphs.py)."""
+        from coli.gpu.driver import DriverError, get_driver
+        if self._capture_keep is not None:
+            raise CudaError("begin_capture: a capture is already in progress")
+        self.synchronize()
+        try:
+            get_driver().begin_capture(int(self.stream.handle))
+        except DriverError as e:
+            raise CudaError(f"cannot capture the decode step into a CUDA graph: {e}") from None
+        self._capture_keep = []
+
+    def end_capture(self) -> "CudaGraph":
+        """End the capture -> the instantiated graph, holding every buffer allocated during the capture."""
+        from coli.gpu.driver import DriverError, get_driver
+        d = get_driver()
+        keep, self._capture_keep = self._capture_keep, None
+        if keep is None:
+            raise CudaError("end_capture without begin_capture")
+        try:
+            g = d.end_capture(int(self.stream.handle))
+            try:
+                nodes = d.graph_nodes(g)
+                ex = d.graph_instantiate(g)
+            finally:
+                d.graph_destroy(g)
+        except DriverError as e:
+            raise CudaError(f"capturing the decode step into a CUDA graph failed: {e}") from None
+        return CudaGraph(ex, keep, nodes)
+
+    def abort_capture(self) -> None:
+        """Leave a capture that failed half-way (the stream returns to eager use; the partial graph is dropped)."""
+        from coli.gpu.driver import DriverError, get_driver
+        if self._capture_keep is None:
+            return
+        self._capture_keep = None
+        d = get_driver()
+        try:
+            if d.is_capturing(int(self.stream.handle)):
+                d.graph_destroy(d.end_capture(int(self.stream.handle)))
+        except DriverError:
+            pass   # an invalidated capture ends with an error and no graph: the stream is usable again
+
     # ---- memory -------------------------------------------------------------------------------------
     def alloc(self, nbytes: int):
         try:
-            return self.pool.allocate(max(int(nbytes), 16))
+            a = self.pool.allocate(max(int(nbytes), 16))
         except self.drv.Error as e:
             raise CudaError(f"device allocation of {nbytes} bytes failed: {e}") from None
+        if self._capture_keep is not None:
+            self._capture_keep.append(a)
+        return a
 
     def empty(self, shape: Sequence[int], dtype: Any = np.float32) -> DeviceArray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -251,6 +312,7 @@ class CudaRuntime:
 
     def to_device(self, host: np.ndarray, dtype: Any = None) -> DeviceArray:
         """Synchronous upload (load time): the host array can be reused at once."""
+        self._not_capturing("a synchronous upload")
         h = np.ascontiguousarray(host, dtype=dtype or host.dtype)
         d = self.empty(h.shape, h.dtype)
         if h.nbytes:
@@ -260,12 +322,14 @@ class CudaRuntime:
 
     def to_device_async(self, host: np.ndarray, dtype: Any = None) -> DeviceArray:
         """Upload through pinned staging, ordered on the compute stream (per-step tables, ids, masks)."""
+        self._not_capturing("an upload through the staging ring")   # a replay would read a reused ring slot
         h = np.ascontiguousarray(host, dtype=dtype or host.dtype)
         d = self.empty(h.shape, h.dtype)
         self.staging.put(h, d.ptr, self.stream)
         return d
 
     def upload_bytes(self, raw: np.ndarray, dst: int) -> None:
+        self._not_capturing("a synchronous upload")
         h = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
         if h.nbytes:
             self.stream.synchronize()
@@ -288,6 +352,7 @@ class CudaRuntime:
             self.drv.memcpy_dtod_async(int(dst), int(src), int(nbytes), self.stream)
 
     def synchronize(self) -> None:
+        self._not_capturing("a synchronisation (a read-back to the host)")
         try:
             self.stream.synchronize()
         except self.drv.Error as e:
@@ -304,6 +369,33 @@ class CudaRuntime:
             self.ctx.pop()
         except Exception:  # at interpreter exit there is nobody left to tell
             pass
+
+
+class CudaGraph:
+    """An instantiated CUDA graph (driver handle) and the device buffers its nodes use, kept as long as it is."""
+
+    def __init__(self, exec_handle: int, keep: list, nodes: int):
+        self.exec = exec_handle
+        self.keep = keep
+        self.nodes = nodes
+
+    def launch(self, rt: CudaRuntime) -> None:
+        from coli.gpu.driver import DriverError, get_driver
+        if not self.exec:
+            raise CudaError("launch of a destroyed CUDA graph")
+        try:
+            get_driver().graph_launch(self.exec, int(rt.stream.handle))
+        except DriverError as e:
+            raise CudaError(f"launching the decode step's CUDA graph failed: {e}") from None
+        rt.launches += 1
+
+    def close(self) -> None:
+        """Destroy the graph (its queued replays finish first: the driver defers the release)."""
+        if self.exec:
+            from coli.gpu.driver import get_driver
+            get_driver().graph_exec_destroy(self.exec)
+            self.exec = 0
+        self.keep = []
 
 
 _runtimes: dict[int, CudaRuntime] = {}

@@ -220,6 +220,12 @@ class ResidentExperts:
     def nbytes(self) -> int:
         return self.stride * self.E * len(self._alloc)
 
+    def slot_table(self, n_layers: int) -> np.ndarray:
+        """[n_layers, E] uint64 record addresses, 0 on layers not held (coli.gpu.graphs: a replayed step's table)."""
+        from coli.gpu.graphs import build_slot_table
+        return build_slot_table(n_layers, self.E, sorted(self._alloc),
+                                lambda layer, e: int(self._alloc[layer]) + e * self.stride)
+
     def record(self, layer: int, e: int) -> DeviceRecord:
         if layer not in self._alloc or not 0 <= e < self.E:
             raise KeyError(f"no resident record for layer {layer} expert {e}")

@@ -24,6 +24,8 @@ CU_STREAM_NON_BLOCKING = 0x1
 CU_EVENT_DEFAULT = 0x0
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_STREAM_CAPTURE_MODE_RELAXED = 2   # other threads (the copy lanes) may call the driver during a capture
+CU_STREAM_CAPTURE_STATUS_NONE = 0
 # Errors after which the context is unusable (sticky): the run must leave the GPU (coli demotes to the CPU).
 FATAL_CODES = {
     700,  # CUDA_ERROR_ILLEGAL_ADDRESS
@@ -35,6 +37,43 @@ FATAL_CODES = {
     201,  # CUDA_ERROR_INVALID_CONTEXT (the context was destroyed)
 }
 FATAL_CODES.discard(701)
+
+
+def signatures() -> dict[str, list]:
+    """The libcuda functions bound here and their ctypes argument types (all return CUresult). Checked against
+    cuda.h's prototypes by tests/test_graphs.py (no GPU needed)."""
+    P, S, U, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
+    sig = {
+        "cuGetErrorName": [I, ctypes.POINTER(ctypes.c_char_p)],
+        "cuGetErrorString": [I, ctypes.POINTER(ctypes.c_char_p)],
+        "cuMemHostRegister_v2": [P, S, U],
+        "cuMemHostUnregister": [P],
+        "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, P, S, P],
+        "cuMemcpyDtoHAsync_v2": [P, ctypes.c_uint64, S, P],
+        "cuStreamCreate": [ctypes.POINTER(P), U],
+        "cuStreamDestroy_v2": [P],
+        "cuStreamQuery": [P],
+        "cuStreamSynchronize": [P],
+        "cuStreamWaitEvent": [P, P, U],
+        "cuEventCreate": [ctypes.POINTER(P), U],
+        "cuEventDestroy_v2": [P],
+        "cuEventRecord": [P, P],
+        "cuEventQuery": [P],
+        "cuEventSynchronize": [P],
+        "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), P, P],
+        "cuCtxGetCurrent": [ctypes.POINTER(P)],
+        "cuCtxSetCurrent": [P],
+        # CUDA graphs (coli/gpu/graphs.py; the PyCUDA wheel exposes no stream capture)
+        "cuStreamBeginCapture_v2": [P, I],
+        "cuStreamEndCapture": [P, ctypes.POINTER(P)],
+        "cuStreamIsCapturing": [P, ctypes.POINTER(I)],
+        "cuGraphInstantiateWithFlags": [ctypes.POINTER(P), P, ctypes.c_ulonglong],
+        "cuGraphLaunch": [P, P],
+        "cuGraphExecDestroy": [P],
+        "cuGraphDestroy": [P],
+        "cuGraphGetNodes": [P, ctypes.POINTER(P), ctypes.POINTER(S)],
+    }
+    return sig
 
 
 class DriverError(ColiError):
@@ -55,32 +94,11 @@ class Driver:
         except OSError as e:
             raise ColiError(f"libcuda.so.1 cannot be loaded ({e}): no CUDA driver on this machine") from None
         L = self.lib
-        P, S, U, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
-        sig = {
-            "cuGetErrorName": [I, ctypes.POINTER(ctypes.c_char_p)],
-            "cuGetErrorString": [I, ctypes.POINTER(ctypes.c_char_p)],
-            "cuMemHostRegister_v2": [P, S, U],
-            "cuMemHostUnregister": [P],
-            "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, P, S, P],
-            "cuMemcpyDtoHAsync_v2": [P, ctypes.c_uint64, S, P],
-            "cuStreamCreate": [ctypes.POINTER(P), U],
-            "cuStreamDestroy_v2": [P],
-            "cuStreamQuery": [P],
-            "cuStreamSynchronize": [P],
-            "cuStreamWaitEvent": [P, P, U],
-            "cuEventCreate": [ctypes.POINTER(P), U],
-            "cuEventDestroy_v2": [P],
-            "cuEventRecord": [P, P],
-            "cuEventQuery": [P],
-            "cuEventSynchronize": [P],
-            "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), P, P],
-            "cuCtxGetCurrent": [ctypes.POINTER(P)],
-            "cuCtxSetCurrent": [P],
-        }
-        for name, args in sig.items():
+        self.signatures = signatures()
+        for name, args in self.signatures.items():
             fn = getattr(L, name)
             fn.argtypes = args
-            fn.restype = I
+            fn.restype = ctypes.c_int
 
     def _err(self, code: int, what: str) -> DriverError:
         name, text = ctypes.c_char_p(), ctypes.c_char_p()
@@ -160,6 +178,43 @@ class Driver:
         self.check(self.lib.cuEventElapsedTime(ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end)),
                    "cuEventElapsedTime")
         return float(ms.value)
+
+    # ---- graphs ------------------------------------------------------------------------------------------
+    def begin_capture(self, s: int) -> None:
+        """Start capturing stream s into a graph (relaxed mode: the lane threads keep calling the driver)."""
+        self.check(self.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), CU_STREAM_CAPTURE_MODE_RELAXED),
+                   "cuStreamBeginCapture")
+
+    def end_capture(self, s: int) -> int:
+        """End the capture on stream s -> the captured graph's handle (raises if the capture was invalidated)."""
+        g = ctypes.c_void_p()
+        self.check(self.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)), "cuStreamEndCapture")
+        return int(g.value or 0)
+
+    def is_capturing(self, s: int) -> bool:
+        st = ctypes.c_int()
+        self.check(self.lib.cuStreamIsCapturing(ctypes.c_void_p(s), ctypes.byref(st)), "cuStreamIsCapturing")
+        return st.value != CU_STREAM_CAPTURE_STATUS_NONE
+
+    def graph_instantiate(self, g: int) -> int:
+        ex = ctypes.c_void_p()
+        self.check(self.lib.cuGraphInstantiateWithFlags(ctypes.byref(ex), ctypes.c_void_p(g), 0),
+                   "cuGraphInstantiateWithFlags")
+        return int(ex.value or 0)
+
+    def graph_nodes(self, g: int) -> int:
+        n = ctypes.c_size_t(0)
+        self.check(self.lib.cuGraphGetNodes(ctypes.c_void_p(g), None, ctypes.byref(n)), "cuGraphGetNodes")
+        return int(n.value)
+
+    def graph_launch(self, ex: int, s: int) -> None:
+        self.check(self.lib.cuGraphLaunch(ctypes.c_void_p(ex), ctypes.c_void_p(s)), "cuGraphLaunch")
+
+    def graph_exec_destroy(self, ex: int) -> None:
+        self.lib.cuGraphExecDestroy(ctypes.c_void_p(ex))
+
+    def graph_destroy(self, g: int) -> None:
+        self.lib.cuGraphDestroy(ctypes.c_void_p(g))
 
     # ---- contexts ------------------------------------------------------------------------------------------
     def current_context(self) -> int:

@@ -25,6 +25,7 @@ Keys: key = layer * E + expert. Slot s lives at base + s * slot_bytes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
@@ -72,16 +73,29 @@ class HostTier(Protocol):
     def reclaim_hook(self, fn: Callable[[], None]) -> None: ...           # called while the tier waits
 
 
+def speculative_copies_default(env: dict | None = None) -> bool:
+    """COLI_SPEC_COPIES: "0" (default) the pilot's RAM-resident guesses are not copied to VRAM ahead of their demand;
+    "1" they go to the speculative copy lane. Off by default because it costs: on the H200 (spec-ram, ORACLE pilot)
+    2.56 tok/s with it against 3.01 without -- nearly every trickle is cut short by its own demand and copied again
+    (docs/perf-notes.md, issue 14 §4)."""
+    v = (os.environ if env is None else env).get("COLI_SPEC_COPIES", "0").strip()
+    if v not in ("0", "1"):
+        raise ColiError(f"COLI_SPEC_COPIES={v!r}: use 0 (no speculative VRAM copies, the default) or 1")
+    return v == "1"
+
+
 class VramExperts:
     def __init__(self, backend, host: HostTier, layout: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  n_slots: int, *, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES, faults=None,
                  log=None, register: bool = True, slot_bytes: int | None = None, retain: bool = True,
-                 sync: bool = False):
+                 sync: bool = False, speculate: bool | None = None):
         """retain=False: a demand-loaded slot is invalidated once its copy has landed (freed when its readers
         are done), so nothing stays resident and every step misses (the `cold-ram`/`disk` benchmarks).
         sync=True (the `sync` benchmark baseline): a tile is the whole record, the host waits for each copy
         to finish before yielding it, and no FLUSH markers are yielded (except when no slot is free until
-        the held records are launched), so the backend copies every expert and then computes."""
+        the held records are launched), so the backend copies every expert and then computes.
+        speculate: the pilot's RAM-resident guesses go to the speculative copy lane (None: COLI_SPEC_COPIES, off by
+        default -- measured a net cost, see speculative_copies_default); off, a guess only warms the host tier."""
         for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
             check_format(m.fmt, f"routed experts ({part})")
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -92,6 +106,7 @@ class VramExperts:
         # a slot holds one record of the container's layout (slot_bytes overrides it: tests of oversize records)
         self.slot_bytes = align(layout.nbytes if slot_bytes is None else slot_bytes, SLOT_ALIGN)
         self.retain, self.sync = bool(retain), bool(sync)
+        self.speculate = speculative_copies_default() if speculate is None else bool(speculate)
         self.tile = self.slot_bytes if self.sync else max(4096, int(tile_bytes))
         self.split = layout.down.offset            # gate/up bytes come first in a record
         self.n_slots = int(n_slots)
@@ -176,8 +191,8 @@ class VramExperts:
                 self.host.release(rec)
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
-        """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane, the others
-        to the host tier's prefetch."""
+        """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane (when speculate is
+        on), the others to the host tier's prefetch."""
         cold: list[int] = []
         for e in ids:
             key = layer * self.E + e
@@ -186,6 +201,8 @@ class VramExperts:
             rec = self.host.probe(layer, e)
             if rec is None:
                 cold.append(e)
+                continue
+            if not self.speculate:               # in RAM already: nothing to warm, no speculative copy
                 continue
             if rec.nbytes > self.slot_bytes:
                 continue

@@ -153,6 +153,10 @@ class GlmMoeDsaModel:
         # Expert top-p pruning (approximate, off = None = exact): routed experts of a token beyond the
         # fewest that carry this share of its routing weight are dropped (idx -1). See prune_topp.
         self.topp: float | None = None
+        # A backend's replayed decode step (the CUDA backend's GraphDecoder, coli/gpu/graphs.py): greedy() asks it
+        # first; it captures this forward once per cache shape and replays it (None: every step eager).
+        make = getattr(backend, "graph_decoder", None)
+        self.step_graphs = make(self) if make is not None else None
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache.empty(self.config, self.backend, capacity)
@@ -167,8 +171,21 @@ class GlmMoeDsaModel:
 
     def greedy(self, ids: Sequence[int], cache: KVCache) -> int:
         """Like forward(), but returns the greedy next token (first maximum of the last position's logits),
-        taken on the backend so the logits stay where they are (the GPU)."""
+        taken on the backend so the logits stay where they are (the GPU). A decode step (one position) may be a
+        replayed graph (step_graphs); the result is the same."""
+        if self.step_graphs is not None:
+            tok = self.step_graphs.greedy(ids, cache)
+            if tok is not None:
+                return tok
+        return self.greedy_eager(ids, cache)
+
+    def greedy_eager(self, ids: Sequence[int], cache: KVCache) -> int:
+        """greedy() with every kernel issued from here (the reference of the replayed step)."""
         return int(self.backend.argmax(self._logits(ids, cache, False))[-1])
+
+    def logits_device(self, ids: Sequence[int], cache: KVCache) -> Array:
+        """The last position's logits [1, V], left on the backend (what a captured decode step computes)."""
+        return self._logits(ids, cache, False)
 
     def _logits(self, ids: Sequence[int], cache: KVCache, all_logits: bool) -> Array:
         c, b = self.config, self.backend
@@ -240,6 +257,11 @@ class GlmMoeDsaModel:
         kw = {} if self.topp is None else {"topp": self.topp}
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor, **kw)   # [S, K], [S, K]; -1 = pruned
+        if not isinstance(idx, np.ndarray):
+            # a decode step being captured (coli/gpu/graphs.py): the choice stayed on the device, the backend's slot
+            # table serves it (a forced routing comes from the step's inputs); hooks and top-p are off there
+            routed = b.moe_step(i, x2, idx)                              # [1, H]
+            return b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down))
         if self.route_override is not None:
             forced = self.route_override(i, int(idx.shape[0]))
             if forced is not None:

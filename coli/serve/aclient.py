@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from coli.serve.client import RequestError, RunNotFound, StageDeadError
+from coli.serve.client import (RequestError, RunGone, RunNotFound, StageDeadError,  # noqa: F401
+                               StageUnresponsiveError, not_up_message, request_error)
 from coli.errors import ColiError
 from coli.protocol.codec import decode, encode
 from coli.protocol.errors import ProtocolError, RunDirError
@@ -32,22 +33,33 @@ from coli.protocol.messages import (Cancel, Done, Error, GenerateRequest, Messag
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket
 
-__all__ = ["AsyncClient", "RequestStream", "RunGone", "RunNotFound", "RequestError", "StageDeadError"]
+__all__ = ["AsyncClient", "ClientTooSlow", "RequestStream", "RunGone", "RunNotFound", "RequestError",
+           "StageDeadError"]
 
 _HAS_NEW_SESSION = any(f.name == "new_session" for f in dataclasses.fields(GenerateRequest))
 
 
-class RunGone(ColiError):
-    """The run stopped (or its supervisor died) while a request was waiting."""
+class ClientTooSlow(ColiError):
+    """The consumer of a stream fell `backlog` tokens behind the run; the request was stopped there."""
+
+    def __init__(self, request_id: str, backlog: int):
+        super().__init__(f"request {request_id} was stopped: its reader fell {backlog} tokens behind the model")
+        self.backlog = backlog
 
 
 class RequestStream:
     """One request in flight. `await next()` returns a token id, then the Done message; it raises
-    StageDeadError, RequestError or RunGone. `cancel()` stops the request (idempotent)."""
+    StageDeadError, RequestError, RunGone or ClientTooSlow. `cancel()` stops the request (idempotent).
 
-    def __init__(self, client: "AsyncClient", request_id: str):
+    `max_backlog` bounds the tokens received but not yet taken with next(): a consumer that stops reading
+    (an HTTP client that does not read its stream) would otherwise keep the executor generating into an
+    ever-growing queue. When it is reached the request is cancelled at the run and, after the tokens
+    already queued, next() raises ClientTooSlow — the reader learns why as soon as it catches up."""
+
+    def __init__(self, client: "AsyncClient", request_id: str, max_backlog: int | None = None):
         self.client = client
         self.request_id = request_id
+        self.max_backlog = max_backlog
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.cancelled = False
@@ -111,7 +123,7 @@ class AsyncClient:
         except RunDirError:
             raise RunNotFound(f"no run named {name!r} is up (start one with `coli up --name {name}`)") from None
         if not rd.is_live():
-            raise RunNotFound(f"run {name!r} is not up (its supervisor is gone; `coli up --name {name}` cleans up)")
+            raise RunNotFound(not_up_message(rd))
         identity = f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self = cls(rd, name, ctx or zmq.asyncio.Context(), ctx is None, identity)
         try:
@@ -184,13 +196,19 @@ class AsyncClient:
             if s is None:
                 return  # a cancelled request's late tokens
             if isinstance(msg, Token):
+                if s.max_backlog and s.queue.qsize() >= s.max_backlog:
+                    self._streams.pop(msg.request_id, None)  # its later tokens are dropped as a cancelled one's
+                    s.cancelled = True
+                    self._send_nowait(Cancel(msg.request_id))
+                    s.queue.put_nowait(ClientTooSlow(msg.request_id, s.max_backlog))
+                    return
                 s.queue.put_nowait(msg.token_id)
             elif isinstance(msg, Done):
                 self._streams.pop(msg.request_id, None)
                 s.queue.put_nowait(msg)
             else:
                 self._streams.pop(msg.request_id, None)
-                s.queue.put_nowait(RequestError(msg.code, msg.message))
+                s.queue.put_nowait(request_error(msg.code, msg.message))
         elif isinstance(msg, StatusReply):
             f = self._status.pop(msg.request_id, None)
             if f is not None and not f.done():
@@ -209,8 +227,15 @@ class AsyncClient:
             except RunDirError:
                 live = False
             if not live:
-                self._fail_all(RunGone(f"run {self.name!r} is not up any more"))
+                pid = (self._pid_quietly() or ("?",))[0]
+                self._fail_all(RunGone(f"run {self.name!r} is gone: its supervisor (pid {pid}) is not running"))
                 return
+
+    def _pid_quietly(self):
+        try:
+            return self.rd.read_pid()
+        except RunDirError:
+            return None
 
     def _fail_all(self, exc: BaseException) -> None:
         if self.dead is None:
@@ -235,7 +260,7 @@ class AsyncClient:
     async def submit(self, prompt_ids: list[int], max_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
                      session: str | None = None, new_session: bool = False,
-                     request_id: str | None = None) -> RequestStream:
+                     request_id: str | None = None, max_backlog: int | None = None) -> RequestStream:
         if self.dead is not None:
             raise self.dead
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -247,7 +272,7 @@ class AsyncClient:
             raise RequestError("bad_request", str(e)) from None
         if rid in self._streams:
             raise RequestError("bad_request", f"request id {rid!r} is in use")
-        stream = RequestStream(self, rid)
+        stream = RequestStream(self, rid, max_backlog)
         self._streams[rid] = stream
         try:
             await self._send(req)

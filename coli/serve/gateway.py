@@ -5,6 +5,8 @@
     GET  /v1/models              the one model this run serves
     POST /v1/chat/completions    messages -> the model's chat template -> tokens (SSE with "stream": true)
     POST /v1/completions         a prompt string or token ids
+    POST /v1/messages            the Anthropic Messages API (same template, tools and reasoning as chat)
+    POST /v1/messages/count_tokens
 
 The gateway is a client of the run (see `coli.serve.aclient.AsyncClient`): prompts are rendered and tokenised
 here with the same modules `coli chat` uses (`coli.chat_template`, `coli.tokenizer`, from the run's
@@ -39,14 +41,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coli import __version__
-from coli.serve.aclient import AsyncClient, RequestStream, RunGone
+from coli.serve import console
+from coli.serve.body import read_json
+from coli.serve.aclient import AsyncClient, ClientTooSlow, RequestStream, RunGone
 from coli.serve.client import RequestError, RunNotFound, StageDeadError
 from coli.errors import ColiError
 from coli.serve.metrics import CONTENT_TYPE, Counter, Histogram, stage_stats_lines
-from coli.serve.openai_api import (ApiError, Params, chat_chunk, chat_response, completion_chunk,
-                                   completion_response, parse_chat, parse_completion, usage_chunk)
+from coli.serve.anthropic_api import error_body, new_message_id, parse_messages
+from coli.serve.chat_stream import AnthropicFormat, OpenAIChatFormat, anthropic_message_object, openai_chat_object
+from coli.serve.chat_prompt import render_chat
+from coli.serve.glm_output import OutputParser
+from coli.serve.openai_api import (ApiError, Params, completion_chunk, completion_response, parse_chat,
+                                   parse_completion, template_kwargs, usage_chunk)
+from coli.serve.tools import ToolSpec, openai_tools
 from coli.protocol.messages import Done
 from coli.serve.textstream import TextAssembler
+from coli.serve.tokenize_pool import TokenizePool, TokenizerWorkerDied
 
 _FALLBACK_MAX_TOKENS = 512  # only for a run that does not report its context length
 
@@ -58,7 +68,9 @@ class GatewayConfig:
     api_key: str | None = None
     model_id: str | None = None          # default: the run's model directory name ("demo" for the demo)
     default_max_tokens: int | None = None  # a request without max_tokens: None = up to the context limit
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 4 << 20        # `coli serve --max-request-mb`
+    max_stream_backlog: int = 4096       # tokens a streaming client may leave unread before it is stopped
+    tokenize_workers: int = 1            # processes that encode big prompts off the event loop
     token_timeout: float = 600.0         # seconds without a token (queue wait included) before a 504
     max_lanes: int = 64                  # end-user connections kept open at once
     connect_timeout: float = 10.0
@@ -76,10 +88,19 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def _anthropic_error(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status)
+
+
 def _run_error(e: BaseException) -> ApiError:
     """A failure reported by the run (or its absence) as the HTTP error a client gets."""
     if isinstance(e, (RunNotFound, RunGone)):
         return ApiError(503, str(e), "service_unavailable", code="run_unavailable")
+    if isinstance(e, ClientTooSlow):
+        return ApiError(429, f"{e}: read the stream as it comes, or raise `coli serve --max-stream-backlog` "
+                             f"(now {e.backlog})", "client_too_slow", code="stream_backlog_full")
+    if isinstance(e, TokenizerWorkerDied):
+        return ApiError(503, str(e), "service_unavailable", code="tokenizer_died")
     if isinstance(e, StageDeadError):
         return ApiError(503, str(e), "service_unavailable", code="stage_dead")
     if isinstance(e, RequestError):
@@ -87,7 +108,7 @@ def _run_error(e: BaseException) -> ApiError:
             msg = str(e).split(": ", 1)[-1]
             code = "session_not_found" if "session" in msg and ("unknown" in msg or "no session" in msg) else None
             return ApiError(404 if code else 400, msg, param="session" if code else None, code=code or "bad_request")
-        if e.code in ("shutdown", "stage_dead", "overloaded"):
+        if e.code in ("shutdown", "stage_dead", "stage_unresponsive", "overloaded"):
             return ApiError(503, str(e), "service_unavailable", code=e.code)
         return ApiError(500, str(e), "server_error", code=e.code)
     if isinstance(e, TimeoutError):
@@ -102,41 +123,18 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise ApiError(413, f"request body is {cl} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-
-    def no_constants(c: str):
-        raise ValueError(f"{c} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=no_constants)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
-
-
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, log: Any = None):
+    def __init__(self, cfg: GatewayConfig, log: Any = None, connect: Callable | None = None):
         self.cfg = cfg
         self.log = log
+        self._connect = connect or AsyncClient.connect  # the run; a ScriptedRun's connect in tests
         self.ctx: zmq.asyncio.Context | None = None
         self.lanes: "OrderedDict[str, AsyncClient]" = OrderedDict()
         self._lane_lock = asyncio.Lock()
         self.info: dict = {}
         self.container: str | None = None
         self.tok = None
+        self.tokenize: TokenizePool | None = None
         self.template = None
         self.t_start = time.time()
         self.on_run_gone: Callable[[], None] | None = None
@@ -169,6 +167,8 @@ class Gateway:
         for c in list(self.lanes.values()):
             await c.close()
         self.lanes.clear()
+        if self.tokenize is not None:
+            self.tokenize.close()
         if self.ctx is not None:
             self.ctx.term()
 
@@ -195,6 +195,9 @@ class Gateway:
         if container != self.container:
             self.container = container
             self.tok = load_tokenizer(container) if container else None
+            if self.tokenize is not None:
+                self.tokenize.close()
+            self.tokenize = TokenizePool(self.tok, self.cfg.tokenize_workers) if self.tok is not None else None
             self.template = load_chat_template(container) if container else None
 
     async def lane(self, key: str) -> AsyncClient:
@@ -210,7 +213,7 @@ class Gateway:
             if c is not None:
                 await c.close()
                 del self.lanes[key]
-            c = await AsyncClient.connect(self.cfg.run_name, self.cfg.run_base, self.cfg.connect_timeout,
+            c = await self._connect(self.cfg.run_name, self.cfg.run_base, self.cfg.connect_timeout,
                                           ctx=self.ctx, tag="gateway")
             self._adopt(c.info)
             self.lanes[key] = c
@@ -233,10 +236,11 @@ class Gateway:
         key = self.cfg.api_key
         if not key:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        x_key = request.headers.get("x-api-key")  # how Anthropic clients send it
+        if not ((scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()))
+                or (x_key is not None and hmac.compare_digest(x_key.strip().encode(), key.encode()))):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            "invalid_request_error", code="invalid_api_key")
 
     def _check_model(self, model: str | None) -> None:
@@ -272,10 +276,15 @@ class Gateway:
             stream.cancel()
         raise ClientGone()
 
-    async def _encode(self, text: str) -> list[int]:
-        if len(text) > 20000:  # a big prompt: tokenise off the event loop
-            return await asyncio.to_thread(self.tok.encode, text)
-        return self.tok.encode(text)
+    async def _encode(self, text: str, param: str) -> list[int]:
+        """Tokenise (big prompts in a worker process, off the event loop); a prompt longer than the
+        context is refused here without shipping its ids back."""
+        ctx = int(self.info.get("max_position_embeddings") or 0) or None
+        ids = await self.tokenize.encode(text, ctx)
+        if isinstance(ids, int):
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, your prompt is "
+                                f"{ids} tokens. Please shorten it.", param=param, code="context_length_exceeded")
+        return ids
 
     def _max_tokens(self, n_prompt: int, p: Params, param: str) -> int:
         if n_prompt == 0:
@@ -290,8 +299,8 @@ class Gateway:
         if p.max_tokens is not None and p.max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
                                 f"{n_prompt + p.max_tokens} tokens ({n_prompt} in the prompt, {p.max_tokens} for the "
-                                f"completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")
+                                f"completion). Please reduce the prompt or {p.max_tokens_param}.",
+                           param=p.max_tokens_param, code="context_length_exceeded")
         return p.max_tokens or min(room, self.cfg.default_max_tokens or room)
 
     # ---- endpoints ------------------------------------------------------------------------------------
@@ -335,6 +344,25 @@ class Gateway:
         lines.extend(stage_stats_lines(stats))
         return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
 
+    async def api_stats(self, request: Request) -> Response:
+        """The run's latest stage stats (what `coli stats --json` shows) for the console's engine page."""
+        t0 = time.monotonic()
+        try:
+            self._auth(request)
+            c = await self.lane("")
+            st = await c.status(timeout=3.0)
+        except ApiError as e:
+            self._record("/api/stats", e.status, t0)
+            return _error_response(e)
+        except (ColiError, OSError) as e:
+            err = _run_error(e)
+            self._record("/api/stats", err.status, t0)
+            return _error_response(err)
+        self._record("/api/stats", 200, t0)
+        return JSONResponse({"t": time.time(), "run": self.cfg.run_name, "model": self.model_id,
+                             "queued": st.get("queued") or 0, "in_flight": int(self.m["in_flight"].values.get((), 0)),
+                             "stats": st.get("stats") or {}})
+
     def _model_obj(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": int(self.t_start), "owned_by": "colistream",
                 "max_model_len": self.info.get("max_position_embeddings")}
@@ -372,10 +400,67 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await self._endpoint(request, "/v1/completions")
 
+    async def messages(self, request: Request) -> Response:
+        return await self._endpoint(request, "/v1/messages")
+
+    async def count_tokens(self, request: Request) -> Response:
+        t0 = time.monotonic()
+        endpoint = "/v1/messages/count_tokens"
+        try:
+            self._auth(request)
+            body = await read_json(request, self.cfg.max_body_bytes)
+            if not self.info:
+                await self.lane("")
+            messages, p, spec, kwargs = parse_messages(body, count_only=True)
+            self._check_model(p.model)
+            text, _ = self._render(messages, spec, kwargs, "toolu_")
+            n = len(await self._encode(text, "messages"))
+        except ApiError as e:
+            return self._fail(endpoint, e, t0, {"endpoint": endpoint}, _anthropic_error)
+        except (ColiError, OSError) as e:
+            return self._fail(endpoint, _run_error(e), t0, {"endpoint": endpoint}, _anthropic_error)
+        self._record(endpoint, 200, t0)
+        return JSONResponse({"input_tokens": n})
+
+    def _render(self, messages: list[dict], spec: ToolSpec, kwargs: dict, id_prefix: str) -> tuple[str, OutputParser]:
+        if self.tok is None or self.template is None:
+            raise ApiError(400, f"model {self.model_id!r} has no tokenizer.json or chat template: use "
+                                f"/v1/completions with token ids", code="no_chat_template")
+        return render_chat(self.template, self.model_id, messages, spec, kwargs, id_prefix)
+
+    async def _prepare(self, endpoint: str, body: Any) -> tuple[list[int], Params, str, OutputParser | None]:
+        """A request body -> (prompt ids, params, echo text, the output parser for chat answers)."""
+        if endpoint == "/v1/completions":
+            prompt, echo, p = parse_completion(body)
+            self._check_model(p.model)
+            if isinstance(prompt, str):
+                if self.tok is None:
+                    raise ApiError(400, f"model {self.model_id!r} has no tokenizer.json: send the prompt as "
+                                        f"token ids", param="prompt", code="no_tokenizer")
+                return await self._encode(prompt, "prompt"), p, prompt if echo else "", None
+            prompt_ids = list(prompt)
+            vocab = int(self.info.get("vocab_size") or 0)
+            if vocab and max(prompt_ids) >= vocab:
+                raise ApiError(400, f"token id {max(prompt_ids)} is outside the vocabulary (0..{vocab - 1})",
+                               param="prompt")
+            echo_text = (self.tok.decode(prompt_ids) if self.tok is not None else "") if echo else ""
+            return prompt_ids, p, echo_text, None
+        if endpoint == "/v1/messages":
+            messages, p, spec, kwargs = parse_messages(body)
+            prefix = "toolu_"
+        else:
+            messages, p = parse_chat(body)
+            spec, kwargs, prefix = openai_tools(body), template_kwargs(body.get("chat_template_kwargs")), "call_"
+        self._check_model(p.model)
+        text, parser = self._render(messages, spec, kwargs, prefix)
+        return await self._encode(text, "messages"), p, "", parser
+
     async def _endpoint(self, request: Request, endpoint: str) -> Response:
         t0 = time.monotonic()
-        chat = endpoint == "/v1/chat/completions"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages"}[endpoint]
+        rid = {"chat": lambda: f"chatcmpl-{uuid.uuid4().hex}", "completion": lambda: f"cmpl-{uuid.uuid4().hex}",
+               "messages": new_message_id}[kind]()
+        shape = _anthropic_error if kind == "messages" else _error_response
         fields: dict[str, Any] = {"request_id": rid, "endpoint": endpoint,
                                   "client": request.client.host if request.client else None}
         try:
@@ -383,55 +468,35 @@ class Gateway:
             body = await read_json(request, self.cfg.max_body_bytes)
             if not self.info:
                 await self.lane("")
-            if chat:
-                messages, p = parse_chat(body)
-                self._check_model(p.model)
-                if self.tok is None or self.template is None:
-                    raise ApiError(400, f"model {self.model_id!r} has no tokenizer.json or chat template: use "
-                                        f"/v1/completions with token ids", code="no_chat_template")
-                try:
-                    text = self.template.render(messages, add_generation_prompt=True)
-                except ColiError as e:
-                    raise ApiError(400, str(e), param="messages", code="template_error") from None
-                prompt_ids, echo_text = await self._encode(text), ""
-            else:
-                prompt, echo, p = parse_completion(body)
-                self._check_model(p.model)
-                if isinstance(prompt, str):
-                    if self.tok is None:
-                        raise ApiError(400, f"model {self.model_id!r} has no tokenizer.json: send the prompt as "
-                                            f"token ids", param="prompt", code="no_tokenizer")
-                    prompt_ids = await self._encode(prompt)
-                    echo_text = prompt if echo else ""
-                else:
-                    prompt_ids = list(prompt)
-                    vocab = int(self.info.get("vocab_size") or 0)
-                    if vocab and max(prompt_ids) >= vocab:
-                        raise ApiError(400, f"token id {max(prompt_ids)} is outside the vocabulary (0..{vocab - 1})",
-                                       param="prompt")
-                    echo_text = (self.tok.decode(prompt_ids) if self.tok is not None else "") if echo else ""
-            max_tokens = self._max_tokens(len(prompt_ids), p, "messages" if chat else "prompt")
+            prompt_ids, p, echo_text, parser = await self._prepare(endpoint, body)
+            max_tokens = self._max_tokens(len(prompt_ids), p, "prompt" if kind == "completion" else "messages")
             fields.update(prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stream=p.stream, session=p.session)
             lane = await self.lane(p.user or (request.client.host if request.client else "?"))
             stream = await lane.submit(prompt_ids, max_tokens, greedy=p.greedy, temperature=p.temperature,
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
-                                       session=p.session, new_session=p.new_session, request_id=rid)
+                                       session=p.session, new_session=p.new_session, request_id=rid,
+                                       max_backlog=self.cfg.max_stream_backlog if p.stream else None)
         except ApiError as e:
-            return self._fail(endpoint, e, t0, fields)
+            return self._fail(endpoint, e, t0, fields, shape)
         except (ColiError, OSError) as e:
-            return self._fail(endpoint, _run_error(e), t0, fields)
+            return self._fail(endpoint, _run_error(e), t0, fields, shape)
 
         self.m["in_flight"].inc(1)
         self.m["prompt"].inc(len(prompt_ids), endpoint=endpoint)
-        g = _Generation(self, endpoint, rid, p, stream, len(prompt_ids), t0, fields)
+        g = _Generation(self, endpoint, rid, p, stream, len(prompt_ids), t0, fields, parser)
         try:
             first = await self._race(request, g.next(), stream)
         except ClientGone:
             return g.gone()
         except (ColiError, TimeoutError, OSError) as e:
-            return g.failed(_run_error(e))
+            return g.failed(_run_error(e), shape)
         if p.stream:
-            return StreamingResponse(g.sse(first, echo_text, chat), media_type="text/event-stream",
+            if kind == "completion":
+                body_iter = g.sse(first, echo_text)
+            else:
+                fmt = (OpenAIChatFormat if kind == "chat" else AnthropicFormat)(g, self.model_id)
+                body_iter = g.sse_chat(first, fmt)
+            return StreamingResponse(body_iter, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": rid})
         try:
@@ -439,18 +504,21 @@ class Gateway:
         except ClientGone:
             return g.gone()
         except (ColiError, TimeoutError, OSError) as e:
-            return g.failed(_run_error(e))
-        text = echo_text + g.asm.text
-        ids = g.asm.token_ids if p.return_token_ids else None
-        obj = (chat_response if chat else completion_response)(rid, self.model_id, p.created, text, g.finish,
-                                                                g.n_prompt, g.n, ids)
+            return g.failed(_run_error(e), shape)
+        if kind == "completion":
+            ids = g.asm.token_ids if p.return_token_ids else None
+            obj = completion_response(rid, self.model_id, p.created, echo_text + g.asm.text, g.finish, g.n_prompt,
+                                      g.n, ids)
+        else:
+            obj = (openai_chat_object if kind == "chat" else anthropic_message_object)(g, self.model_id, g.events)
         g.done(200)
         return JSONResponse(obj, headers={"X-Request-Id": rid})
 
-    def _fail(self, endpoint: str, e: ApiError, t0: float, fields: dict) -> Response:
+    def _fail(self, endpoint: str, e: ApiError, t0: float, fields: dict,
+              shape: Callable[[ApiError], Response] | None = None) -> Response:
         self._record(endpoint, e.status, t0)
         self._log(**fields, status=e.status, error=e.message, total_s=round(time.monotonic() - t0, 4))
-        return _error_response(e)
+        return (shape or _error_response)(e)
 
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
@@ -460,8 +528,10 @@ class _Generation:
     """One accepted generation request: its token stream, text assembly, counters and the one log line."""
 
     def __init__(self, gw: Gateway, endpoint: str, rid: str, p: Params, stream: RequestStream, n_prompt: int,
-                 t0: float, fields: dict):
+                 t0: float, fields: dict, parser: OutputParser | None = None):
         self.gw, self.endpoint, self.rid, self.p, self.stream = gw, endpoint, rid, p, stream
+        self.parser = parser  # chat answers: text -> reasoning / content / tool calls
+        self.events: list = []  # the parser's events so far (for the non-streamed answer)
         self.n_prompt, self.t0, self.fields = n_prompt, t0, fields
         self.asm = TextAssembler(gw.tok, gw.info.get("eos_token_ids") or (), p.stop)
         self.n = 0
@@ -489,28 +559,68 @@ class _Generation:
             return text, True
         return text, False
 
+    def push_events(self, item: int | Done) -> tuple[list, bool]:
+        """push() through the chat parser -> (its events, finished). A parser that has all it may take
+        (parallel_tool_calls false and one call) finishes the request like a stop string."""
+        text, finished = self.push(item)
+        evs = self.parser.feed(text) if text else []
+        if not finished and self.parser.done:
+            self.stream.cancel()
+            self.finish, finished = "stop", True
+        if finished:
+            evs += self.parser.finish()
+        self.events.extend(evs)
+        return evs, finished
+
     async def collect(self, first: int | Done) -> None:
         item = first
         while True:
-            _, finished = self.push(item)
+            _, finished = self.push(item) if self.parser is None else self.push_events(item)
             if finished:
                 return
             item = await self.next()
 
-    async def sse(self, first: int | Done, echo_text: str, chat: bool):
+    async def sse_chat(self, first: int | Done, fmt):
+        """A chat answer as server-sent events in `fmt`'s shape (OpenAI chunks or Anthropic events)."""
+        status = 200
+        try:
+            for s in fmt.start():
+                yield s
+            item = first
+            while True:
+                evs, finished = self.push_events(item)
+                ids = [item] if self.p.return_token_ids and not isinstance(item, Done) else None
+                for s in fmt.events(evs, ids):
+                    yield s
+                if finished:
+                    break
+                item = await self.next()
+            for s in fmt.end():
+                yield s
+        except (ColiError, TimeoutError, OSError) as e:
+            err = _run_error(e)
+            status = err.status
+            self.stream.cancel()
+            for s in fmt.error(err):
+                yield s
+        finally:
+            if not self.stream.finished:  # the client hung up mid-stream (we are being cancelled)
+                self.stream.cancel()
+                self.gw.m["disconnects"].inc()
+                status = 499
+            self.done(status)
+
+    async def sse(self, first: int | Done, echo_text: str):
+        """A completion as server-sent events."""
         gw, p, rid, model = self.gw, self.p, self.rid, self.gw.model_id
         created = p.created
         status = 200
 
         def chunk(text: str, finish: str | None = None, ids: list[int] | None = None) -> str:
-            if chat:
-                return _sse(chat_chunk(rid, model, created, {"content": text} if finish is None else {}, finish, ids))
             return _sse(completion_chunk(rid, model, created, text, finish, ids))
 
         try:
-            if chat:
-                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-            elif echo_text:
+            if echo_text:
                 yield chunk(echo_text)
             item = first
             while True:
@@ -523,8 +633,7 @@ class _Generation:
                 item = await self.next()
             yield chunk("", finish=self.finish)
             if p.include_usage:
-                yield _sse(usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion",
-                                       self.n_prompt, self.n))
+                yield _sse(usage_chunk(rid, model, created, "text_completion", self.n_prompt, self.n))
             yield "data: [DONE]\n\n"
         except (ColiError, TimeoutError, OSError) as e:
             err = _run_error(e)
@@ -544,10 +653,10 @@ class _Generation:
         self.done(499)
         return Response(status_code=499)
 
-    def failed(self, e: ApiError) -> Response:
+    def failed(self, e: ApiError, shape: Callable[[ApiError], Response] | None = None) -> Response:
         self.stream.cancel()
         self.done(e.status, e.message)
-        return _error_response(e)
+        return (shape or _error_response)(e)
 
     def done(self, status: int, error: str | None = None) -> None:
         if self.closed:
@@ -586,12 +695,18 @@ def create_app(cfg: GatewayConfig, log: Any = None, gateway: Gateway | None = No
             await gw.stop()
 
     routes = [
+        Route("/", console.chat_page, methods=["GET"]),
+        Route("/engine", console.engine_page, methods=["GET"]),
+        Route("/web/{name}", console.asset, methods=["GET"]),
+        Route("/api/stats", gw.api_stats, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", gw.model, methods=["GET"]),
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/messages", gw.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", gw.count_tokens, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _not_found, Exception: _server_error})

@@ -6,9 +6,10 @@ Supported: `/v1/chat/completions` and `/v1/completions` with `model`, `max_token
 `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `n` (1 only), `stream`,
 `stream_options.include_usage`, `user`; `echo` for completions. ColiStream extensions: `session`
 (a conversation whose KV cache the run keeps between turns) with `new_session`, `ignore_eos`, and
-`return_token_ids` (the generated ids beside the text). Sampling parameters OpenAI has but ColiStream
-does not implement (penalties, logit bias, logprobs, tools, n > 1) are refused with a 400 rather than
-silently ignored."""
+`return_token_ids` (the generated ids beside the text). Chat takes tools (coli/serve/tools.py) and
+`chat_template_kwargs`; assistant `tool_calls` / `reasoning_content` and `tool` messages are kept for the
+template. Parameters OpenAI has but ColiStream does not implement (penalties, logit bias, logprobs,
+`functions`, n > 1) are refused with a 400 rather than silently ignored."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ MAX_STOP_CHARS = 256
 SESSION_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _U64 = 1 << 64
+MAX_TOP_K = (1 << 31) - 1  # far above any vocabulary; a bigger number is a client bug, not a filter
 
 
 class ApiError(Exception):
@@ -48,7 +50,7 @@ def get_int(body: dict, name: str, default: int | None, lo: int | None = None, h
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, float) and v.is_integer():
+    if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53:  # 3.0 is 3; 1e308 is no count of anything
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(name, f"'{name}' must be an integer, got {_typename(v)}", "invalid_type")
@@ -65,10 +67,14 @@ def get_float(body: dict, name: str, default: float, lo: float, hi: float) -> fl
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(name, f"'{name}' must be a number, got {_typename(v)}", "invalid_type")
-    v = float(v)
-    if not math.isfinite(v) or not lo <= v <= hi:
-        raise _bad(name, f"'{name}' must be between {lo:g} and {hi:g}, got {v:g}")
-    return v
+    try:
+        f = float(v)
+    except OverflowError:  # an integer literal beyond any float (1e400 written out in digits)
+        f = math.inf
+    if not math.isfinite(f) or not lo <= f <= hi:
+        shown = f"{f:g}" if math.isfinite(f) else "a number beyond any float"
+        raise _bad(name, f"'{name}' must be between {lo:g} and {hi:g}, got {shown}")
+    return f
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
@@ -110,6 +116,7 @@ class Params:
     new_session: bool
     ignore_eos: bool
     return_token_ids: bool
+    max_tokens_param: str = "max_tokens"  # the name the client used (chat also takes max_completion_tokens)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -120,7 +127,6 @@ def _unsupported(body: dict) -> None:
                      ("logit_bias", lambda v: not v),
                      ("logprobs", lambda v: v in (None, False, 0)),
                      ("top_logprobs", lambda v: v in (None, 0)),
-                     ("tools", lambda v: not v),
                      ("functions", lambda v: not v),
                      ("best_of", lambda v: v in (None, 1)),
                      ("suffix", lambda v: v in (None, ""))):
@@ -139,14 +145,14 @@ def parse_params(body: Any, max_tokens_names: tuple[str, ...] = ("max_tokens",))
     n = get_int(body, "n", 1)
     if n != 1:
         raise _bad("n", f"only n=1 is supported, got {n}", "unsupported_parameter")
-    max_tokens = None
+    max_tokens, max_tokens_param = None, max_tokens_names[0]
     for name in max_tokens_names:
         v = get_int(body, name, None, lo=1)
         if v is not None:
-            max_tokens = v
+            max_tokens, max_tokens_param = v, name
     temperature = get_float(body, "temperature", 1.0, 0.0, 2.0)
     top_p = get_float(body, "top_p", 1.0, 0.0, 1.0)
-    top_k = get_int(body, "top_k", 0, lo=-1)
+    top_k = get_int(body, "top_k", 0, lo=-1, hi=MAX_TOP_K)
     top_k = 0 if top_k == -1 else top_k  # -1 means "off", as vLLM spells it
     seed = get_int(body, "seed", None, lo=0, hi=_U64 - 1)
     stop_raw = body.get("stop")
@@ -179,7 +185,7 @@ def parse_params(body: Any, max_tokens_names: tuple[str, ...] = ("max_tokens",))
                   temperature=temperature, top_p=top_p if top_p > 0 else 1.0, top_k=top_k, seed=seed, stop=stop,
                   stream=stream, include_usage=include_usage, user=get_str(body, "user", None),
                   session=session, new_session=new_session, ignore_eos=get_bool(body, "ignore_eos", False),
-                  return_token_ids=get_bool(body, "return_token_ids", False))
+                  return_token_ids=get_bool(body, "return_token_ids", False), max_tokens_param=max_tokens_param)
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -199,7 +205,55 @@ def _content_text(content: Any, i: int) -> str:
                "invalid_type")
 
 
+_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+def template_kwargs(raw: Any, where: str = "chat_template_kwargs") -> dict:
+    """Extra variables for the chat template (e.g. GLM's `enable_thinking`), as vLLM and SGLang take them."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _bad(where, f"'{where}' must be an object", "invalid_type")
+    for k in raw:
+        if k in _RESERVED_KWARGS or not k.isidentifier():
+            raise _bad(f"{where}.{k}", f"'{k}' cannot be set through {where}")
+    return dict(raw)
+
+
+def _assistant_extras(m: dict, i: int, out: dict) -> None:
+    from coli.serve.tools import arguments_object
+
+    rc = m.get("reasoning_content")
+    if rc is not None:
+        if not isinstance(rc, str):
+            raise _bad(f"messages[{i}].reasoning_content", "'reasoning_content' must be a string", "invalid_type")
+        out["reasoning_content"] = rc
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise _bad(f"messages[{i}].tool_calls", "'tool_calls' must be an array", "invalid_type")
+    norm = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise _bad(where, "each tool call must be {'id', 'type': 'function', 'function': {name, arguments}}",
+                       "invalid_type")
+        name = c["function"].get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{where}.function.name", "a tool call needs a function name", "invalid_type")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise _bad(f"{where}.id", "'id' must be a string", "invalid_type")
+        norm.append({"id": cid, "type": "function",
+                     "function": {"name": name, "arguments": arguments_object(c["function"].get("arguments"),
+                                                                              f"{where}.function.arguments")}})
+    if norm:
+        out["tool_calls"] = norm
+
+
 def parse_chat(body: Any) -> tuple[list[dict], Params]:
+    """-> (messages for the template, params); `parse_chat_tools` reads the tools of the same body."""
     p = parse_params(body, ("max_tokens", "max_completion_tokens"))
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -212,7 +266,15 @@ def parse_chat(body: Any) -> tuple[list[dict], Params]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append({"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)})
+        msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+        if role == "assistant":
+            _assistant_extras(m, i, msg)
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if tid is not None and not isinstance(tid, str):
+                raise _bad(f"messages[{i}].tool_call_id", "'tool_call_id' must be a string", "invalid_type")
+            msg["tool_call_id"] = tid
+        out.append(msg)
     return out, p
 
 
@@ -236,16 +298,6 @@ def parse_completion(body: Any) -> tuple[str | list[int], bool, Params]:
 # ---- responses ------------------------------------------------------------------------------------------
 def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def chat_response(rid: str, model: str, created: int, text: str, finish: str, n_prompt: int, n_completion: int,
-                  token_ids: list[int] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                              "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage(n_prompt, n_completion)}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None,

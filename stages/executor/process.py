@@ -6,6 +6,7 @@ Sockets: binds `executor` (ROUTER; peer: the supervisor, which brokers clients);
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
 from coli.protocol.arena import Arena
 from coli.protocol.handshake import run_identity
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, Error, GenerateRequest, Hello,
-                                    Shutdown, Token)
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, DropSession, Error,
+                                    GenerateRequest, Hello, Shutdown, Token)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, send
 from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, Ticker, configure_logging, die_with_parent, parent_sentinel
@@ -80,6 +81,11 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         elif isinstance(msg, Cancel):
             if state["current"] == msg.request_id:
                 raise Cancelled()
+        elif isinstance(msg, DropSession):
+            if state.get("session") == msg.session:   # in use: dropped once its request ends
+                state.setdefault("drop_after", set()).add(msg.session)
+            else:
+                log.info("session_dropped", session=msg.session, found=sessions.drop(msg.session))
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
             state["stop"] = True
@@ -204,7 +210,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sess, new_ids, cache = None, list(req.prompt_ids), None
         if req.session is not None:
             try:
-                sess = sessions.get(req.session, create=req.new_session)
+                sess = sessions.get(req.session, create=req.new_session, ephemeral=req.ephemeral)
             except (SessionError, WeightError, ValueError) as e:
                 send(sock, Error(ERROR_BAD_REQUEST, str(e), rid), peer=peer)
                 return
@@ -262,7 +268,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     break
                 full = list(req.prompt_ids) + out_tokens
                 if sess is not None:      # the session's cache lived on the GPU: take it up again on the CPU
-                    sess = sessions.get(req.session, create=True)
+                    sess = sessions.get(req.session, create=True, ephemeral=req.ephemeral)
                     prompt, cache = sess.reuse(full), sess.cache
                 else:
                     prompt, cache = full, None
@@ -316,12 +322,17 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 publish_stats()
             while inbox and not state["stop"]:
                 peer, req = inbox.pop(0)
+                state["session"] = req.session
                 try:
                     serve(peer, req)
                 except StopRequested:
                     break
                 except Exception as e:      # one request's failure is that request's Error, never the run's
                     request_failed(peer, req, e)
+                finally:
+                    state["session"] = None
+                    for name in state.pop("drop_after", ()):
+                        log.info("session_dropped", session=name, found=sessions.drop(name))
     finally:
         try:
             saved = sessions.save_all()
@@ -334,7 +345,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         sock.close(linger=0)
         ram.close(linger=0)
         ctx.term()
+        # every numpy view over the arenas must be gone before they unmap: the model, its expert source and
+        # the residency table hold them, also through `state` and the closures above, and cycles among them
+        # wait for the collector
+        state["model"] = state["vx"] = None
         del model, experts, table, sessions
+        gc.collect()
         for a in (tarena, arena):
             try:
                 a.close()

@@ -47,6 +47,7 @@ class Session:
     name: str
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # exactly the positions held by `cache`
+    ephemeral: bool = False   # memory only: never saved, dropped instead of spilled (a `coli chat` session)
 
     def reuse(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one prompt token must stay new so the
@@ -100,7 +101,7 @@ class SessionStore:
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.session"
 
-    def get(self, name: str, create: bool) -> Session:
+    def get(self, name: str, create: bool, ephemeral: bool = False) -> Session:
         if not _NAME.match(name):
             raise SessionError(f"session name {name!r} must be 1-128 letters, digits, '.', '_' or '-'")
         if name in self.live:
@@ -111,8 +112,9 @@ class SessionStore:
         if s is None:
             if not create:
                 raise SessionError(f"unknown session {name!r}")
-            self._check_writable(name)
-            s = Session(name, self.new_cache())
+            if not ephemeral:               # an ephemeral session never touches the disk
+                self._check_writable(name)
+            s = Session(name, self.new_cache(), ephemeral=ephemeral)
         self.live[name] = s
         self._evict()
         return s
@@ -123,8 +125,22 @@ class SessionStore:
         self.live.pop(name, None)
         self.clean.discard(name)
 
-    def commit(self, s: Session) -> Path:
-        """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file."""
+    def drop(self, name: str) -> bool:
+        """Forget a session, in memory and on disk; False when there was none."""
+        s = self.live.pop(name, None)
+        self.clean.discard(name)
+        p = self.path(name)
+        on_disk = _NAME.match(name) is not None and p.is_file()
+        if on_disk:
+            p.unlink()
+        return s is not None or on_disk
+
+    def commit(self, s: Session) -> Path | None:
+        """Save `s` after a turn. On failure it stays in memory, not clean, and SessionError names the file.
+        An ephemeral session is not saved (None) but counts as clean: evicted, it is dropped, not spilled."""
+        if s.ephemeral:
+            self.clean.add(s.name)
+            return None
         try:
             p = self.save(s)
         except OSError as e:
@@ -154,7 +170,7 @@ class SessionStore:
         """A new session is refused up front when its directory cannot take files, rather than after the
         turn it was asked for (the probe is a real create, not os.access, which root always passes)."""
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._ensure_dir()
             probe = self.dir / f"{_PROBE}{os.getpid()}"
             create_private(probe)
             os.unlink(probe)
@@ -164,8 +180,15 @@ class SessionStore:
                                f"(sessions live in $COLI_CACHE/sessions)") from None
 
     # ---- persistence -------------------------------------------------------------------------------
-    def save(self, s: Session) -> Path:
+    def _ensure_dir(self) -> None:
+        """The directory, owner-only: file names are session names, and an older run may have made it 0755."""
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.dir.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(self.dir, 0o700)
+
+    def save(self, s: Session) -> Path:
+        self._ensure_dir()
         arrays = s.cache.host_arrays()  # {"<layer>.lat": [T, Lkv], ...}
         tokens = json.dumps([int(t) for t in s.tokens])
         meta = {"magic": MAGIC, "version": str(VERSION), "model": self.fingerprint, "name": s.name,
@@ -177,8 +200,8 @@ class SessionStore:
         return final
 
     def save_all(self) -> list[Path]:
-        """On shutdown: what is not on disk yet (every committed turn already is)."""
-        return [self.commit(s) for n, s in list(self.live.items()) if n not in self.clean]
+        """On shutdown: what is not on disk yet (every committed turn already is); never an ephemeral one."""
+        return [self.commit(s) for n, s in list(self.live.items()) if n not in self.clean and not s.ephemeral]
 
     def load(self, name: str) -> Session:
         p = self.path(name)

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import secrets
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,16 +25,20 @@ from coli.errors import ColiError
 from coli.protocol.arena import Arena
 from coli.protocol.errors import ProtocolError
 from coli.protocol.handshake import check_hello, make_hello
-from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, Cancel, Done, Error, GenerateRequest,
-                                    Hello, Ready, Shutdown, StageDead, Stats, StatusReply, StatusRequest, Token)
-from coli.protocol.rundir import RunDir
+from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STAGE_UNRESPONSIVE, Cancel, Done,
+                                    DropSession, Error, GenerateRequest, Heartbeat, Hello, Ready, Shutdown, StageDead,
+                                    Stats, StatusReply, StatusRequest, Token)
+from coli.protocol.rundir import RunClaimed, RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
 from coli.stages.ramtier.core import ResidencyTable
 from coli.stages.supervisor.admission import Limits, refusal
 from coli.stages.supervisor.core import Pending, RequestBook
+from coli.stages.supervisor.sweep import describe, segment_name, sweep_dead_segments
 
 STAGES = ("reader", "ramtier", "executor")
+# what stops a run cleanly: SIGHUP is the terminal of a foreground `coli up` closing
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StartupError(ColiError):
@@ -56,6 +61,8 @@ class RunOptions:
     record_routing: str | None = None
     pilot: int = 0  # router lookahead: prefetch layer l+pilot's predicted experts (0 = off)
     gpu: dict = field(default_factory=dict)  # coli.loader.GpuOptions fields: vram_gb, vram_slots, policy, ...
+    stage_timeout: float = 5.0  # a ready stage silent (no heartbeat) this long is unresponsive
+    http: str | None = None  # the --http address of the gateway `coli up` started beside the run (for coli ps)
 
 
 @dataclass
@@ -68,6 +75,7 @@ class StageProc:
     info: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     hello: bool = False
+    last_beat: float = 0.0  # time.monotonic() of its last Heartbeat (or of becoming ready)
 
 
 def clean_stale(rd: RunDir, say: Callable[[str], None]) -> None:
@@ -86,8 +94,17 @@ def clean_stale(rd: RunDir, say: Callable[[str], None]) -> None:
                 pass
     removed = [n for n in state.get("arenas", []) if Arena.unlink_name(n)]
     rd.cleanup(keep_logs=True)
+    rd.write_state(stopped_state(state, f"its supervisor (pid {rec[0] if rec else '?'}) died; cleaned up", True))
     say(f"cleaned up stale run {rd.name!r} (supervisor pid {rec[0] if rec else '?'} is gone): "
         f"{len(removed)} shared-memory segment(s) removed, {killed} leftover stage process(es) killed")
+
+
+def stopped_state(state: dict, reason: str, failed: bool) -> dict:
+    """What a run dir keeps after its run stopped (beside its logs): when, why, and what it served, so
+    `coli status`, `coli down` and `coli ps` can say "stopped" instead of guessing from a missing pid."""
+    keep = ("name", "model", "container", "device", "started", "supervisor_pid", "http")
+    return {**{k: state[k] for k in keep if k in state}, "state": "stopped", "stopped": time.time(),
+            "reason": reason, "failed": failed}
 
 
 def sessions_dir(container: Path) -> Path:
@@ -115,26 +132,41 @@ class Supervisor:
         self.stages: dict[str, StageProc] = {}
         self.book = RequestBook()
         self.stop_reason: str | None = None
+        self.failed = False  # the run stopped because something died, not because it was asked to
         self.t_start = time.time()
         self.stats_out: dict[str, dict] = {}
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "clients": 0,
-                         "protocol_errors": 0, "last_latency_s": 0.0, "queued": 0}
+                         "protocol_errors": 0, "last_latency_s": 0.0, "queued": 0, "running": 0}
         self.clients: set[bytes] = set()
 
     # ---- start -----------------------------------------------------------------------------------
     def start(self) -> None:
         o = self.opts
         rd = RunDir(o.name, o.run_base, create=True)
-        if rd.is_live():
-            pid = rd.read_pid()[0]
-            raise StartupError(f"run {o.name!r} is already up (supervisor pid {pid}); stop it with "
-                               f"`coli down --name {o.name}` or pick another --name")
-        if rd.is_stale():
-            clean_stale(rd, self.say)
-            rd = RunDir(o.name, o.run_base, create=True)
+        try:
+            rd.claim()  # atomic: of two `coli up` of one name at the same instant, exactly one gets here
+        except RunClaimed as e:
+            raise StartupError(str(e)) from None
+        try:
+            if rd.is_live():  # a holder of the claim would have kept it: a run of an older install
+                pid = rd.read_pid()[0]
+                raise StartupError(f"run {o.name!r} is already up (supervisor pid {pid}); stop it with "
+                                   f"`coli down --name {o.name}` or pick another --name")
+            if rd.is_stale():
+                clean_stale(rd, self.say)
+            rd.write_pid()
+            swept = sweep_dead_segments()  # other names' leftovers too (a SIGKILLed process group)
+            if swept:
+                self.say(describe(swept))
+        except BaseException:
+            rd.release()
+            raise
         self.rd = rd
-        rd.write_pid()
         self.log = configure_logging(rd.log_path("supervisor"), "supervisor", o.log_level)
+        # every run of a name appends to the same logs: this record starts the run's part (`coli logs` draws
+        # it as a dated separator)
+        self.log.info("run_started", run=o.name, supervisor_pid=os.getpid(), model=str(o.model or "demo"),
+                      date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.t_start)))
         try:
             self._start_stages()
         except BaseException:
@@ -158,10 +190,9 @@ class Supervisor:
             raise StartupError(f"--ram-gb must be > 0 (got {o.ram_gb})")
         n_slots = max(1, min(n_total, int(o.ram_gb * 1e9 // slot_bytes)))
         n_keys = cfg.num_hidden_layers * cfg.n_routed_experts
-        tag = f"coli-{o.name}-{os.getpid()}"
-        arena = Arena.create(f"{tag}-experts", slot_bytes, n_slots)
+        arena = Arena.create(segment_name(o.name, os.getpid(), "experts"), slot_bytes, n_slots)
         self.arenas.append(arena)
-        table = Arena.create(f"{tag}-residency", ResidencyTable.nbytes(n_keys, n_slots), 1)
+        table = Arena.create(segment_name(o.name, os.getpid(), "residency"), ResidencyTable.nbytes(n_keys, n_slots), 1)
         self.arenas.append(table)
         self.model_info = {"model": str(o.model or "demo"), "container": str(container), "layers": cfg.num_hidden_layers,
                            "experts_per_layer": cfg.n_routed_experts, "moe_layers": len(cfg.moe_layers),
@@ -197,10 +228,14 @@ class Supervisor:
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
         self.pub = make_socket(self.ctx, zmq.PUB, rd.endpoint("stats"), bind=True, hwm=64)
+        # bound before any stage starts, so a stage's first beat has somewhere to go
+        self.beats = make_socket(self.ctx, zmq.PULL, rd.endpoint("heartbeat"), bind=True, hwm=256)
         mp = multiprocessing.get_context("spawn")
         for name in STAGES:
             fn, args = targets[name]
-            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name), name=f"coli-{o.name}-{name}",
+            p = mp.Process(target=_stage_entry, args=(fn, args, [arena.name, table.name], name, rd.endpoint("heartbeat"),
+                                                       str(rd.log_path(name))),
+                           name=f"coli-{o.name}-{name}",
                            daemon=False)
             p.start()
             sock = make_socket(self.ctx, zmq.DEALER, rd.endpoint(name), bind=False, identity=control)
@@ -234,7 +269,9 @@ class Supervisor:
             for s in self.stages.values():
                 if s.proc.sentinel in events or not s.proc.is_alive():
                     s.proc.join(0.1)
-                    raise StartupError(f"stage {s.name!r} exited with code {s.proc.exitcode} during start-up "
+                    cause = _last_error(self.rd.log_path(s.name))
+                    raise StartupError(f"stage {s.name!r} exited with code {s.proc.exitcode} during start-up"
+                                       f"{': ' + cause if cause else ''} "
                                        f"(see `coli logs --name {self.opts.name} --stage {s.name}`)")
                 if s.sock in events:
                     while s.sock.poll(0):
@@ -248,16 +285,21 @@ class Supervisor:
                         elif isinstance(msg, Ready) and s.hello:
                             s.state, s.info = "ready", dict(msg.info)
                             s.t_start = time.time()
+                            s.last_beat = time.monotonic()
                         elif isinstance(msg, Stats):
                             s.stats = dict(msg.counters)
 
     def _write_state(self, state: str) -> None:
-        self.rd.write_state({
+        self.rd.write_state(self._state_dict(state))
+
+    def _state_dict(self, state: str) -> dict:
+        return {
             "state": state, "name": self.opts.name, "supervisor_pid": os.getpid(), "started": self.t_start,
+            "http": self.opts.http,
             "arenas": [a.name for a in self.arenas], **getattr(self, "model_info", {}),
             "stages": {n: {"pid": s.proc.pid, "start": _proc_start(s.proc.pid) if s.proc.pid else None,
                            "state": s.state} for n, s in self.stages.items()},
-        })
+        }
 
     # ---- serve -------------------------------------------------------------------------------------
     def serve(self) -> str:
@@ -267,9 +309,10 @@ class Supervisor:
         os.set_blocking(wake_r, False)
         old_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         got: list[int] = []
-        handlers = {sig: signal.signal(sig, lambda s, f: got.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {sig: signal.signal(sig, lambda s, f: got.append(s)) for sig in STOP_SIGNALS}
         poller = zmq.Poller()
         poller.register(self.client_sock, zmq.POLLIN)
+        poller.register(self.beats, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
         for s in self.stages.values():
             poller.register(s.sock, zmq.POLLIN)
@@ -295,6 +338,9 @@ class Supervisor:
                 for s in self.stages.values():
                     if s.sock in events:
                         self._from_stage(s)
+                if self.beats in events:
+                    self._heartbeats()
+                self._check_heartbeats()
                 if self.client_sock in events:
                     self._from_clients()
                 self._dispatch()
@@ -320,6 +366,59 @@ class Supervisor:
         for p in self.book.clear():
             self._to_client(p.client, StageDead(s.name, reason, code))
         self.stop_reason = reason
+        self.failed = True
+
+    # ---- liveness: heartbeats --------------------------------------------------------------------
+    def _heartbeats(self) -> None:
+        while True:
+            try:
+                msg = recv(self.beats, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError as e:
+                self.counters["protocol_errors"] += 1
+                self.log.error("protocol_error", error=str(e), peer="heartbeat")
+                continue
+            s = self.stages.get(msg.stage) if isinstance(msg, Heartbeat) else None
+            if s is None or msg.pid != s.proc.pid:
+                continue  # not one of our stages (a stage's pid is the one we spawned)
+            s.last_beat = time.monotonic()
+            if s.state == "unresponsive":
+                s.state = "ready"
+                self.log.warning("stage_responsive", stage=s.name, pid=s.proc.pid)
+                self.say(f"stage {s.name!r} (pid {s.proc.pid}) is responsive again; the run takes requests")
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for s in self.stages.values():
+            if s.state == "ready" and now - s.last_beat > self.opts.stage_timeout:
+                self._stage_unresponsive(s, now - s.last_beat)
+
+    def _stage_unresponsive(self, s: StageProc, silent_s: float) -> None:
+        """Every request waiting fails now, naming the stage; the run stays up (a stopped stage may be
+        continued: SIGCONT, a debugger letting go), refuses new requests with the same error while the
+        stage is silent and takes them again at its next heartbeat."""
+        s.state = "unresponsive"
+        cond = _process_condition(s.proc.pid)
+        s.info = {**s.info, "unresponsive": cond}
+        reason = (f"stage {s.name!r} (pid {s.proc.pid}) is unresponsive: no heartbeat for {silent_s:.1f} s ({cond}); "
+                  f"requests fail until it answers again (limit: --stage-timeout {self.opts.stage_timeout:g})")
+        self.log.error("stage_unresponsive", stage=s.name, pid=s.proc.pid, silent_s=round(silent_s, 2), condition=cond)
+        self.say(reason)
+        current = self.book.current
+        for p in self.book.clear():
+            if p is current:
+                self._cancel_running(p, f"stage {s.name!r} is unresponsive")
+            self.counters["failed"] += 1
+            self._to_client(p.client, Error(ERROR_STAGE_UNRESPONSIVE, reason, p.request_id))
+
+    def _unresponsive_reason(self) -> str | None:
+        for s in self.stages.values():
+            if s.state == "unresponsive":
+                return (f"stage {s.name!r} (pid {s.proc.pid}) is unresponsive ({s.info.get('unresponsive', '?')}): "
+                        f"no heartbeat for {time.monotonic() - s.last_beat:.1f} s (limit: --stage-timeout "
+                        f"{self.opts.stage_timeout:g})")
+        return None
 
     def _from_stage(self, s: StageProc) -> None:
         while True:
@@ -427,6 +526,11 @@ class Supervisor:
             else:
                 self.counters["cancelled"] += 1
                 self._to_client(peer, Done(msg.request_id, "cancelled", 0, {}))
+        elif isinstance(msg, DropSession):   # the executor owns the sessions (one in use goes when it ends)
+            try:
+                send(self.stages["executor"].sock, msg, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         elif isinstance(msg, StatusRequest):
             self._to_client(peer, StatusReply(msg.request_id, self.status()))
         elif isinstance(msg, Shutdown):
@@ -437,6 +541,13 @@ class Supervisor:
             self.log.error("protocol_error", error=f"unexpected {type(msg).__name__} from a client", peer=repr(peer))
 
     def _dispatch(self) -> None:
+        stuck = self._unresponsive_reason()
+        while stuck is not None and (p := self.book.next()) is not None:
+            self.book.finish(p.request_id)
+            self.counters["failed"] += 1
+            self._to_client(p.client, Error(ERROR_STAGE_UNRESPONSIVE, stuck, p.request_id))
+        if stuck is not None:
+            return
         p = self.book.next()
         if p is None:
             return
@@ -448,7 +559,9 @@ class Supervisor:
             self._to_client(p.client, Error("internal", f"executor unreachable: {e}", p.request_id))
 
     def _publish_own_stats(self) -> None:
-        self.counters["queued"] = len(self.book)
+        running = 1 if self.book.current is not None else 0
+        self.counters["queued"] = len(self.book) - running  # waiting, not the one the executor is on
+        self.counters["running"] = running
         c = dict(self.counters, uptime_s=time.time() - self.t_start)
         self.stats_out["supervisor"] = {"t": time.time(), **c}
         try:
@@ -460,9 +573,12 @@ class Supervisor:
         now = time.time()
         return {
             **self.model_info, "name": self.opts.name, "supervisor_pid": os.getpid(),
-            "uptime_s": round(now - self.t_start, 3), "queued": len(self.book),
+            "uptime_s": round(now - self.t_start, 3), "queued": len(self.book) - (self.book.current is not None),
+            "running": int(self.book.current is not None),
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
+                           "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},
+            "stage_timeout_s": self.opts.stage_timeout,
             "stats": self.stats_out,
         }
 
@@ -470,6 +586,9 @@ class Supervisor:
     def shutdown(self, reason: str) -> None:
         """The one shutdown path: clients told, stages asked to stop, joined with a deadline, killed,
         shared memory unlinked, run dir removed (logs kept)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:  # a second Ctrl-C / SIGTERM / SIGHUP must not cut the cleanup short
+                signal.signal(sig, signal.SIG_IGN)
         log = getattr(self, "log", None)
         if log:
             log.info("shutting_down", reason=reason)
@@ -492,7 +611,7 @@ class Supervisor:
                 s.proc.join(2.0)
         for s in self.stages.values():
             s.sock.close(linger=0)
-        for sock in (getattr(self, "client_sock", None), getattr(self, "pub", None)):
+        for sock in (getattr(self, "client_sock", None), getattr(self, "pub", None), getattr(self, "beats", None)):
             if sock is not None:
                 sock.close(linger=0)
         if hasattr(self, "ctx"):
@@ -510,14 +629,68 @@ class Supervisor:
         if self.rd is not None:
             try:
                 self.rd.cleanup(keep_logs=True)
+                self.rd.write_state(stopped_state(self._state_dict("stopping"), reason, self.failed))
             except Exception as e:  # never let cleanup mask the reason we are stopping
                 if log:
                     log.error("cleanup_failed", error=str(e))
+            self.rd.release()
         if log:
             log.info("stopped", reason=reason)
 
 
-def _stage_entry(fn, args, arena_names, stage) -> None:
+def _process_condition(pid: int) -> str:
+    """Why a process may be silent, from its /proc state letter."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        letter = raw[raw.rindex(b")") + 2 :].split()[0].decode()
+    except (OSError, ValueError, IndexError):
+        return "process state unknown"
+    return {"T": "the process is stopped: SIGSTOP or Ctrl-Z; SIGCONT resumes it",
+            "t": "the process is stopped by a debugger",
+            "D": "the process is in uninterruptible IO (disk or driver)",
+            "Z": "the process has exited"}.get(letter, f"process state {letter}: running but not answering")
+
+
+def _last_error(log_path: Path) -> str | None:
+    """The `error` field of the last error record in a stage's log (its cause of death), if any."""
+    import json
+
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("level") == "error" and rec.get("error"):
+            return str(rec["error"])[:300]
+    return None
+
+
+def _log_failure(log_path: str | None, stage: str, exc: BaseException) -> None:
+    """The cause of a stage's death, as one JSON line in its own log: `coli up` points the user to `coli logs
+    --stage <stage>`, and a failure before (or outside) the stage's logging would otherwise leave it empty,
+    the traceback only on the terminal of `coli up`."""
+    import datetime
+    import json
+    import traceback
+
+    if log_path is None:
+        return
+    rec = {"ts": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"), "level": "error",
+           "stage": stage, "pid": os.getpid(), "event": "stage_failed", "error": f"{type(exc).__name__}: {exc}",
+           "traceback": "".join(traceback.format_exception(exc))[-8000:]}
+    try:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError:
+        pass
+
+
+def _stage_entry(fn, args, arena_names, stage, heartbeat_endpoint=None, log_path=None) -> None:
     """Runs in the spawned child: a clean signal state, then the stage's main. If the supervisor died
     (SIGKILL: the kernel sends us SIGTERM through PR_SET_PDEATHSIG, or our loop sees its sentinel), the
     run's shared memory is unlinked on the way out so nothing of the run outlives it. The unlink is done
@@ -534,21 +707,52 @@ def _stage_entry(fn, args, arena_names, stage) -> None:
         orphan_cleanup(*arena_names)
         raise SystemExit(0)
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us in order
+    # Ctrl-C and a closing terminal (SIGHUP) reach the whole foreground process group: the supervisor
+    # handles them and stops us in order; dying here at once would leave it nothing to stop cleanly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_term)
+    from coli.stages.common import HeartbeatThread
+
+    beat = HeartbeatThread(heartbeat_endpoint, stage).start() if heartbeat_endpoint else None
     try:
         from coli.stages.faults import Faults
         if Faults.from_env().hit(f"start_crash_{stage}"):
             raise SystemExit(f"injected start-up crash of stage {stage!r} (COLI_INJECT)")
         fn(*args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            _log_failure(log_path, stage, e)
+        raise
+    except BaseException as e:
+        _log_failure(log_path, stage, e)
+        raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if beat is not None:
+            beat.stop()
         if os.getppid() != ppid:
             orphan_cleanup(*arena_names)
 
 
-def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> str:
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during start-up: unwinds through start()'s one shutdown path like Ctrl-C."""
+
+
+def _stop_during_startup(signum, frame):
+    raise StopSignal(f"signal {signal.Signals(signum).name} during start-up")
+
+
+@dataclass(frozen=True)
+class Stopped:
+    reason: str
+    failed: bool  # a stage died: `coli up` exits non-zero
+
+
+def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> Stopped:
     sup = Supervisor(opts, say)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # serve() installs its own; the default would leak the arena
+        signal.signal(sig, _stop_during_startup)
     sup.start()
     reason = "stopped"
     try:
@@ -556,4 +760,4 @@ def run_supervisor(opts: RunOptions, say: Callable[[str], None] = print) -> str:
     finally:
         sup.shutdown(reason)
         say(f"run {opts.name!r} stopped: {reason}")
-    return reason
+    return Stopped(reason, sup.failed)

@@ -1,4 +1,5 @@
-"""coli.bench.plots writes PNGs with matplotlib (Agg); without it, a PlotsUnavailable naming matplotlib."""
+"""coli.bench.plots writes PNGs with matplotlib (Agg); without it, a PlotsUnavailable naming matplotlib and how
+to install it (the `[bench]` extra), said once by the bench."""
 
 from __future__ import annotations
 
@@ -59,3 +60,36 @@ def test_without_matplotlib_the_error_names_it(tmp_path, monkeypatch):
     with pytest.raises(plots.PlotsUnavailable, match="matplotlib"):
         plots.plot_scenarios(ROWS, tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def _block_matplotlib(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *a, **k)
+
+    for m in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, m)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+
+
+def test_without_matplotlib_the_bench_says_once_how_to_install_it(tmp_path, monkeypatch):
+    from coli.bench import stream
+
+    _block_matplotlib(monkeypatch)
+    assert "pip install -e '.[bench]'" in plots.missing()
+    with pytest.raises(plots.PlotsUnavailable, match=r"\.\[bench\]"):
+        plots.plot_timeline(EVENTS, tmp_path / "tl.png")
+    said: list[str] = []
+    res = {"notes": [], "rows": [{"scenario": "cold-ram", "tokens_per_s": 3.0, "timeline": EVENTS}]}
+    stream._plots(res, tmp_path / "plots", None, said.append)
+    assert len(said) == 1 and "matplotlib is not installed (pip install -e '.[bench]'" in said[0], said
+    assert res["notes"] == [f"no plots: {said[0][len('no plots: '):]}"]
+    assert not list((tmp_path / "plots").glob("*.png"))
+
+
+def test_plots_report_none_missing_where_matplotlib_is_installed():
+    pytest.importorskip("matplotlib")
+    assert plots.missing() is None

@@ -64,6 +64,15 @@ def _cases(ctx: int):
         ("session-not-string", CHAT, {"messages": MSG, "session": 42}, 400, "invalid_type", "session"),
         ("session-too-long", CHAT, {"messages": MSG, "session": "x" * 129}, 400, "invalid_value", "session"),
         ("new-session-alone", CHAT, {"messages": MSG, "new_session": True}, 400, "invalid_value", "new_session"),
+        ("top-k-2-to-63", COMP, {"prompt": "x", "top_k": 2 ** 63}, 400, "invalid_value", "top_k"),
+        ("temperature-beyond-float", COMP, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400,
+         "invalid_value", "temperature"),
+        ("lone-surrogate-prompt", COMP, b'{"prompt": "hi \\ud800 there"}', 400, "invalid_unicode", "prompt"),
+        ("lone-surrogate-content", CHAT, b'{"messages": [{"role": "user", "content": "a\\udc00"}]}', 400,
+         "invalid_unicode", "messages[0].content"),
+        ("lone-surrogate-stop", COMP, b'{"prompt": "x", "stop": ["ok", "\\udfff"]}', 400, "invalid_unicode",
+         "stop[1]"),
+        ("lone-surrogate-key", COMP, b'{"prompt": "x", "\\ud83d": 1}', 400, "invalid_unicode", "<key>"),
         ("stream-options-without-stream", CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400,
          "invalid_value", "stream_options"),
     ]
@@ -117,3 +126,43 @@ def test_sessions_unknown_is_404_created_with_new_session_then_reused(gateway):
     # the same conversation without the session gives the same tokens (the reused KV prefix is exact)
     status, plain = gateway.post(CHAT, {k: v for k, v in turn2.items() if k != "session"})
     assert status == 200 and plain["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+# every field, every wrong kind of value: never a 500, and a 400 names the field it is about
+_SHARED = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
+           "user", "session", "new_session", "ignore_eos", "return_token_ids", "response_format", "logprobs",
+           "presence_penalty"]
+_FIELDS = {CHAT: _SHARED + ["messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                            "chat_template_kwargs"],
+           COMP: ["prompt", "echo", "max_tokens", "top_k", "seed"]}
+_VALUES = [2 ** 63, 2 ** 64, -(2 ** 63), 10 ** 30, 1e308, -1, "x", [], [1, "a"], {}, {"a": None}, True,
+           [[[[]]]]]
+
+
+@pytest.mark.timeout(300)
+def test_every_field_with_every_wrong_value_is_a_4xx_naming_it(gateway):
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = {CHAT: {"messages": MSG, "max_tokens": 1}, COMP: {"prompt": "Hi", "max_tokens": 1}}
+
+    def one(case):
+        path, field, v = case
+        body = {**base[path], field: v}
+        if field == "max_completion_tokens":
+            body.pop("max_tokens")
+        got, _, data = gateway.request("POST", path, body, timeout=60)
+        if got == 200:
+            return None
+        try:
+            err = json.loads(data)["error"]
+        except (ValueError, KeyError, TypeError):
+            return f"{path} {field}={v!r:.40}: HTTP {got} not an error object: {data[:120]!r}"
+        if got >= 500 or (err.get("param") and not str(err["param"]).startswith(field)
+                          and err["param"] not in ("messages", "prompt")):
+            return f"{path} {field}={v!r:.40}: HTTP {got} {err}"
+        return None
+
+    cases = [(path, f, v) for path, fields in _FIELDS.items() for f in fields for v in _VALUES]
+    with ThreadPoolExecutor(8) as pool:  # the 4xx never reach the executor; the few valid ones queue there
+        failures = [f for f in pool.map(one, cases) if f]
+    assert not failures, "\n".join(failures)

@@ -22,10 +22,20 @@ MLA_SHAPES = [  # nh, dn, dr, dv, Lkv, T, S
 ]
 
 
+@pytest.fixture(params=["auto", "split1", "v1"])
+def attn_kernels(request, gb):
+    """Every attention version: the split-context decode (default), its first kernel, and the first version (one
+    block per head and row)."""
+    before = gb.attn_kernels
+    gb.attn_kernels = request.param
+    yield request.param
+    gb.attn_kernels = before
+
+
 @pytest.mark.parametrize("nh,dn,dr,dv,Lkv,T,S", MLA_SHAPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("masking", ["dense", "topk"])
-def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking):
+def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking, attn_kernels):
     from coli.gpu.cuda_weights import HeadView
     buf, lay, kv_b = stored_matrix(nh * (dn + dv), Lkv, fmt, rng, group=32)
     w = qweight(gb, buf, lay)
@@ -47,7 +57,79 @@ def test_mla_attend(gb, rng, nh, dn, dr, dv, Lkv, T, S, fmt, masking):
     want = NP.mla_attend(q, lat, kpe, np.ascontiguousarray(kv[:, :dn]), np.ascontiguousarray(kv[:, dn:]),
                          allowed, (dn + dr) ** -0.5)
     err = rel_err(got, want)
-    report("mla_attend", shape=[nh, dn, dr, dv, Lkv, T, S], fmt=fmt, masking=masking, rel_err=err)
+    report("mla_attend", shape=[nh, dn, dr, dv, Lkv, T, S], fmt=fmt, masking=masking, kernels=attn_kernels,
+           rel_err=err)
+    assert err < 1e-5
+
+
+def _attn_inputs(gb, rng, S, nh, Lkv, dr, T):
+    qa, q, lat, kpe = rand(rng, S, nh, Lkv), rand(rng, S, nh, 8 + dr), rand(rng, T, Lkv), rand(rng, T, dr)
+    return (qa, q, lat, kpe), tuple(gb.upload(a) for a in (qa, q, lat, kpe))
+
+
+def _ctx64(qa, q, lat, kpe, keys, scale):
+    """float64 context of one row over the given keys -> [nh, Lkv]."""
+    L, P = lat[keys].astype(np.float64), kpe[keys].astype(np.float64)
+    sc = (qa.astype(np.float64) @ L.T + q[:, 8:].astype(np.float64) @ P.T) * scale
+    p = np.exp(sc - sc.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ L
+
+
+@pytest.mark.parametrize("split", ["auto", "split1"])
+@pytest.mark.parametrize("chunk", [None, 16, 112, 4096])
+def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk, split):
+    """The split kernels at GLM-5's decode shape (64 heads, Lkv 512, rope 64, 3,000 keys) for every chunk size the
+    benchmark sweeps, dense and DSA-selected, against float64 (both split kernels)."""
+    from coli.gpu.cuda_backend import DeviceMask
+    S, nh, Lkv, dr, T = 1, 64, 512, 64, 3000
+    (qa, q, lat, kpe), (dqa, dq, dlat, dkpe) = _attn_inputs(gb, rng, S, nh, Lkv, dr, T)
+    sel = np.sort(rng.choice(T, 2048, replace=False)).astype(np.int32)
+    topk = DeviceMask(S, T, T - S, gb.rt.to_device(np.ascontiguousarray(sel[None])),
+                      gb.rt.to_device(np.array([sel.size], np.int32)), sel.size)
+    masks = {"dense": (DeviceMask(S, T, T - S), np.arange(T)), "topk": (topk, sel)}
+    before = gb.attn_chunk, gb.attn_kernels
+    gb.attn_chunk, gb.attn_kernels = chunk, split
+    try:
+        for name, (mask, keys) in masks.items():
+            want = _ctx64(qa[0], q[0], lat, kpe, keys, 0.07)
+            got = gb.to_host(gb.attend_core(dqa, dq, 8, dlat, dkpe, mask, 0.07))[0]
+            err = rel_err(got, want)
+            report("mla_attend_split", masking=name, chunk=chunk, kernels=split, rel_err=err)
+            assert err < 1e-5, (name, err)
+    finally:
+        gb.attn_chunk, gb.attn_kernels = before
+
+
+@pytest.mark.parametrize("attn_kernels", ["auto", "split1"], indirect=True)
+def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng, attn_kernels):
+    """T_dev (CUDA-graph replay): one grid sized for the capacity, the cache length changed in device memory
+    between launches; each result equals the attention over the first T keys."""
+    from coli.gpu.cuda_backend import DeviceMask
+    S, nh, Lkv, dr, cap = 1, 64, 512, 64, 4096
+    (qa, q, lat, kpe), (dqa, dq, dlat, dkpe) = _attn_inputs(gb, rng, S, nh, Lkv, dr, cap)
+    t_dev = gb.rt.to_device(np.zeros(1, np.int32))
+    for T in (1, 33, 2048, 3001, cap):
+        gb.rt.upload_bytes(np.array([T], np.int32).view(np.uint8), t_dev.ptr)
+        got = gb.to_host(gb.attend_core(dqa, dq, 8, dlat, dkpe, DeviceMask(S, cap, cap - S), 0.07,
+                                        T_dev=t_dev.ptr, n_max=cap))[0]
+        err = rel_err(got, _ctx64(qa[0], q[0], lat, kpe, np.arange(T), 0.07))
+        assert err < 1e-5, (T, err)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols,Z", [(192, 512, 64), (40, 96, 3), (7, 32, 2)])
+def test_gemv_t_per_head(gb, rng, fmt, rows, cols, Z):
+    """gemv_t (q_abs = q_nope @ w_kb per head at decode) against float64: head z's rows z*rows .. of one matrix."""
+    buf, lay, W = stored_matrix(Z * rows + 5, cols, fmt, rng, group=32)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, Z, rows + 3)                   # x_z > rows: the kernel must read only the first `rows`
+    y = gb.empty((Z, cols + 1))
+    assert gb._gemv_t(w, 5, rows, rows, Z, gb.upload(x).ptr, rows + 3, y.ptr, cols + 1)
+    got = gb.to_host(y)[:, :cols]
+    want = np.stack([x[z, :rows].astype(np.float64) @ W[5 + z * rows: 5 + (z + 1) * rows].astype(np.float64)
+                     for z in range(Z)])
+    err = rel_err(got, want)
+    report("gemv_t", fmt=fmt, shape=[rows, cols, Z], rel_err=err)
     assert err < 1e-5
 
 

@@ -31,3 +31,24 @@ def test_linear(gb, rng, rows, cols, fmt, group, S):
     err = rel_err(got, x @ ref.T)
     report("linear", shape=[rows, cols], fmt=fmt, S=S, rel_err=err, gemv=bool(S == 1 and w.vec_ok))
     assert err < TOL
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group", LINEAR_SHAPES + [(98, 98, "int4", 32), (3, 6144, "f32", 0)])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_gemv_versions(gb, rng, rows, cols, fmt, group, version):
+    """Both dense GEMV versions at one token: gemv_<fmt> and gemv2_<fmt> (split-K: the router's 256 x 6144 and
+    kv_a's 576 x 6144 take 8 and 4 column segments; a ragged int4 row; fewer rows than one block's pairs)."""
+    from coli.gpu.cuda_backend import gemv2_split
+    buf, lay, ref = stored_matrix(rows, cols, fmt, rng, group=group or 64)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, 1, cols)
+    before = gb.gemv_kernels
+    gb.gemv_kernels = version
+    try:
+        got = gb.to_host(gb.linear(gb.upload(x), w))
+    finally:
+        gb.gemv_kernels = before
+    err = rel_err(got, x.astype("float64") @ ref.T.astype("float64"))
+    report("gemv", shape=[rows, cols], fmt=fmt, version=version, rel_err=err,
+           ks=gemv2_split(rows, lay.row_data_bytes // 16, gb.rt.sm_count))
+    assert err < TOL

@@ -188,7 +188,8 @@ def test_speculative_copy_and_a_demand_for_the_same_expert(root, oracles, mode):
               the demand copies again. The output is right and the slot holds the right bytes every time."""
     src, _ = oracles["vram-default"]
     d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
-    vx, r, b, host = _vram(d, 6, tile_bytes=4096)       # small tiles: the trickle is slow, the race is real
+    vx, r, b, host = _vram(d, 6, tile_bytes=4096, speculate=True)   # small tiles: the trickle is slow, the race
+                                                                     # is real; speculation asked for (off by default)
     layer = r.config.moe_layers[-1]
     ids = [2, 9, 11]
     for rep in range(5):
@@ -217,6 +218,25 @@ def test_speculative_copy_and_a_demand_for_the_same_expert(root, oracles, mode):
         assert st["spec_copies"] == 5 * len(ids) and st["copies"] == 0 and st["hits"] == 5 * len(ids)
     if mode == "recycled":
         assert st["stale_copies"] == 5 * len(ids) and st["copies"] == 5 * len(ids)
+
+
+def test_speculative_copies_are_off_by_default(root, oracles):
+    """Without COLI_SPEC_COPIES=1 a pilot's RAM-resident guesses are not copied (speculation measured a net cost):
+    no speculative load, no copy, and the step still computes the right sum from its demand copies."""
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 6)
+    assert vx.speculate is False
+    layer = r.config.moe_layers[-1]
+    ids = [2, 9, 11]
+    vx.prefetch(layer, ids)
+    got, x = _run_step(vx, b, layer, ids)
+    want = _cpu_step(r, layer, ids, x)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    vx.finish()
+    st = vx.snapshot()
+    vx.close()
+    assert st["spec_loads"] == 0 and st["spec_copies"] == 0 and st["copies"] == len(ids)
 
 
 def test_injected_faults_keep_tokens_and_move_counters(root, oracles):

@@ -31,6 +31,7 @@ SAMPLES: list[m.Message] = [
     m.Stats(stage="ramtier", t=1_764_470_000.25, counters={"hits": 10, "busy_s": 0.5}),
     m.StageDead(stage="reader", reason="killed by SIGKILL", exitcode=-9),
     m.StageDead(stage="reader", reason="lost", exitcode=None),
+    m.Heartbeat(stage="executor", pid=4242, t=1_764_470_000.5),
     m.Error(code=m.ERROR_BAD_REQUEST, message="prompt too long", request_id="req-1"),
     m.Error(code=m.ERROR_PROTOCOL, message="bad frame", request_id=None),
     m.GenerateRequest(
@@ -44,6 +45,11 @@ SAMPLES: list[m.Message] = [
     m.Token(request_id="r2", token_id=154_879, index=0),
     m.Done(request_id="r2", finish_reason="length", tokens=1, timing={"prefill_s": 0.25, "decode_s": 1.5}),
     m.Cancel(request_id="r2"),
+    m.GenerateRequest(
+        request_id="r3", prompt_ids=[5, 6], max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+        greedy=True, ignore_eos=False, session="chat-1a2b", new_session=True, ephemeral=True,
+    ),
+    m.DropSession(session="chat-1a2b"),
     REF,
     m.ExpertRequest(request_id=1, layer=74, experts=[0, 255, 17], demand=True),
     m.ExpertReady(request_id=1, layer=74, experts=[255, 17], slots=[REF, dataclasses.replace(REF, slot=8)]),

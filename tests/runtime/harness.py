@@ -23,11 +23,13 @@ def env_for(run_base: Path, cache: Path, **extra: str) -> dict:
 
 class Run:
     def __init__(self, model: Path, name: str, run_base: Path, cache: Path, ram_gb: float = 1.0,
-                 extra_env: dict | None = None, args: tuple = ()):
+                 extra_env: dict | None = None, args: tuple = (), log_tag: str = ""):
         self.name, self.run_base, self.env = name, run_base, env_for(run_base, cache, **(extra_env or {}))
-        self.log = run_base.parent / f"{name}.up.out"
+        self.log = run_base.parent / f"{name}{log_tag}.up.out"  # log_tag: several `coli up` of one name
         cmd = [sys.executable, "-m", "coli.cli.main", "up", "--model", str(model), "--name", name,
-               "--ram-gb", str(ram_gb), "--startup-timeout", "60", *args]
+               "--ram-gb", str(ram_gb), "--startup-timeout", "60",
+               "--experts", "f32", "--dense", "f32",   # a checkpoint converts lossless: tokens match the oracle
+               *args]
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._out, stderr=subprocess.STDOUT,
                                      start_new_session=True)

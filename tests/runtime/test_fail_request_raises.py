@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from coli.client import Client, RequestError
+from coli.serve.client import Client, RequestError
 from oracles import load_oracle
 
 

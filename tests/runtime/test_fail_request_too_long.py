@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coli.client import Client, RequestError
+from coli.serve.client import Client, RequestError
 from oracles import load_oracle
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from coli.client import Client
+from coli.serve.client import Client
 from harness import assert_run_gone
 from oracles import load_oracle
 from session_files import session_file

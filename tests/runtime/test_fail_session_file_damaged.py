@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coli.client import Client, RequestError
+from coli.serve.client import Client, RequestError
 from oracles import load_oracle
 from session_files import edit_header, flip_data_byte, session_file
 

@@ -40,3 +40,20 @@ def test_coli_down_cleans_a_dead_run(default_oracle, start_run):
     r = run.coli("down", "--name", run.name)
     assert r.returncode == 0 and "cleaned up stale run" in r.stdout, r.stdout + r.stderr
     assert not (run.run_base / run.name / "pid").exists()
+
+
+@pytest.mark.timeout(120)
+def test_client_waiting_on_a_killed_supervisor_is_told_within_2s(default_oracle, start_run):
+    from coli.serve.client import RunGone
+    from failures import drain_until_error
+
+    o = load_oracle(default_oracle)
+    run = start_run(default_oracle, ram_gb=0.0004)
+    c, it = long_stream(run, o)  # waits up to token_timeout=30 s for each token
+    os.kill(run.proc.pid, signal.SIGKILL)
+    err, took = drain_until_error(it, RunGone, timeout=2)
+    assert took < 2.0, f"told after {took:.1f} s"
+    assert f"supervisor (pid {run.proc.pid}) died" in str(err) and run.name in str(err)
+    c.close()
+    run.proc.wait(10)
+    assert_run_gone(run)

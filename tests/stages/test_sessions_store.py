@@ -91,8 +91,10 @@ def _saved(tmp_path, n=4):
 
 
 def test_saved_file_is_private_and_leaves_no_temp(tmp_path):
+    tmp_path.chmod(0o755)                                 # as an older version left it
     p = _saved(tmp_path)
     assert (p.stat().st_mode & 0o777) == 0o600          # the token ids are the conversation
+    assert (tmp_path.stat().st_mode & 0o777) == 0o700
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.session"]
 
 
@@ -174,3 +176,17 @@ def test_a_session_whose_save_fails_stays_in_memory(tmp_path):
         filled(st.get(n, create=True), 2)
     assert "a" in st.live and st.live["a"].tokens == [0, 1, 2]
     assert not [x for x in tmp_path.iterdir() if ".tmp" in x.name]   # the failed save left no temp file
+
+
+def test_ephemeral_sessions_live_only_in_memory_and_drop_forgets_any_session(tmp_path):
+    st = store(tmp_path)
+    filled(st.get("chat-1", create=True, ephemeral=True), 3)
+    assert st.commit(st.live["chat-1"]) is None                  # a turn of it: nothing written
+    filled(st.get("kept", create=True), 3)
+    assert st.save_all() == [tmp_path / "kept.session"]          # an ephemeral session is never written
+    filled(st.get("other", create=True), 3)                      # evicts chat-1 (max 2 in memory): dropped, not spilled
+    assert "chat-1" not in st.live and not (tmp_path / "chat-1.session").exists()
+    with pytest.raises(SessionError, match="unknown session 'chat-1'"):
+        st.get("chat-1", create=False)
+    assert st.drop("kept") and not (tmp_path / "kept.session").exists() and "kept" not in st.live
+    assert st.drop("other") and not st.drop("other") and not st.drop("never")

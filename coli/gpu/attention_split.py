@@ -1,0 +1,54 @@
+"""How the split-context MLA decode (cuda/attention.cu: mla_attend_part_<NJ> + mla_attend_combine) cuts the work:
+the chunk of key positions one block takes, and whether a launch can take that path at all. Pure host logic (no
+device), so the choice is tested on the CPU and shared by the backend and the benchmark.
+
+    chunk, nchunk = split_chunks(n_max=2048, S=1, nh=64, Lkv=512, sm_count=132)   # -> (64, 32)
+
+The constants mirror attention.cu's #defines (a test reads them from the source).
+"""
+
+from __future__ import annotations
+
+TILE_KEYS = 16          # ATT_TK: keys staged in shared memory per step
+HEADS_PER_WARP = 2      # ATT_HPW
+WARPS = 8               # ATT_WARPS
+HEADS_PER_BLOCK = HEADS_PER_WARP * WARPS   # ATT_HPB
+THREADS = 32 * WARPS
+COMBINE_THREADS = 128
+PARTIAL_CAP_BYTES = 64 << 20   # bound on the [S, nh, nchunk, Lkv] partial contexts (prefill asks for many rows)
+BLOCKS_PER_SM = 1              # the part kernel's registers (~190 at Lkv 512) leave room for one 256-thread block
+
+
+def head_groups(nh: int) -> int:
+    return -(-nh // HEADS_PER_BLOCK)
+
+
+def split_chunks(n_max: int, S: int, nh: int, Lkv: int, sm_count: int, chunk: int | None = None) -> tuple[int, int]:
+    """(chunk, nchunk): keys per block (a multiple of TILE_KEYS) and chunks per row for rows of up to n_max keys.
+    Enough chunks that the grid (nchunk x head groups x S) fills the device once, no more (every extra chunk is a
+    partial context written and combined); one chunk (no combine) when the rows alone fill it or when the partials
+    would pass PARTIAL_CAP_BYTES. `chunk` forces a size (benchmarks), rounded up to whole tiles."""
+    n_max = max(1, int(n_max))
+    tiles = -(-n_max // TILE_KEYS)
+    if chunk is None:
+        rows = head_groups(nh) * S
+        want = max(1, -(-sm_count * BLOCKS_PER_SM // rows))          # chunks per row that fill the device
+        per = -(-tiles // min(want, tiles))                          # tiles per chunk
+    else:
+        per = max(1, -(-int(chunk) // TILE_KEYS))
+    nchunk = -(-tiles // per)
+    while nchunk > 1 and S * nh * nchunk * Lkv * 4 > PARTIAL_CAP_BYTES:
+        per *= 2
+        nchunk = -(-tiles // per)
+    return per * TILE_KEYS, nchunk
+
+
+def split_fits(Lkv: int, dr: int, *ptrs: int) -> bool:
+    """The part kernel's requirements: 16-byte rows and bases (it stages the cache with float4 loads), rope dim
+    <= 64 (two per lane), kv_lora_rank <= 512 (NJ <= 16)."""
+    return Lkv % 4 == 0 and dr % 4 == 0 and 0 < dr <= 64 and 0 < Lkv <= 512 and all(p % 16 == 0 for p in ptrs)
+
+
+def smem_bytes(Lkv: int, dr: int) -> int:
+    """Dynamic shared memory of mla_attend_part_<NJ>: one tile of latent rows and rope keys."""
+    return TILE_KEYS * (Lkv + dr) * 4

@@ -1,0 +1,26 @@
+// graph.cu -- the small kernels a decode step replayed from a CUDA graph needs (coli/gpu/graphs.py): what the
+// eager step does with a host value (an address offset by the position, a table of expert pointers built on
+// the host) is done here from device memory, so the captured graph stays valid for every token.
+//
+// kv_put(src, n, pos, dst)
+//   dst[(*pos) * n + i] = src[i], i < n: one new cache row (the eager step's write_rows at `start`).
+//   src [n] fp32, dst [capacity, n] fp32, pos: the step's cache length before it (device int32).
+//   grid ceil(n / 256) (at most a few blocks), block 256.
+//
+// expert_table(idx, K, slots, table)
+//   table[k] = slots[idx[k]], k < K: the record pointers of the K chosen experts, in the router's order (the
+//   eager step uploads the same table from the host). idx [K] int32 (every entry in 0 .. E-1: the router never
+//   prunes in a replayed step), slots [E] uint64 (one layer's row of the slot table), table [K] uint64.
+//   grid 1, block 32.
+#include "coli_common.cuh"
+
+extern "C" __global__ void kv_put(const float *src, long long n, const int *pos, float *dst) {
+    float *row = dst + (long long)pos[0] * n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        row[i] = src[i];
+}
+
+extern "C" __global__ void expert_table(const int *idx, int K, const unsigned long long *slots,
+                                        unsigned long long *table) {
+    for (int k = threadIdx.x; k < K; k += blockDim.x) table[k] = slots[idx[k]];
+}

@@ -1,0 +1,230 @@
+"""The split-context MLA decode (cuda/attention.cu mla_attend_part_<NJ> + mla_attend_combine), emulated in numpy
+with the kernel's exact cutting -- which keys a row has (dense, DSA-selected, or the cache length read from device
+memory), chunks of `chunk` keys per block, tiles of TILE_KEYS keys with an online softmax per tile, the partial
+(max, sum, context) per chunk and the combine -- and checked against the float64 attention and the numpy backend's
+mla_attend, with tolerances derived from the magnitudes and the reduction lengths. Also the host's choice of chunk
+(coli/gpu/attention_split.py). The kernels themselves are checked against numpy on a GPU (tests/gpu/)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from coli.gpu import attention_split as AS
+from coli.gpu.cuda_runtime import kernels_dir
+from coli.model.numpy_backend import NumpyBackend
+
+F32 = np.float32
+EPS = float(np.finfo(F32).eps)
+
+
+def row_keys(s, S, start, idx=None, cnt=None, T_dev=None):
+    """attend_keys() and the key list of row s: dense keys 0 .. start+s (start = T_dev - S when given), else the
+    indexer's cnt[s] keys idx[s, :cnt[s]]."""
+    if idx is not None:
+        return [int(t) for t in idx[s, :cnt[s]]]
+    st = T_dev - S if T_dev is not None else start
+    return list(range(st + s + 1))
+
+
+def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, cnt=None, T_dev=None):
+    """ctx [S, nh, Lkv] as the part + combine kernels compute it, in fp32. Blocks whose chunk starts at or past the
+    row's n return; the combine reads min(nchunk, ceil(n / chunk)) partials; nchunk == 1 normalises in the block."""
+    nh, Lkv = qa.shape[1], qa.shape[2]
+    scale = F32(scale)
+    ctx = np.full((S, nh, Lkv), np.nan, F32)
+    for s in range(S):
+        keys = row_keys(s, S, start, idx, cnt, T_dev)
+        n = len(keys)
+        pm = np.full((nh, nchunk), np.nan, F32)
+        pl = np.full((nh, nchunk), np.nan, F32)
+        pc = np.full((nh, nchunk, Lkv), np.nan, F32)
+        for c in range(nchunk):
+            lo = c * chunk
+            if lo >= n:
+                continue                                            # the block returns: its partials stay unset
+            hi = min(lo + chunk, n)
+            m = np.full(nh, -np.inf, F32)
+            l = np.zeros(nh, F32)
+            cv = np.zeros((nh, Lkv), F32)
+            for t0 in range(lo, hi, AS.TILE_KEYS):
+                nt = min(AS.TILE_KEYS, hi - t0)
+                tk = [keys[j] for j in range(t0, t0 + nt)]
+                lt = np.zeros((AS.TILE_KEYS, Lkv), F32)             # absent keys are zero rows
+                pt = np.zeros((AS.TILE_KEYS, kpe.shape[1]), F32)
+                lt[:nt], pt[:nt] = lat[tk], kpe[tk]
+                sc = ((qa[s] @ lt.T + qpe[s] @ pt.T) * scale).astype(F32)    # [nh, TK]
+                sc[:, nt:] = -np.inf
+                mn = np.maximum(m, sc.max(axis=1))
+                corr = np.exp(m - mn).astype(F32)
+                p = np.exp(sc - mn[:, None]).astype(F32)
+                l = (l * corr + p.sum(axis=1)).astype(F32)
+                cv = (cv * corr[:, None] + p @ lt).astype(F32)
+                m = mn
+            if nchunk == 1:
+                ctx[s] = cv / l[:, None]
+            pm[:, c], pl[:, c], pc[:, c] = m, l, cv
+        if nchunk == 1:
+            continue
+        nc = min(nchunk, -(-n // chunk))
+        M = pm[:, :nc].max(axis=1)
+        wgt = np.exp(pm[:, :nc] - M[:, None]).astype(F32)            # [nh, nc]
+        L = (pl[:, :nc] * wgt).sum(axis=1).astype(F32)
+        ctx[s] = (np.einsum("hc,hcd->hd", wgt, pc[:, :nc]) / L[:, None]).astype(F32)
+    return ctx
+
+
+def reference64(qa, qpe, lat, kpe, scale, S, start, idx=None, cnt=None, T_dev=None):
+    """The float64 attention, and per row the error bound of an fp32 evaluation: score errors of up to
+    (Lkv + dr) eps x sum|q k| x scale move each exp by that relative amount (twice: numerator and the sum), and the
+    context sums n terms (+ the tile, chunk and combine steps) of p * lat."""
+    nh, Lkv = qa.shape[1], qa.shape[2]
+    out = np.zeros((S, nh, Lkv))
+    tol = np.zeros((S, nh, 1))
+    for s in range(S):
+        keys = row_keys(s, S, start, idx, cnt, T_dev)
+        L, P = lat[keys].astype(np.float64), kpe[keys].astype(np.float64)
+        q64, p64 = qa[s].astype(np.float64), qpe[s].astype(np.float64)
+        sc = (q64 @ L.T + p64 @ P.T) * scale                        # [nh, n]
+        mag = (np.abs(q64) @ np.abs(L).T + np.abs(p64) @ np.abs(P).T) * scale
+        p = np.exp(sc - sc.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[s] = p @ L
+        d_score = (Lkv + P.shape[1] + 2) * EPS * mag.max(axis=1)     # [nh]
+        steps = len(keys) + 2 * AS.TILE_KEYS + 8
+        tol[s, :, 0] = (4 * d_score + steps * EPS) * np.abs(L).max()
+    return out, tol
+
+
+def _inputs(rng, S, nh, Lkv, dr, T):
+    qa = rng.standard_normal((S, nh, Lkv)).astype(F32)
+    qpe = rng.standard_normal((S, nh, dr)).astype(F32)
+    lat = rng.standard_normal((T, Lkv)).astype(F32)
+    kpe = rng.standard_normal((T, dr)).astype(F32)
+    return qa, qpe, lat, kpe
+
+
+CASES = [  # S, nh, Lkv, dr, T, masking
+    (1, 64, 64, 16, 300, "dense"),     # more chunks than tiles would need: the chunk is one tile
+    (1, 20, 32, 16, 1000, "topk"),     # heads not a multiple of HEADS_PER_BLOCK
+    (3, 4, 32, 16, 45, "dense"),       # rows of different lengths: later chunks of early rows are empty
+    (2, 8, 96, 32, 70, "topk"),
+    (40, 4, 32, 16, 40, "dense"),      # prefill: one chunk, no combine
+]
+
+
+@pytest.mark.parametrize("S,nh,Lkv,dr,T,masking", CASES)
+def test_split_emulation_matches_the_float64_attention(S, nh, Lkv, dr, T, masking):
+    rng = np.random.default_rng(S * 1000 + T)
+    qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, T)
+    start = T - S
+    idx = cnt = None
+    n_max = T
+    if masking == "topk":
+        k = max(3, T // 3)
+        idx = np.zeros((S, k), np.int32)
+        cnt = np.zeros(S, np.int32)
+        for s in range(S):
+            vis = start + s + 1
+            sel = np.sort(rng.choice(vis, min(k, vis), replace=False))
+            idx[s, :sel.size], cnt[s] = sel, sel.size
+        n_max = k
+    chunk, nchunk = AS.split_chunks(n_max, S, nh, Lkv, sm_count=132)
+    scale = (Lkv + dr) ** -0.5
+    got = emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx, cnt)
+    want, tol = reference64(qa, qpe, lat, kpe, scale, S, start, idx, cnt)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= tol).all(), float((np.abs(got - want) / tol).max())
+    if S == 1:
+        assert nchunk > 1, "a decode row must be split"
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 160])
+def test_every_chunk_size_gives_the_same_attention(chunk):
+    """Forcing the chunk (the benchmark's sweep) changes the partials, not the result."""
+    rng = np.random.default_rng(7)
+    S, nh, Lkv, dr, T = 1, 16, 64, 16, 500
+    qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, T)
+    ch, nchunk = AS.split_chunks(T, S, nh, Lkv, sm_count=132, chunk=chunk)
+    assert ch % AS.TILE_KEYS == 0 and ch >= chunk and nchunk == -(-T // ch)
+    got = emulate_split(qa, qpe, lat, kpe, 0.1, ch, nchunk, S, T - S)
+    want, tol = reference64(qa, qpe, lat, kpe, 0.1, S, T - S)
+    assert (np.abs(got - want) <= tol).all()
+
+
+def test_cache_length_from_device_memory_with_a_grid_for_the_capacity():
+    """CUDA-graph replay: the grid is sized for the cache's capacity once; each step's T comes from T_dev. Blocks
+    past the row's keys return and the combine reads only the chunks that exist -- the same result as a launch
+    sized for T, and no partial of an empty chunk is ever read (they stay NaN in the emulation)."""
+    rng = np.random.default_rng(3)
+    S, nh, Lkv, dr, cap = 1, 16, 64, 16, 4096
+    qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, cap)
+    chunk, nchunk = AS.split_chunks(cap, S, nh, Lkv, sm_count=132)
+    for T in (1, 17, 700, cap):
+        got = emulate_split(qa, qpe, lat, kpe, 0.1, chunk, nchunk, S, start=0, T_dev=T)
+        ch_t, nc_t = AS.split_chunks(T, S, nh, Lkv, sm_count=132)
+        sized = emulate_split(qa, qpe, lat, kpe, 0.1, ch_t, nc_t, S, start=T - S)
+        want, tol = reference64(qa, qpe, lat, kpe, 0.1, S, T - S)
+        assert np.isfinite(got).all()
+        assert (np.abs(got - want) <= tol).all() and (np.abs(sized - want) <= tol).all()
+
+
+def test_split_attention_with_the_projections_matches_the_numpy_backend():
+    """The whole decode step (q_abs = q_nope @ w_kb, the split context, o = ctx @ w_vb.T) against
+    NumpyBackend.mla_attend, both in fp32: each within its bound of the float64 result."""
+    rng = np.random.default_rng(11)
+    S, nh, dn, dr, dv, Lkv, T = 1, 16, 32, 16, 24, 64, 400
+    q = rng.standard_normal((S, nh, dn + dr)).astype(F32)
+    lat, kpe = rng.standard_normal((T, Lkv)).astype(F32), rng.standard_normal((T, dr)).astype(F32)
+    w_kb = (rng.standard_normal((nh, dn, Lkv)) * 0.2).astype(F32)
+    w_vb = (rng.standard_normal((nh, dv, Lkv)) * 0.2).astype(F32)
+    scale = (dn + dr) ** -0.5
+    allowed = np.ones((S, T), bool)
+    qa = np.einsum("shd,hdl->shl", q[..., :dn], w_kb).astype(F32)
+    chunk, nchunk = AS.split_chunks(T, S, nh, Lkv, sm_count=132)
+    ctx = emulate_split(qa, q[..., dn:], lat, kpe, scale, chunk, nchunk, S, T - S)
+    got = np.einsum("shl,hvl->shv", ctx, w_vb).reshape(S, nh * dv)
+    numpy_o = NumpyBackend().mla_attend(q, lat, kpe, w_kb, w_vb, allowed, scale)
+    qa64 = np.einsum("shd,hdl->shl", q[..., :dn].astype(np.float64), w_kb.astype(np.float64))
+    ctx64, tol = reference64(qa64, q[..., dn:], lat, kpe, scale, S, T - S)
+    o64 = np.einsum("shl,hvl->shv", ctx64, w_vb.astype(np.float64)).reshape(S, nh * dv)
+    # the q_abs rounding (dn terms) enters the scores like the dot's own rounding; ctx's bound, through w_vb
+    # (Lkv terms), bounds o
+    qa_err = dn * EPS * np.einsum("shd,hdl->shl", np.abs(q[..., :dn]), np.abs(w_kb)).max()
+    d_ctx = tol[:, :, 0] + 4 * qa_err * np.abs(lat).max() * scale * np.abs(lat).max() * Lkv
+    bound = (np.einsum("sh,hvl->shv", d_ctx, np.abs(w_vb)) + Lkv * EPS * np.einsum(
+        "shl,hvl->shv", np.abs(ctx64), np.abs(w_vb))).reshape(S, nh * dv)
+    assert (np.abs(got - o64) <= bound).all()
+    assert (np.abs(numpy_o - o64) <= bound).all()
+    assert (np.abs(got - numpy_o) <= 2 * bound).all()
+
+
+def test_chunk_choice_fills_the_device_once_and_bounds_the_partials():
+    for n, S, nh, sms in [(2048, 1, 64, 132), (16384, 1, 64, 132), (2048, 1, 64, 46), (50, 1, 4, 132),
+                          (2048, 4, 64, 132), (1, 1, 64, 132)]:
+        chunk, nchunk = AS.split_chunks(n, S, nh, 512, sms)
+        assert chunk % AS.TILE_KEYS == 0 and nchunk == -(-n // chunk)
+        rows = AS.head_groups(nh) * S
+        want = -(-sms * AS.BLOCKS_PER_SM // rows)                           # chunks per row for one wave
+        tiles, per = -(-n // AS.TILE_KEYS), chunk // AS.TILE_KEYS
+        assert nchunk <= want                                               # not more than one wave ...
+        assert per == 1 or -(-tiles // (per - 1)) > want                    # ... with the smallest whole-tile chunk
+    assert AS.split_chunks(2048, 1, 64, 512, 132) == (64, 32)               # GLM-5 decode on the H200
+    chunk, nchunk = AS.split_chunks(8192, 16, 128, 512, 10_000)             # many partials: capped
+    assert 16 * 128 * nchunk * 512 * 4 <= AS.PARTIAL_CAP_BYTES
+
+
+def test_split_fits_needs_16_byte_rows_and_bases():
+    assert AS.split_fits(512, 64, 0, 4096)
+    assert not AS.split_fits(512, 64, 0, 4100)        # k_pe base not 16-byte aligned
+    assert not AS.split_fits(30, 16, 0, 0) and not AS.split_fits(512, 66, 0, 0) and not AS.split_fits(544, 64, 0, 0)
+
+
+def test_constants_are_the_kernels():
+    src = (kernels_dir() / "attention.cu").read_text()
+    defs = dict(re.findall(r"#define (ATT_\w+) (\d+)", src))
+    assert int(defs["ATT_TK"]) == AS.TILE_KEYS
+    assert int(defs["ATT_HPW"]) == AS.HEADS_PER_WARP
+    assert int(defs["ATT_WARPS"]) == AS.WARPS

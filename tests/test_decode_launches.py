@@ -1,0 +1,132 @@
+"""The CUDA backend's host side of the decode attention and GEMV launches, on a recording stand-in runtime (no GPU):
+which kernels a one-token mla_attend / linear launches under each version setting, their grids, and that every
+launch passes exactly as many arguments as the kernel's signature in SIGNATURES (which tests/test_kernels_compile.py
+checks against the C source) -- so a host-side slip fails here, not first on the GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.container.format import MatrixLayout
+from coli.gpu.cuda_runtime import DeviceArray
+
+
+class _RecordingRuntime:
+    sm_count = 132
+    smem_optin = 232448
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self._next = 1 << 20
+
+    def function(self, module, name, argtypes):
+        return (module, name, argtypes)
+
+    def allow_smem(self, fn, nbytes):
+        return nbytes <= self.smem_optin
+
+    def resident_blocks(self, fn, threads, smem=0):
+        return self.sm_count * 2
+
+    def empty(self, shape, dtype=np.float32):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ptr, self._next = self._next, self._next + ((n + 255) // 256 + 1) * 256   # 256-byte aligned, like the pool
+        return DeviceArray(ptr, shape, dtype)
+
+    def launch(self, fn, grid, block, *args, smem=0):
+        module, name, argtypes = fn
+        assert len(args) == len(argtypes), f"{name}: {len(args)} arguments for signature {argtypes!r}"
+        for a, t in zip(args, argtypes):
+            assert isinstance(a, (int, np.integer, np.floating, float)), (name, a)
+            if t in "Piq":
+                assert isinstance(a, (int, np.integer)), f"{name}: {a!r} for {t}"
+        self.launches.append((name, tuple(grid), block, smem))
+
+
+def _backend(attn="auto", gemv="v2"):
+    from coli.gpu.cuda_backend import CudaBackend
+    gb = CudaBackend.__new__(CudaBackend)
+    gb.rt, gb.busy = _RecordingRuntime(), None
+    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels = attn, None, gemv
+    gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
+    return gb
+
+
+def _weight(gb, rows, cols, fmt, group=64):
+    from coli.gpu.cuda_weights import QWeight
+    lay = MatrixLayout.make(rows, cols, fmt, group, 512)
+    return QWeight(gb.rt.empty((lay.nbytes,), np.uint8).ptr, lay, (rows, cols))
+
+
+@pytest.mark.parametrize("attn,want", [
+    ("auto", ["gemv_t_int8", "mla_attend_part_16", "mla_attend_combine", "gemv2_int8"]),
+    ("split1", ["gemv_t_int8", "mla_attend_part1_16", "mla_attend_combine", "gemv2_int8"]),
+    ("v1", ["gemm_nn_int8", "mla_attend_16", "gemm_nt_int8"]),
+])
+@pytest.mark.parametrize("masking", ["dense", "topk"])
+def test_glm5_decode_attention_launches(attn, want, masking):
+    from coli.gpu.cuda_backend import DeviceMask
+    from coli.gpu.cuda_weights import HeadView
+    gb = _backend(attn)
+    nh, dn, dr, dv, L, T = 64, 192, 64, 256, 512, 2048
+    kvb = _weight(gb, nh * (dn + dv), L, "int8")
+    w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
+    q, lat, kpe = gb.rt.empty((1, nh, dn + dr)), gb.rt.empty((T, L)), gb.rt.empty((T, dr))
+    mask = DeviceMask(1, T, T - 1)
+    if masking == "topk":
+        mask = DeviceMask(1, T, T - 1, gb.rt.empty((1, 2048), np.int32), gb.rt.empty((1,), np.int32), 2048)
+    o = gb.mla_attend(q, lat, kpe, w_kb, w_vb, mask, 0.1)
+    assert o.shape == (1, nh * dv)
+    names = [x[0] for x in gb.rt.launches]
+    assert names == want
+    if attn != "v1":
+        part = gb.rt.launches[1]
+        assert part[1] == (32, 4, 1) and part[2] == 256       # 32 chunks of 64 keys x 4 head groups: one wave
+
+
+def test_one_chunk_needs_no_combine():
+    from coli.gpu.cuda_backend import DeviceMask
+    gb = _backend()
+    q_abs, q = gb.rt.empty((40, 4, 32)), gb.rt.empty((40, 4, 48))
+    lat, kpe = gb.rt.empty((40, 32)), gb.rt.empty((40, 16))
+    gb.attn_chunk = 4096
+    gb.attend_core(q_abs, q, 32, lat, kpe, DeviceMask(40, 40, 0), 0.1)
+    assert [x[0] for x in gb.rt.launches] == ["mla_attend_part_1"]
+
+
+def test_misaligned_cache_takes_the_first_version():
+    from coli.gpu.cuda_backend import DeviceMask
+    gb = _backend()
+    q_abs, q = gb.rt.empty((1, 4, 32)), gb.rt.empty((1, 4, 48))
+    lat = gb.rt.empty((41, 32))
+    kpe = DeviceArray(gb.rt.empty((41, 16)).ptr + 4, (40, 16))           # a row view 4 bytes in
+    gb.attend_core(q_abs, q, 32, DeviceArray(lat.ptr, (40, 32)), kpe, DeviceMask(1, 40, 39), 0.1)
+    assert [x[0] for x in gb.rt.launches] == ["mla_attend_1"]
+    with pytest.raises(ValueError, match="T_dev"):
+        gb.attend_core(q_abs, q, 32, DeviceArray(lat.ptr, (40, 32)), kpe, DeviceMask(1, 40, 39), 0.1, T_dev=64)
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group,gemv,want", [
+    (2048, 6144, "int4", 64, "v2", "gemv2_int4"),
+    (256, 6144, "f32", 64, "v2", "gemv2_f32"),
+    (576, 6144, "int8", 64, "v2", "gemv2_int8"),
+    (2048, 6144, "int4", 64, "v1", "gemv_int4"),
+    (2048, 6144, "int4", 256, "v2", "gemv_int4"),       # a group gemv2 cannot find by a shift
+])
+def test_decode_linear_launches(rows, cols, fmt, group, gemv, want):
+    gb = _backend(gemv=gemv)
+    w = _weight(gb, rows, cols, fmt, group)
+    out = gb.linear(gb.rt.empty((1, cols)), w)
+    assert out.shape == (1, rows)
+    assert [x[0] for x in gb.rt.launches] == [want]
+
+
+def test_a_kernel_version_setting_must_name_a_version():
+    from coli.errors import ColiError
+    from coli.gpu.cuda_backend import ATTN_VERSIONS, GEMV_VERSIONS, kernel_choice
+    assert kernel_choice("COLI_ATTN_KERNELS", "split1", ATTN_VERSIONS) == "split1"
+    with pytest.raises(ColiError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, split1, v1"):
+        kernel_choice("COLI_ATTN_KERNELS", "v2", ATTN_VERSIONS)
+    with pytest.raises(ColiError, match="COLI_GEMV_KERNELS='fast'"):
+        kernel_choice("COLI_GEMV_KERNELS", "fast", GEMV_VERSIONS)

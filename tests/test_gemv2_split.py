@@ -1,0 +1,65 @@
+"""gemv2_<fmt>'s work split (cuda/gemv.cu), transliterated: a block's 8 warps are P = 8 / ks row pairs x ks column
+segments, blocks walk groups of P pairs; every (row, chunk) of the matrix is read by exactly one warp, and the
+host's choice of ks (cuda_backend.gemv2_split) and of the kernel (gemv2_fits). The kernel itself is checked
+against numpy on a GPU (tests/gpu/test_gpu_linear.py)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from coli.gpu.cuda_backend import GEMV2_WARPS, gemv2_fits, gemv2_split
+from coli.gpu.cuda_runtime import kernels_dir
+
+
+def coverage(N: int, nchunks: int, ks: int, grid: int) -> np.ndarray:
+    """How many times gemv2_body's warps read each (row, chunk) -> int [N, nchunks]."""
+    seen = np.zeros((N, nchunks), int)
+    P = GEMV2_WARPS // ks
+    cps = -(-nchunks // ks)
+    npairs = (N + 1) // 2
+    ngroups = -(-npairs // P)
+    for b in range(grid):
+        for warp in range(GEMV2_WARPS):
+            pp, seg = divmod(warp, ks)
+            c_lo = min(nchunks, seg * cps)
+            c_hi = min(nchunks, c_lo + cps)
+            for g in range(b, ngroups, grid):
+                p = g * P + pp
+                if p >= npairs:
+                    continue
+                rows = {2 * p, min(2 * p + 1, N - 1)}      # the last odd row is read twice, written once
+                for r in rows:
+                    seen[r, c_lo:c_hi] += 1
+    return seen
+
+
+@pytest.mark.parametrize("N,nchunks,grid", [(256, 1536, 132), (2048, 192, 132), (576, 384, 50), (7, 40, 3),
+                                            (1, 5, 1), (33, 300, 200)])
+@pytest.mark.parametrize("ks", [1, 2, 4, 8])
+def test_every_row_chunk_is_read_once(N, nchunks, grid, ks):
+    assert (coverage(N, nchunks, ks, grid) == 1).all()
+
+
+def test_split_choice_at_glm5_shapes():
+    sms = 132
+    assert gemv2_split(256, 6144 * 4 // 16, sms) == 8          # router, f32
+    assert gemv2_split(2048, 6144 // 2 // 16, sms) == 2        # q_a, int4
+    assert gemv2_split(576, 6144 // 16, sms) == 4              # kv_a, int8
+    assert gemv2_split(6144, 16384 // 2 // 16, sms) == 1       # o_proj: rows enough
+    for N, nc in [(256, 1536), (2048, 192), (5, 64), (100, 1)]:
+        ks = gemv2_split(N, nc, sms)
+        assert ks in (1, 2, 4, 8) and (ks == 1 or nc // ks >= 64)   # >= 2 chunks per lane per segment
+
+
+def test_gemv2_fits_needs_aligned_x_and_a_shift_group():
+    assert gemv2_fits("int4", 64, 4096, 0) and gemv2_fits("f32", 0, 4096, 512)
+    assert not gemv2_fits("int4", 96, 4096, 0)            # group by a shift only
+    assert not gemv2_fits("f32", 0, 4100, 0) and not gemv2_fits("f32", 0, 4096, 6)
+
+
+def test_warps_constant_is_the_kernels():
+    src = (kernels_dir() / "gemv.cu").read_text()
+    assert int(re.search(r"#define GEMV2_WARPS (\d+)", src).group(1)) == GEMV2_WARPS

@@ -1,0 +1,40 @@
+"""The `coli stats` view as a pure function: the CPU path shows what it does (compute, waiting for
+experts) instead of PCIe/SM rows at 0 %; requests are split into queued, running, done, cancelled, failed."""
+
+from coli.stats_view import rows
+
+
+def table(snap, prev=None, device=None):
+    return {(a or "", b): c for a, b, c in rows(snap, prev, device)}
+
+
+def cpu_snaps():
+    prev = {"executor": {"t": 10.0, "prefill_s": 0.0, "decode_s": 1.0, "wait_s": 0.2, "experts_served": 10}}
+    now = {"executor": {"t": 12.0, "prefill_s": 0.5, "decode_s": 2.5, "wait_s": 0.6, "experts_served": 90,
+                        "copy_busy": 0.0, "sm_busy": 0.0, "tokens": 5}}
+    return now, prev
+
+
+def test_cpu_path_shows_compute_and_expert_waits_not_pcie():
+    now, prev = cpu_snaps()
+    t = table(now, prev, device="numpy")
+    assert not any("PCIe" in k[0] or k[0] == "SMs" for k in t)
+    # 2 s of wall time: (0.5 + 1.5) s forward of which 0.4 s waiting for experts
+    assert t[("CPU compute (numpy)", "busy")].strip() == "80.0 %"
+    assert t[("", "waiting for experts")].strip() == "20.0 %"
+    assert t[("", "experts computed")] == "90"
+    assert table(now, prev) == t  # without the device, the counters tell the CPU path too
+
+
+def test_gpu_path_keeps_the_pcie_and_sm_rows():
+    now = {"executor": {"t": 1.0, "copy_busy": 0.5, "sm_busy": 0.25, "cpu_fallbacks": 3}}
+    t = table(now, device="cuda")
+    assert t[("PCIe copy lanes", "busy")].strip() == "50.0 %" and t[("SMs", "busy")].strip() == "25.0 %"
+    assert t[("CPU fallbacks", "experts")] == "3"
+
+
+def test_requests_running_and_cancelled_are_their_own_counts():
+    snap = {"supervisor": {"queued": 2, "running": 1, "completed": 4, "cancelled": 3, "failed": 1}}
+    t = table(snap)
+    assert t[("requests", "queued / running")] == "2 / 1"
+    assert t[("", "done / cancelled / failed")] == "4 / 3 / 1"
