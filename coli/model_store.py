@@ -96,8 +96,8 @@ def lookup(model: str, option: str = "--model") -> Path:
     lead = f"{option} " if option else ""
     e = registry.get(model)
     if e is None:
-        raise ColiError(f"{lead}{model}: no such directory, and no local model of that name (`coli models` lists "
-                        f"them; `coli pull ORG/REPO` downloads a published container)")
+        raise ColiError(f"{lead}{model} does not exist: no such directory, and no local model of that name "
+                        f"(`coli models` lists them; `coli pull ORG/REPO` downloads a published container)")
     if not e.usable:
         raise ColiError(f"{lead}{model}: {e.path} is not verified (a pull was interrupted or found damage); "
                         f"rerun `coli pull {model}`")

@@ -90,6 +90,51 @@ def dense_core_bytes(cfg: ModelConfig, dense: str, group: int = 64, tile_kb: int
     return n
 
 
+def dense_core_parts(cfg: ModelConfig, dense: str, group: int = 64, tile_kb: int = 512) -> tuple[int, list[int], int]:
+    """dense_core_bytes cut by where each part runs on several GPUs (coli/gpu/partition.py): (the embedding with the
+    file header, each transformer layer's tensors, the final norm + lm_head); they sum to dense_core_bytes."""
+    from coli.container.format import MatrixLayout, align
+    from coli.container.writer import ConvertOptions, dense_format
+    from coli.model.tensors import dense_shapes
+
+    opts = ConvertOptions(dense=dense, group=group, tile_kb=tile_kb)
+    embed, layers, head = 4096, [0] * cfg.num_hidden_layers, 0
+    for tname, shape in dense_shapes(cfg).items():
+        rows, cols = shape if len(shape) == 2 else (1, math.prod(shape))
+        n = align(MatrixLayout.make(rows, cols, dense_format(tname, shape, opts), group, tile_kb).nbytes)
+        if tname.startswith("model.layers."):
+            layers[int(tname.split(".")[2])] += n
+        elif tname.startswith("model.embed_tokens."):
+            embed += n
+        else:
+            head += n
+    return embed, layers, head
+
+
+def partition_geometry(cfg: ModelConfig, m: ModelSizes, context: int, kv_dtype: str = "bf16"):
+    """The geometry the multi-GPU planner places: per-layer dense bytes in the model's dense format (scaled to the
+    real dense file when the sizes come from a container) and per-layer KV bytes at `context` tokens."""
+    from coli.gpu.partition import Geometry
+
+    fmt = m.dense_format.split()[0]
+    group = int(m.dense_format.split()[1][1:]) if " g" in m.dense_format else 64
+    tile_kb = m.expert_matrix[4] if m.expert_matrix else 512
+    embed, layers, head = dense_core_parts(cfg, fmt if fmt in ("bf16", "f32", "int8", "int4", "int2") else "bf16",
+                                           group, tile_kb)
+    total = embed + sum(layers) + head
+    if total != m.dense_bytes:   # a container: its dense file is the truth; keep the proportions
+        layers = [round(n * m.dense_bytes / total) for n in layers]
+        head = round(head * m.dense_bytes / total)
+        embed = m.dense_bytes - sum(layers) - head
+    per_value = KV_BYTES[kv_dtype] * context
+    kv = [(cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if t == "full" else 0)) * per_value
+          for t in cfg.indexer_types]
+    return Geometry(layer_types=tuple(cfg.mlp_layer_types), experts_per_layer=cfg.n_routed_experts,
+                    experts_per_token=cfg.num_experts_per_tok, record_bytes=m.expert_bytes,
+                    dense_layer_bytes=tuple(layers), embed_bytes=embed, lm_head_bytes=head, kv_layer_bytes=tuple(kv),
+                    hidden_size=cfg.hidden_size, name=m.name)
+
+
 def _dense_params(cfg: ModelConfig) -> tuple[int, int]:
     """(all dense-core weights, the ones a decoded token multiplies: all but the embedding table)."""
     from coli.model.tensors import dense_shapes

@@ -58,6 +58,15 @@ def _zombie(pid: int) -> bool:
     return raw[raw.rindex(b")") + 2 :][:1] == b"Z"
 
 
+def process_stopped(pid: int) -> bool:
+    """True if `pid` is stopped (SIGSTOP, Ctrl-Z: state T; a debugger: t): alive, but answers nothing."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return raw[raw.rindex(b")") + 2 :][:1] in (b"T", b"t")
+
+
 def _alive(pid: int, start: int | None) -> bool:
     try:
         os.kill(pid, 0)

@@ -72,7 +72,8 @@ which case the oracle is written with ``"oracle_safe": false`` and the failures 
 
 Outputs in DIR (written into a temporary directory beside DIR, renamed into place only when complete):
   config.json, generation_config.json, model.safetensors (as ``save_pretrained`` writes them; routed experts are
-  stored per expert on disk), oracle.json, oracle_logits.npy (float32 [new_tokens, vocab]) and
+  stored per expert on disk), oracle.json, oracle_logits.npy (float32 [new_tokens, vocab]),
+  oracle_logits_f64.npy (the same steps teacher-forced in float64, [new_tokens, vocab]) and
   continuation_logits.npy (float32 [new_tokens, vocab]).
 
 oracle.json::
@@ -475,10 +476,10 @@ def _generate(model, ids: list, new_tokens: int, vocab: int) -> tuple[list, np.n
 
 
 @torch.no_grad()
-def _full_forward(model, ids: list) -> np.ndarray:
+def _full_forward(model, ids: list, dtype=np.float32) -> np.ndarray:
     input_ids = torch.tensor([ids], dtype=torch.long)
     out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-    return out.logits[0].float().numpy().astype(np.float32)
+    return out.logits[0].double().numpy().astype(dtype)
 
 
 def _margins(logits: np.ndarray) -> np.ndarray:
@@ -619,6 +620,13 @@ def _build_into(tmp: Path, o: dict, check_safety: bool) -> dict:
                 len(cont_input), THRESHOLDS["reload_logit_diff"]),
     )
     del reloaded
+    # The generate run's logits once more in float64 (eager kernels: grouped_mm has no float64): the tests bound
+    # the engine's float32 error from these by transformers' own float32 error (tests/oracles.py)
+    exact = GlmMoeDsaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float64, experts_implementation="eager",
+                                                 attn_implementation="eager")
+    exact.eval()
+    gen_logits64 = _full_forward(exact, full1, np.float64)[len(prompt) - 1:]
+    del exact
 
     safe = probe.n_failures == 0
     safety = {
@@ -662,6 +670,7 @@ def _build_into(tmp: Path, o: dict, check_safety: bool) -> dict:
         "torch_version": torch.__version__,
     }
     np.save(tmp / "oracle_logits.npy", gen_logits.astype(np.float32))
+    np.save(tmp / "oracle_logits_f64.npy", gen_logits64)
     np.save(tmp / "continuation_logits.npy", cont_logits.astype(np.float32))
     with open(tmp / "oracle.json", "w") as f:
         json.dump(info, f, indent=1)

@@ -269,3 +269,15 @@ def test_piped_lines_work_and_an_empty_line_does_not_quit(run):
     assert r.returncode == 0, r.stderr
     assert "It returns" in r.stdout
     assert f"turn 1: {prompt_len(QUESTION)} prompt tokens" in r.stderr     # /stats ran after the empty line
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_turn_costs_that_turn_not_the_chat(run):
+    # 6,000 words cannot fit the demo model's 4,096-position context: refused at the edge, and the chat goes on
+    r = subprocess.run([sys.executable, "-m", "coli.cli.main", "chat", "--name", run["name"]],
+                       input="word " * 6000 + f"\n{QUESTION}\n/stats\n", env=run["env"], capture_output=True,
+                       text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert "error: " in r.stderr and "context" in r.stderr and "/reset starts the conversation over" in r.stderr
+    assert "It returns" in r.stdout
+    assert f"turn 1: {prompt_len(QUESTION)} prompt tokens = 0 reused" in r.stderr   # the refused line was not kept

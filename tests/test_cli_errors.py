@@ -111,7 +111,7 @@ def test_device_gpu_without_pycuda_is_one_line_naming_the_extra(args, tmp_path):
 def test_a_missing_model_dir_is_said_to_not_exist(args, tmp_path):
     d = tmp_path / "no" / "such"
     line = _one_error_line(*coli_tty(*[a.format(d=d) for a in args], env=_env(tmp_path)))
-    assert f"{d} does not exist" in line and "tokenizer" not in line, line
+    assert str(d) in line and "no such directory" in line and "tokenizer" not in line, line
 
 
 @pytest.fixture(scope="module")

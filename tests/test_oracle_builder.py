@@ -67,6 +67,9 @@ def test_default_oracle_files(default_oracle):
         assert logits.dtype == np.float32 and logits.shape == (d["new_tokens"], d["vocab"])
         assert len(toks) == d["new_tokens"]
         assert logits.argmax(-1).tolist() == toks
+    exact = np.load(out / "oracle_logits_f64.npy")           # the same steps teacher-forced in float64
+    assert exact.dtype == np.float64 and exact.shape == (d["new_tokens"], d["vocab"])
+    assert exact.argmax(-1).tolist() == on_disk["greedy_tokens"]
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "glm_moe_dsa"

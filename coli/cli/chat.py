@@ -32,7 +32,11 @@ def chat(
                                           "the cache between turns in a session of its own, dropped at exit."),
     as_json: bool = typer.Option(False, "--json", help="One-shot: print one JSON object (like `coli run --json`)."),
 ) -> None:
-    """Chat with a running model (start one with `coli up`)."""
+    """Chat with a running model (start one with `coli up`).
+
+    Interactive without -p/--prompt-ids: line editing and history, /help lists the commands, an empty line does
+    nothing, Ctrl-C stops the answer (twice at the prompt, Ctrl-D or /quit leaves); each turn prefills only
+    what it adds to the conversation."""
     _chat(name, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, system, as_json,
           session)
 

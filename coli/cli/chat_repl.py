@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coli.serve.client import RequestError
+
 HELP = {
     "/help": "this list",
     "/reset": "forget the conversation (the system message stays)",
@@ -110,8 +112,12 @@ class LineReader:
         self.prompt = prompt
         self.session = None
         if sys.stdin.isatty() and sys.stdout.isatty():
-            from prompt_toolkit import PromptSession
-            from prompt_toolkit.history import FileHistory
+            try:
+                from prompt_toolkit import PromptSession
+                from prompt_toolkit.history import FileHistory
+            except ImportError:     # an install from before it was a dependency: plain lines still work
+                say("(no line editing: prompt_toolkit is not installed; pip install -e . brings it)")
+                return
 
             p = history_path()
             p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -165,7 +171,13 @@ def repl(client, tok, template, system: str | None, session: str | None, max_tok
             ids = encode(conv.messages)
             sys.stdout.write("model> ")
             sys.stdout.flush()
-            out, done, stopped = stream_answer(ids, conv.request_options())
+            try:
+                out, done, stopped = stream_answer(ids, conv.request_options())
+            except RequestError as e:     # this turn is refused (e.g. longer than the context): the chat goes on
+                sys.stdout.write("\n")
+                conv.messages.pop()
+                say(f"error: {e} (the message was not added; /reset starts the conversation over)")
+                continue
             armed = stopped
             answer = tok.decode([t for t in out if t not in eos], skip_special_tokens=True)
             conv.messages.append({"role": "assistant", "content": answer})

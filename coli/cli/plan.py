@@ -17,16 +17,33 @@ ASSUMED_DISK_GBPS = 6.0    # a consumer Gen4 NVMe (ARCHITECTURE §1: 6-11 GB/s)
 ASSUMED_PCIE_GBPS = 25.0   # PCIe Gen4 x16 at ~88% of its raw rate
 
 
+def _numbers(option: str, minimum: float | None):
+    """--vram-gb / --pcie-gbps: one number, or one per GPU (16,24); bad text is a usage error naming the option."""
+    def check(value: Optional[str]) -> Optional[str]:
+        from coli.gpu.gpu_select import parse_numbers
+
+        if value is not None:
+            try:
+                parse_numbers(value, option, minimum_exclusive=None if minimum is not None else 0.0, minimum=minimum)
+            except ColiError as e:
+                raise typer.BadParameter(str(e)) from None
+        return value
+    return check
+
+
 def plan(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="A ColiStream container (real sizes from its "
                                          "manifest) or a Hugging Face checkpoint (sizes as converted)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="A config preset instead of a model (glm5, tiny)."),
-    vram_gb: Optional[float] = typer.Option(None, "--vram-gb", help="GPU memory in GB (default: detected; 0 = CPU path)."),
+    vram_gb: Optional[str] = typer.Option(None, "--vram-gb", callback=_numbers("--vram-gb", 0.0), help="GPU memory "
+                                          "in GB (default: detected; 0 = CPU path); with --gpus one for all or one "
+                                          "per GPU (16,24)."),
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM in GB (default: detected MemTotal)."),
     disk_gbps: Optional[float] = typer.Option(None, "--disk-gbps", help="NVMe read GB/s (default: measured on "
                                               "--model's files, else 6.0 assumed)."),
-    pcie_gbps: Optional[float] = typer.Option(None, "--pcie-gbps", help="Host-to-GPU GB/s (default: from the detected "
-                                              "link, else 25 assumed)."),
+    pcie_gbps: Optional[str] = typer.Option(None, "--pcie-gbps", callback=_numbers("--pcie-gbps", None),
+                                            help="Host-to-GPU GB/s (default: from the detected link, else 25 "
+                                            "assumed); with --gpus one for all or one per GPU's own link."),
     context: Optional[int] = typer.Option(None, "--context", min=1, help="Context length the KV cache is sized for "
                                           "(default 8192, or the model's limit if smaller)."),
     kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="bf16 | fp32."),
@@ -37,10 +54,41 @@ def plan(
     vram_reserve_gb: float = typer.Option(1.0, "--vram-reserve-gb", min=0.0, help="VRAM kept for CUDA and workspaces."),
     ram_reserve_gb: float = typer.Option(4.0, "--ram-reserve-gb", min=0.0, help="RAM kept for the OS and processes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="Place the model on several GPUs of this host: indices "
+                                       "(0,1) or auto (every visible GPU); see docs/gpu.md 'Several GPUs'."),
+    partition: str = typer.Option("auto", "--partition", help="With --gpus: routed experts by 'layer' range, by "
+                                  "'expert' id, or 'auto' (plan both, keep the higher cold ceiling)."),
+    dense_placement: str = typer.Option("auto", "--dense-placement", help="With --gpus: the dense core 'whole' on "
+                                        "one GPU, 'split' by layer range, or 'auto'."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="With --gpus: balance the experts from this routing "
+                                         "trace (coli run --record-routing) instead of uniform routing."),
+    peer_access: Optional[bool] = typer.Option(None, "--peer-access/--no-peer-access", help="With --gpus: whether "
+                                               "the GPUs reach each other's memory (default: not known, counted as "
+                                               "hand-offs through pinned host memory)."),
 ) -> None:
     """Place a model on a machine: dense core, VRAM and RAM expert slots, pins, KV budget, tokens/s bounds."""
-    _plan(model, preset, vram_gb, ram_gb, disk_gbps, pcie_gbps, context, kv_dtype, experts, dense, group,
-          vram_reserve_gb, ram_reserve_gb, as_json)
+    if gpus is not None:
+        from coli.cli.plan_gpus import plan_gpus
+
+        unused = [o for o, v in (("--ram-gb", ram_gb), ("--disk-gbps", disk_gbps)) if v is not None]
+        plan_gpus(model, preset, gpus, vram_gb, pcie_gbps, context, kv_dtype, experts, dense, group, vram_reserve_gb,
+                  partition, dense_placement, trace, peer_access, as_json, unused)
+        return
+    _plan(model, preset, _one(vram_gb, "--vram-gb"), ram_gb, disk_gbps, _one(pcie_gbps, "--pcie-gbps"), context,
+          kv_dtype, experts, dense, group, vram_reserve_gb, ram_reserve_gb, as_json)
+
+
+@clean_errors
+def _one(value: Optional[str], option: str) -> Optional[float]:
+    from coli.gpu.gpu_select import parse_numbers
+
+    if value is None:
+        return None
+    vals = parse_numbers(value, option, minimum_exclusive=None, minimum=float("-inf"))
+    if len(vals) > 1:
+        raise ColiError(f"{option} {value!r} gives {len(vals)} values: one value per GPU needs --gpus (e.g. --gpus "
+                        f"{','.join(map(str, range(len(vals))))})")
+    return vals[0]
 
 
 def _sizes(model, preset, experts, dense, group):

@@ -120,7 +120,8 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
     """Serve a run over HTTP: OpenAI-compatible /v1/chat/completions (tools, reasoning), /v1/completions,
-    /v1/models, the Anthropic Messages API /v1/messages, plus /health and /metrics (Prometheus). The API key can come from --api-key, COLI_API_KEY or --api-key-file."""
+    /v1/models, the Anthropic Messages API /v1/messages, plus /health and /metrics (Prometheus) and a web
+    console at /. The API key can come from --api-key, COLI_API_KEY or --api-key-file."""
     _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
            max_request_mb, max_stream_backlog, log_level)
 

@@ -24,20 +24,30 @@ def transfer_bars(enabled: bool, *rows: tuple[str, str]) -> Iterator[tuple[Calla
                                TimeRemainingColumn, TransferSpeedColumn)
 
     console = Console(stderr=True)
-    with Progress(TextColumn("{task.description:<12}"), BarColumn(), TextColumn("{task.fields[amount]}"),
-                  TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console) as bar:
-        tasks, updates = [], []
-        dl, speed, mofn = DownloadColumn(), TransferSpeedColumn(), MofNCompleteColumn()
-        for label, kind in rows:
-            t = bar.add_task(label, total=None, amount="", rate="")
-            tasks.append(t)
+    # The bars appear at the first progress report, not before: input is checked before any work is reported,
+    # so an error about it stays one line with no empty bars above it.
+    bar = Progress(TextColumn("{task.description:<12}"), BarColumn(), TextColumn("{task.fields[amount]}"),
+                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console)
+    started = []
+    tasks, updates = [], []
+    dl, speed, mofn = DownloadColumn(), TransferSpeedColumn(), MofNCompleteColumn()
+    for label, kind in rows:
+        t = bar.add_task(label, total=None, amount="", rate="")
+        tasks.append(t)
 
-            def update(done: int, total: int, t=t, kind=kind) -> None:
-                bar.update(t, completed=done, total=total or None)
-                task = bar.tasks[t]
-                if kind == "bytes":
-                    bar.update(t, amount=dl.render(task), rate=speed.render(task))
-                else:
-                    bar.update(t, amount=mofn.render(task))
-            updates.append(update)
+        def update(done: int, total: int, t=t, kind=kind) -> None:
+            if not started:
+                bar.start()
+                started.append(True)
+            bar.update(t, completed=done, total=total or None)
+            task = bar.tasks[t]
+            if kind == "bytes":
+                bar.update(t, amount=dl.render(task), rate=speed.render(task))
+            else:
+                bar.update(t, amount=mofn.render(task))
+        updates.append(update)
+    try:
         yield (lambda m: console.print(m, soft_wrap=True, highlight=False), *updates)
+    finally:
+        if started:
+            bar.stop()

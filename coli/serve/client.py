@@ -54,6 +54,10 @@ class RunGone(ColiError):
     """The run stopped (or its supervisor died) while a request was waiting."""
 
 
+class RunUnresponsive(ColiError):
+    """The run's supervisor is stopped (SIGSTOP, Ctrl-Z, a debugger): nothing can answer until it resumes."""
+
+
 def request_error(code: str, message: str) -> RequestError:
     """The typed exception for an `Error` the run sent."""
     return StageUnresponsiveError(code, message) if code == ERROR_STAGE_UNRESPONSIVE else RequestError(code, message)
@@ -128,11 +132,24 @@ class Client:
             raise ColiError(f"bad message from run {self.name!r}: {e}") from None
 
     def _check_supervisor(self) -> None:
-        from coli.protocol.rundir import _alive
+        from coli.protocol.rundir import _alive, process_stopped
 
-        if self.supervisor is not None and not _alive(*self.supervisor):
-            raise RunGone(f"run {self.name!r} is gone: its supervisor (pid {self.supervisor[0]}) died without "
+        if self.supervisor is None:
+            return
+        pid = self.supervisor[0]
+        if not _alive(*self.supervisor):
+            raise RunGone(f"run {self.name!r} is gone: its supervisor (pid {pid}) died without "
                           f"stopping the run (`coli down --name {self.name}` cleans up what is left)")
+        if not process_stopped(pid):
+            self._stopped_since = None
+            return
+        now = time.monotonic()
+        self._stopped_since = getattr(self, "_stopped_since", None) or now
+        limit = float(getattr(self, "info", {}).get("stage_timeout_s", 5.0))  # the run's own --stage-timeout
+        if now - self._stopped_since >= limit:
+            self._stopped_since = None
+            raise RunUnresponsive(f"run {self.name!r} is unresponsive: its supervisor (pid {pid}) has been stopped "
+                                  f"for {limit:g} s (SIGSTOP or Ctrl-Z; SIGCONT resumes it)")
 
     def stream(self, prompt_ids: list[int], max_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,

@@ -108,6 +108,8 @@ def _run_error(e: BaseException) -> ApiError:
             msg = str(e).split(": ", 1)[-1]
             code = "session_not_found" if "session" in msg and ("unknown" in msg or "no session" in msg) else None
             return ApiError(404 if code else 400, msg, param="session" if code else None, code=code or "bad_request")
+        if e.code == "client_too_slow":  # the supervisor stopped it: the gateway fell behind reading
+            return ApiError(429, str(e), "client_too_slow", code="client_too_slow")
         if e.code in ("shutdown", "stage_dead", "stage_unresponsive", "overloaded"):
             return ApiError(503, str(e), "service_unavailable", code=e.code)
         return ApiError(500, str(e), "server_error", code=e.code)
@@ -360,7 +362,8 @@ class Gateway:
             return _error_response(err)
         self._record("/api/stats", 200, t0)
         return JSONResponse({"t": time.time(), "run": self.cfg.run_name, "model": self.model_id,
-                             "queued": st.get("queued") or 0, "in_flight": int(self.m["in_flight"].values.get((), 0)),
+                             "queued": st.get("queued") or 0, "running": st.get("running") or 0,
+                             "in_flight": int(self.m["in_flight"].values.get((), 0)),
                              "stats": st.get("stats") or {}})
 
     def _model_obj(self) -> dict:

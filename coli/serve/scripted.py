@@ -61,7 +61,9 @@ class ScriptedLane:
         finish = r.finish
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], "length"
-        return ScriptedStream(request_id or "scripted", ids, finish, self.run.delay)
+        stream = ScriptedStream(request_id or "scripted", ids, finish, self.run.delay)
+        self.run.streams.append(stream)
+        return stream
 
     async def status(self, timeout: float = 5.0) -> dict:
         return {"queued": 0, "stages": {}, "stats": {}}
@@ -77,6 +79,7 @@ class ScriptedRun:
     def __init__(self, tok, info: dict, replies: list, eos_id: int, delay: float = 0.0):
         self.tok, self.info, self.replies, self.eos_id, self.delay = tok, info, list(replies), eos_id, delay
         self.prompts: list[list[int]] = []
+        self.streams: list[ScriptedStream] = []  # every request's stream, to see what was cancelled
 
     async def connect(self, name: str, base: str | None = None, timeout: float = 10.0, ctx=None,
                       tag: str = "") -> ScriptedLane:

@@ -70,7 +70,8 @@ def openai_tools(body: dict) -> ToolSpec:
     tools = []
     for i, t in enumerate(_list(raw, "tools") if raw is not None else []):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                or not isinstance(t.get("function"), dict)):
             raise _bad(where, "each tool must be {'type': 'function', 'function': {...}}", "invalid_type")
         f = t["function"]
         tools.append(_tool(f.get("name"), f.get("description"), f.get("parameters"), f"{where}.function"))

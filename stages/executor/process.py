@@ -297,14 +297,14 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     def request_failed(peer: bytes, req: GenerateRequest, e: Exception) -> None:
         """Any exception serve() did not handle: an Error for this request (typed, naming the cause), the
         traceback in the log, and the executor goes on with the next request. A session the request was
-        using is dropped from memory (its cache may hold half a step); its last saved turn stays on disk."""
+        using goes back to its last finished turn (SessionStore.recover)."""
         state["current"] = None
         counters["failed"] += 1
         code = ERROR_BAD_REQUEST if isinstance(e, ContextTooLong) else ERROR_INTERNAL
         what = str(e) if code == ERROR_BAD_REQUEST else f"the executor failed on this request: {type(e).__name__}: {e}"
         log.exception("request_failed", request_id=req.request_id, session=req.session, error=f"{type(e).__name__}: {e}")
         if req.session is not None:
-            sessions.forget(req.session)
+            sessions.recover(req.session)
         try:
             send(sock, Error(code, what[:2000], req.request_id), peer=peer)
         except zmq.ZMQError as se:

@@ -93,6 +93,7 @@ class SessionStore:
         self.max_in_memory = max(1, max_in_memory)
         self.live: OrderedDict[str, Session] = OrderedDict()
         self.clean: set[str] = set()      # in memory and identical to its file
+        self.save_failed: set[str] = set()  # its last commit failed: memory holds turns the file lacks
         self.log = log
         self.swept = sweep_dead_temps(self.dir, _TEMP)
         if self.swept and log is not None:
@@ -120,15 +121,30 @@ class SessionStore:
         return s
 
     def forget(self, name: str) -> None:
-        """Drop a session from memory without saving (its cache may be inconsistent after a failed turn);
-        the next use loads its last committed turn from disk."""
+        """Drop a session from memory without saving; the next use loads its last committed turn from disk."""
         self.live.pop(name, None)
         self.clean.discard(name)
+        self.save_failed.discard(name)
+
+    def recover(self, name: str) -> None:
+        """After a turn failed half-way (its cache may hold part of a step): a session whose file has every
+        finished turn is dropped from memory and comes back from the file; one holding turns the file lacks
+        (a save failed) or kept in memory only (ephemeral) is cut back to the positions its tokens cover,
+        which the failed turn never wrote."""
+        s = self.live.get(name)
+        if s is None:
+            return
+        if name not in self.save_failed and not s.ephemeral:
+            self.forget(name)
+            return
+        s.cache.truncate(min(len(s.tokens), s.cache.length))
+        del s.tokens[s.cache.length:]
 
     def drop(self, name: str) -> bool:
         """Forget a session, in memory and on disk; False when there was none."""
         s = self.live.pop(name, None)
         self.clean.discard(name)
+        self.save_failed.discard(name)
         p = self.path(name)
         on_disk = _NAME.match(name) is not None and p.is_file()
         if on_disk:
@@ -145,10 +161,12 @@ class SessionStore:
             p = self.save(s)
         except OSError as e:
             self.clean.discard(s.name)
+            self.save_failed.add(s.name)
             raise SessionError(f"session {s.name!r} could not be saved to {self.path(s.name)}: {e.strerror or e} "
                                f"(it stays in memory until a save succeeds; free space or fix the directory, "
                                f"which lives under $COLI_CACHE/sessions)") from None
         self.clean.add(s.name)
+        self.save_failed.discard(s.name)
         return p
 
     def _evict(self) -> None:
@@ -200,8 +218,18 @@ class SessionStore:
         return final
 
     def save_all(self) -> list[Path]:
-        """On shutdown: what is not on disk yet (every committed turn already is); never an ephemeral one."""
-        return [self.commit(s) for n, s in list(self.live.items()) if n not in self.clean and not s.ephemeral]
+        """On shutdown: what is not on disk yet (every committed turn already is); never an ephemeral one.
+        One that cannot be saved is logged and does not keep the others from being saved."""
+        saved = []
+        for n, s in list(self.live.items()):
+            if n in self.clean or s.ephemeral:
+                continue
+            try:
+                saved.append(self.commit(s))
+            except SessionError as e:
+                if self.log is not None:
+                    self.log.error("session_not_saved", session=n, error=str(e))
+        return saved
 
     def load(self, name: str) -> Session:
         p = self.path(name)

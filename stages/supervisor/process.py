@@ -39,6 +39,7 @@ from coli.stages.supervisor.sweep import describe, segment_name, sweep_dead_segm
 STAGES = ("reader", "ramtier", "executor")
 # what stops a run cleanly: SIGHUP is the terminal of a foreground `coli up` closing
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+CLIENT_TOO_SLOW = "client_too_slow"  # the error code a client gets when it stopped reading its tokens
 
 
 class StartupError(ColiError):
@@ -138,6 +139,7 @@ class Supervisor:
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "clients": 0,
                          "protocol_errors": 0, "last_latency_s": 0.0, "queued": 0, "running": 0}
         self.clients: set[bytes] = set()
+        self.owed: dict[bytes, dict[str, Error]] = {}  # slow readers: client -> request id -> its error, once it reads
 
     # ---- start -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,7 +171,9 @@ class Supervisor:
                       date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.t_start)))
         try:
             self._start_stages()
-        except BaseException:
+        except BaseException as e:
+            # `coli logs` must hold the cause too, not only the terminal of `coli up` (or its --detach log)
+            self.log.error("startup_failed", error=f"{type(e).__name__}: {e}" if not isinstance(e, ColiError) else str(e))
             self.shutdown("start-up failed")
             raise
 
@@ -200,6 +204,7 @@ class Supervisor:
                            "ram_fraction_of_experts": round(n_slots / n_total, 4), "device": device,
                            "eos_token_ids": list(cfg.eos_token_ids), "vocab_size": cfg.vocab_size,
                            "max_position_embeddings": cfg.max_position_embeddings,
+                           "stage_timeout_s": o.stage_timeout,
                            "version": __version__}
         self.limits = Limits.from_model_info(self.model_info)
         self.say(f"run {o.name!r}: model {self.model_info['model']} ({cfg.num_hidden_layers} layers, "
@@ -344,6 +349,8 @@ class Supervisor:
                 if self.client_sock in events:
                     self._from_clients()
                 self._dispatch()
+                if self.owed:
+                    self._flush_owed()
                 if time.monotonic() >= next_stats:
                     next_stats = time.monotonic() + 0.5
                     self._publish_own_stats()
@@ -468,14 +475,45 @@ class Supervisor:
             pass
 
     def _to_client(self, client: bytes, msg) -> bool:
+        owed = self.owed.get(client)
+        if owed and getattr(msg, "request_id", None) in owed:
+            return False  # a request stopped for a slow reader: its error takes the place of the rest
         try:
             send(self.client_sock, msg, peer=client, flags=zmq.NOBLOCK)
             return True
-        except zmq.ZMQError:  # EHOSTUNREACH: the client is gone; EAGAIN: it stopped reading
+        except zmq.Again:  # its queue is full: it stopped reading (a paused terminal, a stalled pipe)
+            if isinstance(msg, Token) and client in self.clients:
+                # not a silent drop: the request stops (the caller cancels it) and the client is told why
+                # right after the tokens it already has (_flush_owed); its connection and queue stay
+                self.log.info("client_too_slow", request_id=msg.request_id, client=repr(client))
+                self.owed.setdefault(client, {})[msg.request_id] = Error(
+                    CLIENT_TOO_SLOW, f"request {msg.request_id} was stopped: this client stopped reading its tokens "
+                                     f"and {msg.index} were waiting for it; read them as they come", msg.request_id)
+                return False
             if client in self.clients:
                 self.clients.discard(client)
                 self.book.drop_client(client)
             return False
+        except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
+            if client in self.clients:
+                self.clients.discard(client)
+                self.book.drop_client(client)
+            return False
+
+    def _flush_owed(self) -> None:
+        """Each slow reader's error, sent as soon as its queue has room again."""
+        for client, errs in list(self.owed.items()):
+            for rid, err in list(errs.items()):
+                try:
+                    send(self.client_sock, err, peer=client, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:  # gone meanwhile
+                    errs.clear()
+                    break
+                del errs[rid]
+            if not errs:
+                del self.owed[client]
 
     def _from_clients(self) -> None:
         while True:
@@ -578,7 +616,6 @@ class Supervisor:
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
                            "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},
-            "stage_timeout_s": self.opts.stage_timeout,
             "stats": self.stats_out,
         }
 

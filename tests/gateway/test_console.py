@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,8 @@ def test_chat_page_folds_reasoning_and_shows_tool_calls(browser, tmp_path_factor
                          " const r = d.querySelector('details.reasoning');"
                          " return {hidden: r.hidden, open: r.open, reasoning: r.querySelector('.body').textContent,"
                          " html: d.querySelector('.content').innerHTML}; })()")
-        assert got == {"hidden": False, "open": False, "reasoning": "Two and two.", "html": "<p>It is <strong>4</strong>.</p>"}
+        assert got == {"hidden": False, "open": False, "reasoning": "Two and two.",
+                       "html": "<p>It is <strong>4</strong>.</p>"}
     finally:
         s.stop()
 
@@ -130,3 +132,25 @@ def test_console_files_and_stats_api(gateway):
     status, _, data = gateway.request("GET", "/api/stats")
     snap = json.loads(data)
     assert status == 200 and {"executor", "ramtier", "reader"} <= set(snap["stats"]) and "queued" in snap
+
+
+@pytest.mark.timeout(120)
+def test_chat_page_stop_cancels_the_request(browser, tmp_path_factory):
+    container = glm5_container(tmp_path_factory.mktemp("console-stop"))
+    s = ScriptedServer(container, ["</think>" + "word " * 400], delay=0.05)  # ~20 s of tokens if not stopped
+    try:
+        browser.navigate(s.url + "/")
+        browser.wait_js("window.coliModel")
+        ask(browser, "Talk for a long time.")
+        browser.wait_js("Number((document.querySelector('.msg.assistant') || {dataset: {}}).dataset.updates) >= 3")
+        browser.js("document.getElementById('stop').click(); true")
+        browser.wait_js("!!document.querySelector('.msg.assistant[data-done]')", timeout=10)
+        assert browser.js("document.querySelector('.msg.assistant .error').textContent") == "(stopped)"
+        (stream,) = s.run.streams
+        deadline = time.monotonic() + 10
+        while not stream.cancelled:  # the gateway saw the hang-up and cancelled at the source
+            assert time.monotonic() < deadline, "the stopped request was not cancelled"
+            time.sleep(0.05)
+        assert len(stream.ids) < len(s.tok.encode("word " * 400))  # long before its end
+    finally:
+        s.stop()

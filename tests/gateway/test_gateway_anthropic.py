@@ -96,7 +96,8 @@ def test_errors_are_anthropic_error_objects(an, model_id):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
         an.messages.create(model=model_id, max_tokens=4, messages=MSGS, extra_body={"temperature": 1.5})
-    assert e.value.body["error"]["type"] == "invalid_request_error" and "temperature" in e.value.body["error"]["message"]
+    err = e.value.body["error"]
+    assert err["type"] == "invalid_request_error" and "temperature" in err["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         an.messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])

@@ -4,6 +4,7 @@ source is a one-line error naming it; `coli up --http` passes only the file's pa
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -101,3 +102,37 @@ def test_up_takes_a_key_file_for_its_gateway_and_help_says_where_keys_come_from(
         text = _help(gw_run, cmd)
         assert "--api-key-file" in text and "COLI_API_KEY" in text, cmd
     assert "visible to every local user in `ps`" in _help(gw_run, "serve")
+
+
+@pytest.mark.timeout(180)
+def test_up_http_with_a_key_file_gives_its_gateway_the_path_not_the_key(gw_run, text_model_dir, tmp_path):
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    f = tmp_path / "key"
+    f.write_text(KEY)
+    f.chmod(0o600)
+    name = f"gwk{os.getpid() % 10000}"
+    r = subprocess.run([sys.executable, "-m", "coli.cli.main", "up", "--model", str(text_model_dir), "--name", name,
+                        "--ram-gb", "0.5", "--http", "127.0.0.1:0", "--api-key-file", str(f), "--detach"],
+                       env=gw_run.env, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr + r.stdout
+    pid = int(re.search(r"HTTP gateway starting on \S+ beside run '[^']+' \(pid (\d+)", r.stdout).group(1))
+    log = gw_run.run_base / f"{name}.serve.log"
+    try:
+        assert KEY not in _cmdline(pid) and str(f) in _cmdline(pid)
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"listening on (http://\S+)", log.read_text())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert m, log.read_text()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(m.group(1) + "/v1/models", timeout=10)
+        assert e.value.code == 401
+        req = urllib.request.Request(m.group(1) + "/v1/models", headers={"x-api-key": KEY})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+    finally:
+        subprocess.run([sys.executable, "-m", "coli.cli.main", "down", "--name", name], env=gw_run.env, timeout=60)

@@ -65,7 +65,8 @@ def test_glm45_layout_with_newlines_and_json_values():
 
 
 def test_reasoning_then_content_and_a_call():
-    text = "\nThe user wants weather.\n</think>\nSure.<tool_call>get_time<arg_key>tz</arg_key><arg_value>UTC</arg_value></tool_call>"
+    text = ("\nThe user wants weather.\n</think>\nSure."
+            "<tool_call>get_time<arg_key>tz</arg_key><arg_value>UTC</arg_value></tool_call>")
     r, content, calls = both(text, reasoning=True)
     assert r == "The user wants weather." and content == "Sure." and calls[0][:2] == ("get_time", {"tz": "UTC"})
     # a model that opens <think> itself

@@ -181,3 +181,40 @@ def test_cleanup_refused_while_another_process_holds_the_run(base):
     assert run.is_stale()
     run.cleanup()
     assert not run.path.exists()
+
+
+def test_the_claim_is_exclusive_dies_with_its_holder_and_survives_cleanup(base):
+    import signal
+    import textwrap
+
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from coli.protocol.rundir import RunDir
+        rd = RunDir("c1", base={str(base)!r})
+        rd.claim()
+        rd.write_pid()
+        print("claimed", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        mine = RunDir("c1", base=base)
+        with pytest.raises(rd.RunClaimed, match=r"run 'c1' is already up or starting \(supervisor pid \d+\)") as e:
+            mine.claim()
+        assert e.value.pid == holder.pid
+        holder.send_signal(signal.SIGKILL)  # the kernel drops the lock with its holder, however it dies
+        holder.wait(10)
+        mine.claim()
+        assert mine.claimed
+        assert mine.is_stale()
+        mine.cleanup(keep_logs=True)  # the lock file stays: another process may lock only this one inode
+        assert mine.lock_file.exists()
+        other = RunDir("c1", base=base)
+        with pytest.raises(rd.RunClaimed, match=r"another `coli up` or `coli down` is on it"):
+            other.claim()  # held, no pid file yet: starting
+        mine.release()
+        other.claim()
+        other.release()
+    finally:
+        holder.kill()
+        holder.wait(10)

@@ -50,3 +50,30 @@ def test_sigkilled_groups_are_swept_by_up_and_down_of_other_names(default_oracle
     assert r.returncode != 0 and "no run named 'no-such-run'" in r.stderr
     assert f"run(s) {b.name!r}" in r.stdout, r.stdout + r.stderr
     assert not shm_left(b.arenas)
+
+
+@pytest.mark.timeout(180)
+def test_sighup_during_startup_leaves_nothing(default_oracle, start_run):
+    import json
+
+    from harness import wait_gone
+
+    run = start_run(default_oracle, wait=False)
+    state_file = run.run_base / run.name / "state.json"
+    deadline = time.monotonic() + 90
+    st = {}
+    while time.monotonic() < deadline:  # the arenas exist and the stages are being started
+        try:
+            st = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            st = {}
+        if st.get("state") == "starting" and st.get("arenas") and st.get("stages"):
+            break
+        assert run.proc.poll() is None, run.output()
+        time.sleep(0.01)
+    assert st.get("state") == "starting", f"never saw the run starting: {st}"
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    assert run.proc.wait(30) != 0
+    assert not wait_gone([s["pid"] for s in st["stages"].values()])
+    time.sleep(0.2)
+    assert not shm_left(st["arenas"]), shm_left(st["arenas"])

@@ -15,7 +15,7 @@ from failures import drain_until_error
 from harness import assert_run_gone
 from oracles import load_oracle
 
-STAGE_TIMEOUT = 1.0
+STAGE_TIMEOUT = 2.0  # margin for a loaded CI machine: the other stages must keep beating meanwhile
 
 
 @pytest.mark.timeout(180)

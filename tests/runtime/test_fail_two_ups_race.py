@@ -42,7 +42,7 @@ class BarrierUp(Run):
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", BARRIER, str(self.ready), str(go), "up", "--model", str(model), "--name", name,
-             "--ram-gb", "1", "--startup-timeout", "60"],
+             "--ram-gb", "1", "--startup-timeout", "60", "--experts", "f32", "--dense", "f32"],  # as Run converts
             env=self.env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
         self.state = {}
 

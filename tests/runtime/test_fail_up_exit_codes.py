@@ -62,3 +62,17 @@ def test_up_detached_with_a_busy_http_port_fails_naming_it(default_oracle, rt_ro
     st = subprocess.run([sys.executable, "-m", "coli.cli.main", "status", "--name", "busyport"], env=env,
                         capture_output=True, text=True, timeout=30)
     assert st.returncode != 0  # no run was left behind without its gateway
+
+
+@pytest.mark.timeout(120)
+def test_supervisor_startup_failure_is_in_its_log(default_oracle, rt_root):
+    from harness import Run
+
+    run = Run(default_oracle, "baddevice", rt_root / "runs", rt_root / "cache", args=("--device", "tpu"))
+    assert run.proc.wait(60) != 0
+    shown = run.output().strip().splitlines()[-1]
+    r = run.coli("logs", "--name", run.name, "--stage", "supervisor", "--json")
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    failed = [rec for rec in recs if rec.get("event") == "startup_failed"]
+    assert failed and failed[-1]["error"] in shown, (shown, recs)
+    run.stop()

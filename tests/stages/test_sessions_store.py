@@ -178,6 +178,30 @@ def test_a_session_whose_save_fails_stays_in_memory(tmp_path):
     assert not [x for x in tmp_path.iterdir() if ".tmp" in x.name]   # the failed save left no temp file
 
 
+def test_recover_after_a_failed_turn_keeps_every_finished_turn(tmp_path):
+    st = store(tmp_path)
+    a = st.get("a", create=True)
+    filled(a, 4)
+    st.commit(a)
+    a = st.get("a", create=False)
+    a.reuse([0, 1, 2, 3, 50])
+    a.cache.reserve(3)
+    a.cache.length += 3                                    # a turn that wrote 3 positions, then raised
+    st.recover("a")
+    assert "a" not in st.live                              # its file holds every finished turn
+    assert st.get("a", create=False).tokens == [0, 1, 2, 3]
+
+    b = st.get("b", create=True)
+    filled(b, 5)
+    (tmp_path / "b.session").mkdir()                       # its save fails: memory holds the only copy
+    with pytest.raises(SessionError):
+        st.commit(b)
+    b.reuse([0, 1, 2, 3, 4, 60])
+    b.cache.length += 2
+    st.recover("b")
+    assert st.live["b"].tokens == [0, 1, 2, 3, 4] and st.live["b"].cache.length == 5
+
+
 def test_ephemeral_sessions_live_only_in_memory_and_drop_forgets_any_session(tmp_path):
     st = store(tmp_path)
     filled(st.get("chat-1", create=True, ephemeral=True), 3)
@@ -190,3 +214,22 @@ def test_ephemeral_sessions_live_only_in_memory_and_drop_forgets_any_session(tmp
         st.get("chat-1", create=False)
     assert st.drop("kept") and not (tmp_path / "kept.session").exists() and "kept" not in st.live
     assert st.drop("other") and not st.drop("other") and not st.drop("never")
+
+
+def test_recover_keeps_an_ephemeral_session_cut_back_and_save_all_saves_past_a_failure(tmp_path):
+    st = store(tmp_path)
+    e = st.get("eph", create=True, ephemeral=True)
+    filled(e, 4)
+    st.commit(e)
+    e = st.get("eph", create=False)
+    e.reuse([0, 1, 2, 3, 9])
+    e.cache.length += 1
+    st.recover("eph")                                      # it has no file: memory is its only copy
+    assert st.live["eph"].tokens == [0, 1, 2, 3] and st.live["eph"].cache.length == 4
+
+    st = store(tmp_path / "two")
+    (tmp_path / "two").mkdir()
+    for n in "ab":
+        filled(st.get(n, create=True), 2)
+    (tmp_path / "two" / "a.session").mkdir()               # a's save fails, b's must still happen
+    assert st.save_all() == [tmp_path / "two" / "b.session"]

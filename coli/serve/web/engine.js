@@ -14,8 +14,9 @@ const FIGURES = [
   ["spec_busy", "speculative lane busy", "%", (n) => pct(n, "executor", "spec_busy")],
   ["fallbacks_s", "CPU fallbacks", "experts/s", (n, p) => rate(n, p, "executor", "cpu_fallbacks")],
   ["tokens_s", "tokens/s", "tok/s", (n, p) => rate(n, p, "executor", "tokens")],
-  // the supervisor's queue holds the running request too: every request at the run, from every client
-  ["batch", "requests at the run (running + queued)", "requests", (n, p, snap) => snap.queued || 0],
+  // every request at the run, from every client (an older run counted the running one as queued)
+  ["batch", "requests at the run (running + queued)", "requests",
+   (n, p, snap) => (snap.running || 0) + (snap.queued || 0)],
 ];
 const history = Object.fromEntries(FIGURES.map((f) => [f[0], []]));
 let prev = null;
