@@ -223,6 +223,11 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                             if msg.demand:
                                 _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts, why))
                             continue
+                        if executor is not None and peer != executor and not msg.demand:
+                            # only the executor's pilot prefetches; another peer's would only evict and read
+                            refused("prefetch_refused", peer=repr(peer),
+                                    error="a prefetch (demand=False) is taken only from the run's executor")
+                            continue
                         if executor is not None and peer != executor and msg.demand:
                             held = leases.held_by_others(executor) + answers.owed_to_others(executor)
                             if held + len(msg.experts) > foreign_cap:
