@@ -96,7 +96,7 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
     # peers together hold at most the rest, so none of them can stall the run by hoarding leases.
     executor = run_identity("executor", control) if control is not None else None
     foreign_cap = max(1, int(arena.n_slots * FOREIGN_LEASE_FRACTION))
-    reader = make_socket(ctx, zmq.DEALER, rd.endpoint("reader"), bind=False, identity=STAGE.encode())
+    reader = make_socket(ctx, zmq.DEALER, rd.endpoint("reader"), bind=False, identity=run_identity(STAGE, control))
     send(reader, make_hello(STAGE))
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
