@@ -28,3 +28,12 @@ def check_hello(msg: Message, *, stage: str | None = None) -> Hello:
     if stage is not None and msg.stage != stage:
         raise ProtocolError(f"expected Hello from stage {stage!r}, got one from {msg.stage!r} (pid {msg.pid})")
     return msg
+
+
+def run_identity(stage: str, control: bytes | None) -> bytes:
+    """The routing identity `stage` uses on the other stages' sockets: its name plus the run's secret (the
+    supervisor's identity `supervisor-<secret>`, handed to every stage at spawn), so a stage can tell the
+    run's own peers from any other process of the same user. Without a secret: the plain name."""
+    if not control:
+        return stage.encode()
+    return stage.encode() + b"-" + control.split(b"-", 1)[-1]

@@ -20,6 +20,7 @@ from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.sampling import SamplingParams
 from coli.protocol.arena import Arena
+from coli.protocol.handshake import run_identity
 from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_INTERNAL, Cancel, Done, DropSession, Error,
                                     GenerateRequest, Hello, Shutdown, Token)
 from coli.protocol.rundir import RunDir
@@ -59,7 +60,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
 
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, rd.endpoint(STAGE), bind=True)
-    ram = make_socket(ctx, zmq.DEALER, rd.endpoint("ramtier"), bind=False, identity=STAGE.encode())
+    ram = make_socket(ctx, zmq.DEALER, rd.endpoint("ramtier"), bind=False, identity=run_identity(STAGE, control))
     ps = parent_sentinel()
     state = {"supervisor": None, "current": None, "stop": False, "backend": None, "vram": None, "gpu_name": None,
              "model": None, "vx": None}

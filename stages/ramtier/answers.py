@@ -9,7 +9,9 @@ Pure bookkeeping for the process wrapper (no sockets). Two jobs:
   Tags also keep two peers that use the same request id (or a hostile peer replaying the executor's
   ids) from receiving each other's grants.
 - `LeaseBook`: which peer holds which leases, so an ExpertRelease only gives back leases its sender
-  holds (another peer's release of the executor's slot would let the slot be recycled under it).
+  holds (another peer's release of the executor's slot would let the slot be recycled under it), and
+  the leases of a peer that disconnected go back (a peer that took leases and left used to keep those
+  slots out of use for the rest of the run: a few such peers stalled it).
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ class AnswerBook:
             del self._by_tag[tag]
         return a.peer, a.request_id
 
+    def owed_to_others(self, peer: bytes) -> int:
+        """Experts still owed to every peer but `peer` (each will become a lease when answered)."""
+        return sum(a.left for a in self._by_tag.values() if a.peer != peer)
+
+    def drop_peer(self, peer: bytes) -> int:
+        """`peer` disconnected: forget its requests (their grants, when reads land, find no asker and are
+        given back). Returns how many were dropped."""
+        gone = [t for t, a in self._by_tag.items() if a.peer == peer]
+        for t in gone:
+            del self._by_tag[t]
+        return len(gone)
+
     def __len__(self) -> int:
         return len(self._by_tag)
 
@@ -72,6 +86,17 @@ class LeaseBook:
         else:
             self._held[k] = n - 1
         return True
+
+    def held_by_others(self, peer: bytes) -> int:
+        """Leases held by every peer but `peer`."""
+        return sum(n for k, n in self._held.items() if k[0] != peer)
+
+    def drop_peer(self, peer: bytes) -> list[tuple[int, int]]:
+        """`peer` disconnected: every (slot, generation) lease it held, once per lease, to give back."""
+        out = []
+        for k in [k for k in self._held if k[0] == peer]:
+            out += [(k[1], k[2])] * self._held.pop(k)
+        return out
 
     def __len__(self) -> int:
         return len(self._held)

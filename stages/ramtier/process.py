@@ -13,22 +13,25 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from coli.container.reader import ContainerReader
 from coli.protocol.arena import Arena
+from coli.protocol.codec import decode
 from coli.protocol.errors import ProtocolError
 from coli.protocol.geometry import RunGeometry
-from coli.protocol.handshake import make_hello
+from coli.protocol.handshake import make_hello, run_identity
 from coli.protocol.messages import (ExpertFailed, ExpertReady, ExpertRelease, ExpertRequest, Hello, ReadDone,
                                     ReadRequest, Shutdown, SlotRef)
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, recv, send
-from coli.stages.common import drain_router, greet, send_stats, orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
+from coli.stages.common import greet, send_stats, orphan_cleanup, LogOnce, Ticker, configure_logging, die_with_parent, parent_sentinel
 from coli.stages.ramtier.answers import PREFETCH_TAG, AnswerBook, LeaseBook
 from coli.stages.ramtier.core import Actions, RamTierCore, ResidencyTable
 from coli.stages.tmpfiles import sweep_dead_temps, write_private
 
 STAGE = "ramtier"
+FOREIGN_LEASE_FRACTION = 0.5  # of the slots, at most, leased to peers other than the run's executor
 USAGE_FILE = "coli-usage.json"  # in the container directory: per-expert demand counts across runs
 
 
@@ -84,11 +87,21 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
 
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, rd.endpoint(STAGE), bind=True)
-    reader = make_socket(ctx, zmq.DEALER, rd.endpoint("reader"), bind=False, identity=STAGE.encode())
+    # A peer that goes away holding leases must give them back (no slot may stay out of use for the run).
+    # ROUTER_NOTIFY is draft API, absent from pyzmq's wheels: the socket monitor's DISCONNECTED event names
+    # the connection's fd, and each message's SRCFD says which fd its peer came on.
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    peer_fd: dict[bytes, int] = {}  # peers seen -> the fd of their connection; pruned at disconnect
+    # The executor (its identity carries the run's secret) can always get half the slots or more: other
+    # peers together hold at most the rest, so none of them can stall the run by hoarding leases.
+    executor = run_identity("executor", control) if control is not None else None
+    foreign_cap = max(1, int(arena.n_slots * FOREIGN_LEASE_FRACTION))
+    reader = make_socket(ctx, zmq.DEALER, rd.endpoint("reader"), bind=False, identity=run_identity(STAGE, control))
     send(reader, make_hello(STAGE))
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(reader, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     ps = parent_sentinel()
     if ps is not None:
         poller.register(ps, zmq.POLLIN)
@@ -139,6 +152,44 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
             send(sock, msg, peer=peer)
         except zmq.ZMQError as e:
             log.warning("answer_undeliverable", error=str(e))
+            if isinstance(msg, ExpertReady):  # nobody will release these: the peer is gone
+                for ref in msg.slots:
+                    if leases.give_back(peer, ref.slot, ref.generation):
+                        carry_out(core.release(ref.slot, ref.generation))
+
+    def peer_gone(peer: bytes) -> None:
+        held = leases.drop_peer(peer)
+        dropped = answers.drop_peer(peer)
+        if held or dropped:
+            log.info("peer_gone", peer=repr(peer), leases_returned=len(held), requests_dropped=dropped)
+        for slot, gen in held:
+            carry_out(core.release(slot, gen))
+
+    def drain():
+        """drain_router, noting which connection (fd) each peer talks on."""
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            peer_fd[peer] = frames[0].get(zmq.SRCFD)
+            try:
+                yield peer, decode([f.bytes for f in frames[1:]])
+            except ProtocolError as e:
+                log.error("protocol_error", error=f"from peer {peer!r}: {e}", peer=repr(peer))
+
+    def disconnects() -> None:
+        """Connections that closed: their peers' leases go back. An fd is reused only after its close, so
+        the executor's and the supervisor's (connected for the whole run) are never mistaken; at worst a
+        foreign peer that reconnected on a just-closed fd before its event was read loses its leases."""
+        while monitor.poll(0):
+            ev = recv_monitor_message(monitor)
+            if ev["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            for peer in [p for p, fd in peer_fd.items() if fd == ev["value"]]:
+                del peer_fd[peer]
+                peer_gone(peer)
 
     running = True
     try:
@@ -161,8 +212,10 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                         if not msg.ok:
                             log.warning("read_failed", layer=msg.layer, expert=msg.expert, error=msg.error)
                         carry_out(core.read_done(msg.request_id, msg.slot, msg.ok, msg.error or "read failed"))
+            if monitor in events:
+                disconnects()
             if sock in events:
-                for peer, msg in drain_router(sock, log):
+                for peer, msg in drain():
                     if isinstance(msg, ExpertRequest):
                         why = geometry.expert_request_problem(msg.layer, msg.experts)
                         if why:
@@ -170,6 +223,20 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
                             if msg.demand:
                                 _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts, why))
                             continue
+                        if executor is not None and peer != executor and not msg.demand:
+                            # only the executor's pilot prefetches; another peer's would only evict and read
+                            refused("prefetch_refused", peer=repr(peer),
+                                    error="a prefetch (demand=False) is taken only from the run's executor")
+                            continue
+                        if executor is not None and peer != executor and msg.demand:
+                            held = leases.held_by_others(executor) + answers.owed_to_others(executor)
+                            if held + len(msg.experts) > foreign_cap:
+                                why = (f"field 'experts': {len(msg.experts)} more leases would give peers other than "
+                                       f"the run's executor {held + len(msg.experts)} of {arena.n_slots} slots "
+                                       f"(at most {foreign_cap})")
+                                refused("expert_request_refused", error=why, peer=repr(peer))
+                                _send_to(peer, ExpertFailed(msg.request_id, msg.layer, msg.experts, why))
+                                continue
                         tag = answers.expect(peer, msg.request_id, len(msg.experts)) if msg.demand else PREFETCH_TAG
                         keys = [msg.layer * E + e for e in msg.experts]
                         carry_out(core.request(tag, keys, msg.demand))
@@ -209,6 +276,8 @@ def ramtier_main(run_name: str, run_base: str, arena_name: str, table_name: str,
             save_usage(cdir, core.usage)
         except OSError as e:
             log.warning("usage_not_saved", error=str(e), note="the pin set is not learned for read-only containers")
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         reader.close(linger=0)
         ctx.term()

@@ -17,6 +17,7 @@ import zmq
 from coli.container.reader import ContainerReader
 from coli.protocol.arena import Arena
 from coli.protocol.geometry import RecordSpec, RunGeometry
+from coli.protocol.handshake import run_identity
 from coli.protocol.messages import Hello, ReadDone, ReadRequest, Shutdown
 from coli.protocol.rundir import RunDir
 from coli.protocol.sockets import make_socket, send
@@ -55,8 +56,12 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
         loc = container.record_location(layer, expert)
         return RecordSpec(loc.path, loc.offset, loc.length, loc.xxh64)
 
-    def refusal(req: ReadRequest) -> str | None:
-        """Why this run cannot serve `req` (naming the field), checked before any byte moves."""
+    ramtier = run_identity("ramtier", control) if control is not None else None
+
+    def refusal(req: ReadRequest, peer: bytes | None = None) -> str | None:
+        """Why this run cannot serve `req` (naming the field), checked before any byte moves. Even a request
+        right in every field is served for the run's RAM tier alone: another peer's duplicate read of a
+        loading slot could land after the slot was recycled for another expert."""
         # `file` must be the index's own resolved path, byte for byte (what the RAM tier sends)
         why = geometry.read_request_problem(req.layer, req.expert, req.slot, req.file, req.offset, req.length,
                                             req.checksum, record_of)
@@ -66,6 +71,8 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
         if int(table.slot_of[key]) != req.slot or int(table.key_of[req.slot]) != -1:
             return (f"field 'slot': slot {req.slot} is not being loaded with layer {req.layer} expert {req.expert} "
                     f"(a published slot is never overwritten)")
+        if ramtier is not None and peer is not None and peer != ramtier:
+            return "ReadRequests are served for the run's RAM tier only"
         return None
     files = FileTable()
     once = LogOnce(log)
@@ -82,7 +89,7 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
         t0 = time.perf_counter()
         ok, err, n = True, None, 0
         try:
-            why = refusal(req)
+            why = refusal(req, peer)
             if why:
                 raise RecordError(f"ReadRequest refused: {why}")
             path = req.file  # checked above: exactly the index's path of this record
@@ -155,7 +162,7 @@ def reader_main(run_name: str, run_base: str, arena_name: str, container_dir: st
             if sock in events:
                 for peer, msg in drain_router(sock, log):
                     if isinstance(msg, ReadRequest):
-                        why = refusal(msg)
+                        why = refusal(msg, peer)
                         if why:  # answered at once: a bad request never takes a place in the queue
                             stats["refused"] += 1
                             once("read_request_refused", error=why, peer=repr(peer))

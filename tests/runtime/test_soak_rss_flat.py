@@ -24,7 +24,7 @@ from hostile import Intruder, container_of
 from oracles import load_oracle
 
 N_REQUESTS = 16_000      # the soak, after warm-up
-IN_FLIGHT = 8            # expert requests outstanding at once (the executor has one per layer step)
+IN_FLIGHT = 4            # expert requests outstanding at once: 16 leases, within the 20 a foreign peer may hold
 LEAK_BYTES = 16          # per request: the smallest leak the bound must catch
 SLACK = 512 * 1024
 
