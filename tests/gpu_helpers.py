@@ -120,3 +120,23 @@ def build_fresh_oracles(out_root, configs: dict[str, tuple[int, dict]]) -> dict[
             d, seed = f.result()
             out[n] = (Path(d), seed)
     return out
+
+
+def container(root: Path, src, name: str, **opts) -> Path:
+    """The container ROOT/NAME converted from oracle SRC with ConvertOptions(**opts), converted once per module
+    root (the tests of one module share their containers)."""
+    from coli.container.writer import ConvertOptions, convert
+    dst = root / name
+    if not dst.exists():
+        convert(src, dst, ConvertOptions(**opts))
+    return dst
+
+
+def greedy(model, prompt, n: int, cache=None, capacity: int = 256):
+    """-> (n greedy tokens after PROMPT, the KV cache they were decoded into). A given CACHE continues a
+    conversation; otherwise a new one of CAPACITY positions (the graph tests grow it to get a graph per size)."""
+    cache = cache if cache is not None else model.new_cache(capacity)
+    toks = [model.greedy(prompt, cache)]
+    while len(toks) < n:
+        toks.append(model.greedy([toks[-1]], cache))
+    return toks, cache

@@ -23,7 +23,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import errno
-import fcntl
 import json
 import math
 import os
@@ -43,6 +42,7 @@ import xxhash
 
 from coli import __version__
 from coli.config import ModelConfig, load_config
+from coli.container.dir_lock import sole_writer
 from coli.container.format import (
     ALIGN, DENSE_NAME, FILE_HEADER_BYTES, FORMATS, GROUPS, INDEX_DTYPE, INDEX_NAME, JOURNAL_NAME, KIND_DENSE,
     KIND_EXPERTS, MANIFEST_NAME, VERSION, ContainerError, DenseEntry, FileEntry, Manifest, MatrixLayout,
@@ -510,16 +510,9 @@ def _convert(source: Source, src: Path, dst: Path, opts: ConvertOptions, progres
               "args": opts.to_dict(), "source": source.fingerprint(), "plan": plan.digest()}
 
     dst.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(dst, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ContainerError(f"{dst}: another coli convert is writing this directory") from None
+    with sole_writer(dst, "coli convert", ContainerError):
         return _convert_locked(source, src, dst, opts, plan, in_bytes, header, progress, report, threads, t_start,
                                commit)
-    finally:
-        os.close(lock_fd)
 
 
 def _check_header(dst: Path, old: dict, header: dict, what: str) -> None:

@@ -7,13 +7,12 @@ unverified, and marked verified only after both checks pass: `coli up --model OR
 
 from __future__ import annotations
 
-import fcntl
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from coli.container.dir_lock import sole_writer
 from coli.container.format import MANIFEST_NAME, ContainerError
 from coli.hub import registry
 from coli.hub.client import HubClient, HubError, HubRef, hub_errors
@@ -52,18 +51,11 @@ def _pull(ref, dest, report, on_download, on_verify) -> PullResult:
     if d.is_dir() and any(d.iterdir()) and not (d / ".cache" / "huggingface").is_dir():
         raise HubError(f"DIR {d} is not empty and holds no earlier pull; choose an empty or new directory")
     d.mkdir(parents=True, exist_ok=True)
-    lock = os.open(d, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise HubError(f"{d}: another coli pull is writing this directory") from None
+    with sole_writer(d, "coli pull", HubError):
         # partial files of a killed pull (huggingface_hub names them per process and cannot reuse them)
         for p in (d / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
             p.unlink(missing_ok=True)
         return _pull_locked(ref, client, listing, d, report, on_download, on_verify)
-    finally:
-        os.close(lock)
 
 
 def _pull_locked(ref, client, listing, d, report, on_download, on_verify) -> PullResult:

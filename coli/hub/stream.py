@@ -14,7 +14,6 @@ from each shard's size and header as it arrives, exactly as the local converter 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ import xxhash
 
 from coli import __version__
 from coli.config import load_config
+from coli.container.dir_lock import sole_writer
 from coli.container.format import MANIFEST_NAME, VERSION, ContainerError
 from coli.container.writer import (
     _COPY_SUFFIXES, ConvertOptions, Source, _copy_files, _finish, _fsync_dir, _Out, _what, make_plan,
@@ -305,16 +305,9 @@ def hub_convert(ref: HubRef, dst: str | Path, opts: ConvertOptions, *, max_shard
                                  f"choose another DST")
         return HubConvertResult(dst, "already complete", 0, 0, 0, 0, time.monotonic() - t0, m)
     dst.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(dst, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ContainerError(f"{dst}: another coli convert is writing this directory") from None
+    with sole_writer(dst, "coli convert", ContainerError):
         return _Run(ref, dst, opts, max_shards, threads, cache_dir, report, on_download, on_convert,
                     commit_bytes, t0).run()
-    finally:
-        os.close(lock_fd)
 
 
 class _Run:

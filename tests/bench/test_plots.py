@@ -46,7 +46,8 @@ def test_plots_reject_bad_input(tmp_path):
         plots.plot_scenarios([{"tokens_per_s": 1}], tmp_path / "x.png")
 
 
-def test_without_matplotlib_the_error_names_it(tmp_path, monkeypatch):
+def _block_matplotlib(monkeypatch):
+    """Make `import matplotlib` fail for this test, as on a machine without the [bench] extra."""
     real_import = builtins.__import__
 
     def no_mpl(name, *a, **k):
@@ -57,22 +58,13 @@ def test_without_matplotlib_the_error_names_it(tmp_path, monkeypatch):
     for m in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, m)
     monkeypatch.setattr(builtins, "__import__", no_mpl)
+
+
+def test_without_matplotlib_the_error_names_it(tmp_path, monkeypatch):
+    _block_matplotlib(monkeypatch)
     with pytest.raises(plots.PlotsUnavailable, match="matplotlib"):
         plots.plot_scenarios(ROWS, tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
-
-
-def _block_matplotlib(monkeypatch):
-    real_import = builtins.__import__
-
-    def no_mpl(name, *a, **k):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *a, **k)
-
-    for m in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, m)
-    monkeypatch.setattr(builtins, "__import__", no_mpl)
 
 
 def test_without_matplotlib_the_bench_says_once_how_to_install_it(tmp_path, monkeypatch):

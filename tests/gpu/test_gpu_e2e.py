@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import build_fresh_oracles, report
+from gpu_helpers import build_fresh_oracles, container, greedy, report
 from oracles import assert_logits_close, load_oracle
 
 pytestmark = pytest.mark.gpu
@@ -26,14 +26,6 @@ FRESH = {
 }
 
 
-def container(root, src, name, **opts):
-    from coli.container.writer import ConvertOptions, convert
-    dst = root / name
-    if not dst.exists():
-        convert(src, dst, ConvertOptions(**opts))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu-oracles")
@@ -42,14 +34,6 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracles(root):
     return build_fresh_oracles(root, FRESH)      # transformers, in this run, in parallel
-
-
-def greedy(model, prompt, n, cache=None):
-    cache = cache if cache is not None else model.new_cache()
-    toks = [model.greedy(prompt, cache)]
-    while len(toks) < n:
-        toks.append(model.greedy([toks[-1]], cache))
-    return toks, cache
 
 
 @pytest.mark.parametrize("name", list(FRESH))

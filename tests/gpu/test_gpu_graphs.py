@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import build_fresh_oracles, report
+from gpu_helpers import build_fresh_oracles, container, greedy, report
 from oracles import load_oracle
 
 pytestmark = pytest.mark.gpu
@@ -36,22 +36,6 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracles(root):
     return build_fresh_oracles(root, FRESH)
-
-
-def container(root, src, name, **opts):
-    from coli.container.writer import ConvertOptions, convert
-    dst = root / name
-    if not dst.exists():
-        convert(src, dst, ConvertOptions(**opts))
-    return dst
-
-
-def greedy(model, prompt, n, capacity=256):
-    cache = model.new_cache(capacity)
-    toks = [model.greedy(prompt, cache)]
-    while len(toks) < n:
-        toks.append(model.greedy([toks[-1]], cache))
-    return toks, cache
 
 
 def eager(model):
@@ -85,14 +69,14 @@ def test_graph_tokens_match_transformers_and_the_eager_cache(root, oracles, name
     model, _ = load_model(d, "gpu")
     assert model.step_graphs is not None, "COLI_GRAPHS defaults to on"
     n = len(o["greedy_tokens"])
-    toks, cache = greedy(model, o["prompt_ids"], n, capacity)
+    toks, cache = greedy(model, o["prompt_ids"], n, capacity=capacity)
     g = model.step_graphs
     report("graphs_f32", oracle=name, seed=seed, capacity=capacity, replays=g.replays, captures=g.captures,
            tokens_equal=toks == o["greedy_tokens"], last_reason=g.last_reason)
     assert g.replays >= n - 4, f"the decode steps were not replayed: {g.last_reason}"
     assert toks == o["greedy_tokens"]
     ref, _ = load_model(d, "gpu")
-    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], n, capacity)
+    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], n, capacity=capacity)
     assert r_toks == toks
     assert cache.capacity == r_cache.capacity and cache.length == r_cache.length
     assert_same_cache(cache, r_cache)

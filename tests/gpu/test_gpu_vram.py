@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from gpu_helpers import build_fresh_oracles, report
+from gpu_helpers import build_fresh_oracles, container, greedy, report
 from oracles import load_oracle
 
 pytestmark = pytest.mark.gpu
@@ -37,22 +37,6 @@ def oracles(root):
     return build_fresh_oracles(root, FRESH)
 
 
-def container(root, src, name, **opts):
-    from coli.container.writer import ConvertOptions, convert
-    dst = root / name
-    if not dst.exists():
-        convert(src, dst, ConvertOptions(**opts))
-    return dst
-
-
-def greedy(model, prompt, n):
-    cache = model.new_cache()
-    toks = [model.greedy(prompt, cache)]
-    while len(toks) < n:
-        toks.append(model.greedy([toks[-1]], cache))
-    return toks
-
-
 def streaming_model(d, slots, policy="freq", **kw):
     from coli.loader import GpuOptions, load_model
     model, cfg = load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots, policy=policy, **kw))
@@ -66,7 +50,7 @@ def test_streaming_tokens_match_transformers_with_few_slots(root, oracles, name,
     o = load_oracle(src)
     d = container(root, src, f"{name}-f32", experts="f32", dense="f32")
     model, cfg = streaming_model(d, slots, policy, tile_kb=16)
-    toks = greedy(model, o["prompt_ids"], len(o["greedy_tokens"]))
+    toks, _ = greedy(model, o["prompt_ids"], len(o["greedy_tokens"]))
     vx = model.experts
     vx.finish()
     st = vx.snapshot()
@@ -84,8 +68,8 @@ def test_int4_streaming_equals_numpy(root, oracles):
     d = container(root, src, "vram-default-int4", experts="int4", dense="int8", group=64)
     model, _ = streaming_model(d, 5)
     cpu, _ = load_model(d, "cpu")
-    g = greedy(model, o["prompt_ids"], 32)
-    c = greedy(cpu, o["prompt_ids"], 32)
+    g, _ = greedy(model, o["prompt_ids"], 32)
+    c, _ = greedy(cpu, o["prompt_ids"], 32)
     model.experts.close()
     assert g == c
 
@@ -248,7 +232,7 @@ def test_injected_faults_keep_tokens_and_move_counters(root, oracles):
     faults = Faults.parse("copy_error:0.3,kernel_error:0.3,oversize:0.3", seed=7)
     model.experts.faults = faults
     model.backend.faults = faults
-    toks = greedy(model, o["prompt_ids"], len(o["greedy_tokens"]))
+    toks, _ = greedy(model, o["prompt_ids"], len(o["greedy_tokens"]))
     model.experts.finish()
     st = model.experts.snapshot()
     model.experts.close()

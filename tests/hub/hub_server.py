@@ -132,6 +132,14 @@ class HubServer:
                 self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
                 return None
 
+            def _repo_at(self, repo_id: str, rev: str) -> tuple[Repo, str] | None:
+                """(repo, commit) for a listing or a file request, or None with the Hub's error already sent."""
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return None
+                commit = self._commit(repo, rev)
+                return None if commit is None else (repo, commit)
+
             def do_HEAD(self):
                 self._serve()
 
@@ -155,12 +163,10 @@ class HubServer:
                 repo_id, rev = "/".join(rest[:2]), "main"
                 if len(rest) == 4 and rest[2] == "revision":
                     rev = rest[3]
-                repo = self._repo(repo_id)
-                if repo is None:
+                found = self._repo_at(repo_id, rev)
+                if found is None:
                     return
-                commit = self._commit(repo, rev)
-                if commit is None:
-                    return
+                repo, commit = found
                 siblings = []
                 for name, data in repo.files_at(commit).items():
                     s = {"rfilename": name, "size": repo.listed_size.get(name, len(data)), "blobId": git_blob_id(data)}
@@ -172,12 +178,10 @@ class HubServer:
                 self._send(200, {"Content-Type": "application/json"}, json.dumps(body).encode())
 
             def _resolve(self, repo_id: str, rev: str, name: str):
-                repo = self._repo(repo_id)
-                if repo is None:
+                found = self._repo_at(repo_id, rev)
+                if found is None:
                     return
-                commit = self._commit(repo, rev)
-                if commit is None:
-                    return
+                repo, commit = found
                 files = repo.files_at(commit)
                 if name not in files:
                     self._send(404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit,
