@@ -47,6 +47,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+STREAM_SNDBUF = 128 * 1024   # bytes asked for each connection's send buffer (see bind_socket)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -55,6 +58,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this send buffer. Bounded, so that a client that stops reading fills it after
+    # a few thousand streamed tokens at most and --max-stream-backlog stops its request then; left to autotuning,
+    # a loopback connection grows to tcp_wmem's maximum (4 MiB: ~16,000 SSE token events) and a stalled reader
+    # goes unnoticed for a whole generation. 128 KiB (the kernel doubles it) is ~1 s of tokens at any decode rate.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
     try:
         sock.bind(addr)
     except OSError as e:
