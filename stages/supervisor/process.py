@@ -376,16 +376,20 @@ class Supervisor:
         self.failed = True
 
     # ---- liveness: heartbeats --------------------------------------------------------------------
-    def _heartbeats(self) -> None:
+    def _pending(self, sock, peer: str):
+        """The messages waiting on `sock`, decoded, until it has none; a bad one is counted and logged, not
+        fatal (a stage's socket and the heartbeat socket share this)."""
         while True:
             try:
-                msg = recv(self.beats, flags=zmq.NOBLOCK)
+                yield recv(sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             except ProtocolError as e:
                 self.counters["protocol_errors"] += 1
-                self.log.error("protocol_error", error=str(e), peer="heartbeat")
-                continue
+                self.log.error("protocol_error", error=str(e), peer=peer)
+
+    def _heartbeats(self) -> None:
+        for msg in self._pending(self.beats, "heartbeat"):
             s = self.stages.get(msg.stage) if isinstance(msg, Heartbeat) else None
             if s is None or msg.pid != s.proc.pid:
                 continue  # not one of our stages (a stage's pid is the one we spawned)
@@ -428,15 +432,7 @@ class Supervisor:
         return None
 
     def _from_stage(self, s: StageProc) -> None:
-        while True:
-            try:
-                msg = recv(s.sock, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ProtocolError as e:
-                self.counters["protocol_errors"] += 1
-                self.log.error("protocol_error", error=str(e), peer=s.name)
-                continue
+        for msg in self._pending(s.sock, s.name):
             if isinstance(msg, Stats):
                 s.stats = dict(msg.counters)
                 self.stats_out[s.name] = {"t": msg.t, **s.stats}
