@@ -11,7 +11,10 @@ its own CUDA stream driven by its own worker thread.
 
 The main (compute) thread submits `CopyJob`s and waits on the host only until a job is *submitted* (its
 events recorded: a few microseconds), never for the bytes; the compute stream waits on the job's events
-on the device. A slot being overwritten may still be read by kernels queued earlier: a job carries the
+on the device. The demand lane is `inline`: `submit` issues the job's copies on the caller's thread at once
+(six driver calls) instead of handing it to a worker -- a thread hop (notify, wake, GIL, wake back) cost
+~50-100 us before the first copy of every MoE layer, on the critical path from the router to the bus
+(docs/perf-notes.md, "MoE-layer overhead"). The speculative lane keeps its worker: its trickle waits. A slot being overwritten may still be read by kernels queued earlier: a job carries the
 slot's last "consumed" event, and the lane's stream waits on it before the first tile.
 
 Timing: every job records start/end events on its lane; `LaneClock` turns finished jobs into busy seconds
@@ -21,7 +24,6 @@ Timing: every job records start/end events on its lane; `LaneClock` turns finish
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +52,8 @@ class CopyJob:
     error: Exception | None = None
     cancelled: bool = False         # speculative jobs only: skip the rest (a demand took the key over)
     tiles_done: int = 0
+    bytes_done: int = 0             # speculative: bytes [0, bytes_done) have landed (tiles go in order, each
+                                    # synchronised before the next): what a demand that takes over need not copy
 
     @property
     def n_tiles(self) -> int:
@@ -59,12 +63,15 @@ class CopyJob:
 
 class CopyLane:
     """One stream + one worker thread. `speculative=True` gives the one-tile-at-a-time, demand-yields policy;
-    `demand` is then the lane it yields to."""
+    `demand` is then the lane it yields to. `inline=True` (demand lanes only): no worker, `submit` issues the
+    whole job on the caller's thread (the caller must have the context current)."""
 
     def __init__(self, drv: Driver, ctx: int, events: EventPool, name: str, *, speculative: bool = False,
-                 demand: "CopyLane | None" = None):
+                 demand: "CopyLane | None" = None, inline: bool = False):
+        if inline and speculative:
+            raise ValueError("a speculative lane trickles from its own worker thread: it cannot be inline")
         self.drv, self.ctx, self.events, self.name = drv, ctx, events, name
-        self.speculative = speculative
+        self.speculative, self.inline = speculative, bool(inline)
         self.demand = demand
         self.stream = drv.stream_create()
         self._q: deque[CopyJob] = deque()
@@ -72,14 +79,19 @@ class CopyLane:
         self._stop = False
         self.yield_waits = 0           # speculative tiles that waited for the demand lane to go idle
         self.error: Exception | None = None   # what stopped the worker, if anything did
-        self._thread = threading.Thread(target=self._loop, name=f"coli-{name}-lane", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if not self.inline:
+            self._thread = threading.Thread(target=self._loop, name=f"coli-{name}-lane", daemon=True)
+            self._thread.start()
 
     # ---- main thread ----------------------------------------------------------------------------------
     def submit(self, job: CopyJob) -> CopyJob:
         job.ev_start = self.events.get()
         job.ev_gateup = self.events.get()
         job.ev_done = self.events.get()
+        if self.inline:
+            self._issue(job)
+            return job
         with self._cv:
             self._q.append(job)
             self._cv.notify()
@@ -87,6 +99,8 @@ class CopyLane:
 
     def wait_submitted(self, job: CopyJob) -> None:
         """Wait until the worker has issued (or skipped) the job; a dead worker is an error, not a hang."""
+        if self.inline:
+            return                     # issued by submit itself
         while not job.submitted.wait(0.5):
             if not self._thread.is_alive():
                 raise DriverError(f"the {self.name} copy lane's worker thread has died "
@@ -103,7 +117,8 @@ class CopyLane:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         try:
             self.drv.stream_sync(self.stream)
             self.drv.stream_destroy(self.stream)
@@ -127,20 +142,23 @@ class CopyLane:
                 if self._stop:
                     return
                 job = self._q.popleft()
-            if job.cancelled:
-                job.submitted.set()
-                continue
-            try:
-                if job.inject_error:
-                    raise DriverError(f"injected copy_error (H2D copy of {job.nbytes} bytes to 0x{job.dst:x})", 1)
-                if self.speculative:
-                    self._run_trickle(job)
-                else:
-                    self._run_whole(job)
-            except Exception as e:     # noqa: BLE001 -- reported to the owner of the job, never lost
-                job.error = e
-            finally:
-                job.submitted.set()
+            self._issue(job)
+
+    def _issue(self, job: CopyJob) -> None:
+        if job.cancelled:
+            job.submitted.set()
+            return
+        try:
+            if job.inject_error:
+                raise DriverError(f"injected copy_error (H2D copy of {job.nbytes} bytes to 0x{job.dst:x})", 1)
+            if self.speculative:
+                self._run_trickle(job)
+            else:
+                self._run_whole(job)
+        except Exception as e:     # noqa: BLE001 -- reported to the owner of the job, never lost
+            job.error = e
+        finally:
+            job.submitted.set()
 
     def _begin(self, job: CopyJob) -> None:
         if job.wait_event is not None:
@@ -182,8 +200,11 @@ class CopyLane:
                         break
                     waited = False
                     while self.demand is not None and self.demand.busy() and not job.cancelled:
+                        # wait for the demand lane to drain inside the driver, not in a Python sleep loop: the
+                        # GIL stays free for the compute thread (a 20 us poll took it ~50 000 times a second,
+                        # and the compute thread's router -> first copy path is pure Python)
                         waited = True
-                        time.sleep(20e-6)
+                        self.drv.stream_sync(self.demand.stream)
                         if self._stop:
                             return
                     self.yield_waits += waited
@@ -192,6 +213,7 @@ class CopyLane:
                     self._tile(job, off, n)
                     self.drv.event_record(tile_ev, self.stream)
                     self.drv.event_sync(tile_ev)
+                    job.bytes_done = off + n     # landed (synchronised above)
                 self.drv.event_record(mark, self.stream)
         finally:
             self.events.put(tile_ev)

@@ -115,7 +115,7 @@ class VramExperts:
         self._mem = self.rt.alloc(self.n_slots * self.slot_bytes)
         self.base = int(self._mem)
         self.events = EventPool(self.drv)
-        self.demand = CopyLane(self.drv, self.ctx, self.events, "demand")
+        self.demand = CopyLane(self.drv, self.ctx, self.events, "demand", inline=True)   # issued on this thread
         self.spec = CopyLane(self.drv, self.ctx, self.events, "speculative", speculative=True, demand=self.demand)
         self.slot_job: list[CopyJob | None] = [None] * self.n_slots      # the copy that filled the slot
         self.slot_src: list[HostRecord | None] = [None] * self.n_slots   # its source (speculative: unleased)
@@ -130,7 +130,8 @@ class VramExperts:
         self.fallbacks = {k: 0 for k in FALLBACK_KINDS}
         self._logged: set[str] = set()
         self.stats = {"copies": 0, "copy_bytes": 0, "demand_copy_s": 0.0, "spec_copies": 0, "spec_bytes": 0,
-                      "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0}
+                      "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0,
+                      "spec_handoffs": 0, "spec_handoff_bytes": 0}
         # per demand copy: its device time, lane start event -> last tile done (the start event fires when the
         # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
         self.delays_us: list[float] = []
@@ -161,34 +162,65 @@ class VramExperts:
     def _stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         if self.faults is not None and self.faults.hit("gpu_lost"):
             raise GpuLost("injected gpu_lost (a fatal driver error, as if the context were lost)")
-        self._reap(wait=not self.retain)         # retain off: every landed copy is dropped before the lookups
+        # The previous steps' copies are finished (generation check, slot READY, lease back: ~25 us of Python
+        # each) after this step's misses are on the bus, not before: that bookkeeping sat between the router
+        # and the first copy (~200 us a layer on the H200, docs/perf-notes.md). Deferred only where it cannot
+        # change a decision: every miss finds a free slot without the slots the reap would free, and (retain
+        # off) none of this step's keys is still mapped by a copy the reap would drop.
+        older = {id(job) for job, _rec, _s in self._pending} if self._can_defer_reap(layer, ids) else None
+        if older is None:
+            self._reap(wait=not self.retain)     # retain off: every landed copy is dropped before the lookups
+        if self._spec_jobs:                      # this step's keys on the speculative lane stop now, all of them:
+            keys = {layer * self.E + e for e in ids}     # cancelled one by one at their lookups, the next one
+            for job in self._spec_jobs.values():         # could start its trickle meanwhile (a tile each)
+                if job.key in keys and not job.submitted.is_set():
+                    job.cancelled = True
         self.pool.begin_step()
         self.stats["steps"] += 1
         misses: list[int] = []
+        handoff: dict[int, tuple[int, CopyJob]] = {}     # expert -> (slot, its cut-short speculative copy)
         hits = 0
         for e in ids:
-            s = self._demand_hit(layer * self.E + e)
+            s = self._demand_hit(layer * self.E + e, handoff, e)
             if s is None:
                 misses.append(e)
             else:
                 hits += 1
                 yield e, self._device_record(layer, e, s)
-        if not misses:
-            return
-        if hits and not self.sync:
-            yield FLUSH
-        for rec in self.host.grants(layer, misses):
-            if rec is None:
-                if not self.sync:
-                    yield FLUSH
-                continue
-            h = self._load(layer, rec)
-            if h is FLUSH:                       # no free slot until the held records are launched
+        try:
+            if not misses:
+                return
+            if hits and not self.sync:
                 yield FLUSH
-                h = self._load(layer, rec, retry=True)
-            yield rec.expert, h
-            if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
-                self.host.release(rec)
+            for rec in self.host.grants(layer, misses):
+                if rec is None:                  # a disk read is on its way: time to reap meanwhile
+                    if older:
+                        self._reap(wait=not self.retain, only=older)
+                        older = None
+                    if not self.sync:
+                        yield FLUSH
+                    continue
+                ho = handoff.pop(rec.expert, None)
+                h = self._load(layer, rec) if ho is None else self._resume(layer, rec, *ho)
+                if h is FLUSH:                       # no free slot until the held records are launched
+                    yield FLUSH
+                    h = self._load(layer, rec, retry=True)
+                yield rec.expert, h
+                if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
+                    self.host.release(rec)
+        finally:
+            for s, job in handoff.values():      # never granted (the step stopped early): drop them
+                self._drop_handoff(s, job)
+            if older:                            # this step's copies are issued: now the older ones (landed
+                self._reap(wait=not self.retain, only=older)   # before this router ran: no real wait)
+
+    def _can_defer_reap(self, layer: int, ids: list[int]) -> bool:
+        if not self._pending or self.sync or self.pool.n_free < len(ids):
+            return False
+        if self.retain:
+            return True
+        keys = {layer * self.E + e for e in ids}
+        return not any(job.key in keys for job, _rec, _s in self._pending)
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane (when speculate is
@@ -218,16 +250,53 @@ class VramExperts:
             self.host.prefetch(layer, cold)
 
     # ---- hits -----------------------------------------------------------------------------------------------
-    def _demand_hit(self, key: int) -> int | None:
+    def _demand_hit(self, key: int, handoff: dict, e: int) -> int | None:
         s = self.pool.lookup(key)                # pins s when it holds key (READY or still loading)
         if s is None:
             return None
         job = self._spec_jobs.pop(s, None)
-        if job is None or self._finish_spec(s, job, demanded=True):
+        if job is None:
+            return s
+        if not job.submitted.is_set() or job.cancelled:
+            job.cancelled = True                 # stop the trickle; its in-flight tile finishes
+            self.stats["spec_cancelled"] += 1
+            self.spec.wait_submitted(job)
+        if (job.error is None and 0 < job.bytes_done < job.nbytes and self.slot_src[s] is not None
+                and self.host.still_valid(self.slot_src[s])):
+            # cut short with a prefix landed: a miss for the books (the host tier must lease the record), but
+            # the slot and its prefix stay; the miss path copies only the rest (_resume)
+            self.pool.revoke_hit(s)
+            handoff[e] = (s, job)
+            return None
+        if self._finish_spec(s, job, demanded=True):
             return s
         self.pool.revoke_hit(s)                  # not a hit after all: the miss path copies it again
         self.pool.release(s)                     # the lookup's pin; the slot was dropped
         return None
+
+    def _resume(self, layer: int, rec: HostRecord, s: int, job: CopyJob) -> Any:
+        """A demand takes over a speculative copy into s that was cut short: when the leased record is the one
+        the trickle read, still of the same generation, the demand lane copies the bytes after the landed prefix
+        (the slot's earlier readers were waited for by the trickle); else the prefix is dropped and the record
+        is loaded as any miss."""
+        src = self.slot_src[s]
+        if src is None or rec.addr != src.addr or rec.nbytes != src.nbytes or not self.host.still_valid(src):
+            self._drop_handoff(s, job)
+            return self._load(layer, rec)
+        done = job.bytes_done
+        self._free_events(job)
+        self.slot_job[s], self.slot_src[s] = None, None
+        self.pool.release(s)                     # the speculative pin; the lookup's goes with the kernels
+        self.stats["spec_handoffs"] += 1
+        self.stats["spec_handoff_bytes"] += done
+        inject = self.faults is not None and self.faults.hit("copy_error")
+        rest = CopyJob(job.key, job.dst + done, job.src + done, job.nbytes - done, max(0, job.split - done),
+                       self.tile, inject_error=inject)
+        return self._issue(layer, rec, s, rest)
+
+    def _drop_handoff(self, s: int, job: CopyJob) -> None:
+        self._finish_spec(s, job, demanded=True)     # incomplete: slot invalidated, speculative pin dropped
+        self.pool.release(s)                         # the lookup's pin
 
     def _finish_spec(self, s: int, job: CopyJob, demanded: bool) -> bool:
         """A speculative copy into s is over (or, when demanded, is made to end now): True when the slot holds
@@ -291,6 +360,11 @@ class VramExperts:
         inject = self.faults is not None and self.faults.hit("copy_error")
         job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
                       wait_event=self.slot_consumed[s], inject_error=inject)
+        return self._issue(layer, rec, s, job)
+
+    def _issue(self, layer: int, rec: HostRecord, s: int, job: CopyJob) -> Any:
+        """Put a demand copy into slot s (pinned, loading) on the demand lane: its DeviceRecord, or on a copy
+        error the CPU fallback (the slot invalidated, its pin dropped)."""
         self.demand.submit(job)
         self.demand.wait_submitted(job)
         if self.sync and job.error is None:
@@ -329,8 +403,9 @@ class VramExperts:
         return self.b._record_to_host(DeviceRecord(self.base + s * self.slot_bytes, self.layout))
 
     # ---- completions ----------------------------------------------------------------------------------------
-    def _reap(self, wait: bool = False) -> None:
-        """Finish copies whose bytes have landed: generation check, slot READY, host lease back, busy time."""
+    def _reap(self, wait: bool = False, only: set[int] | None = None) -> None:
+        """Finish copies whose bytes have landed: generation check, slot READY, host lease back, busy time.
+        only: the ids of the demand jobs to finish (the others stay pending)."""
         for s, job in list(self._spec_jobs.items()):
             if job.submitted.is_set() and (job.error is not None or job.cancelled or not job.ev_done
                                            or self.drv.event_done(job.ev_done)):
@@ -338,6 +413,9 @@ class VramExperts:
                 self._finish_spec(s, job, demanded=False)
         keep = []
         for job, rec, s in self._pending:
+            if only is not None and id(job) not in only:
+                keep.append((job, rec, s))
+                continue
             if wait:
                 self.drv.event_sync(job.ev_done)
             elif not self.drv.event_done(job.ev_done):
