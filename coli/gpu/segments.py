@@ -14,7 +14,9 @@ The forward (coli/model/forward.py) still runs in Python for every token, throug
 backend: on the first (capturing) token every op inside a segment runs in the backend's step mode (its per-token
 values from device memory, as in coli/gpu/graphs.py) while the stream is captured, and its result is recorded on a
 tape; on a replayed token the same op returns its recorded result without launching anything (the segment's graph
-will compute it), `route` launches the segment's graph and waits for its top-k, and `moe` runs eagerly. The
+will compute it), `route` waits for the segment's graph and reads its top-k, and `moe` runs eagerly. A replayed
+segment's graph is launched as soon as its inputs are queued -- at the step's start for segment 0, right after the
+previous MoE's sum for the others -- so the Python walk through its recorded ops overlaps the GPU's work. The
 sequence of ops of a step is fixed by the model, so the tape lines up; a mismatch (it should not happen) raises
 and the token runs again eagerly. Results are identical to the eager step: the same kernels on the same values.
 """
@@ -59,8 +61,10 @@ class SegmentProxy:
         self.capture = capture
         self.j = 0                      # next op of the tape
         self.k = 0                      # next segment
+        self.launched = 0               # segments launched so far (a replay launches one ahead, see _launch_ahead)
         self.busy = inner.busy          # marks go on the stream at the launches, none inside a capture
         self.name = inner.name
+        self._launch_ahead()            # replay: segment 0's inputs are packed already
 
     # ---- everything the forward calls ------------------------------------------------------------------------
     def __getattr__(self, name: str):
@@ -89,12 +93,12 @@ class SegmentProxy:
             self.tape.results.append(("route", r))
             self.j += 1
             g = self._end_segment()
+            self.k += 1
+            self._launch(g, "route")
         else:
             r = self._next("route")
             K = r.K
-            g = self.tape.graphs[self.k]
-        self.k += 1
-        self._launch(g, "route")
+            self._await_segment()
         idx = st.route_idx[:K].astype(np.int64).reshape(1, K)          # [1, K]
         w = st.route_w[:K].copy().reshape(1, K)                         # [1, K] float32
         b._route = (idx, r.idx, r.weights)       # moe() takes the weights from the device when all K are in a batch
@@ -111,6 +115,7 @@ class SegmentProxy:
         else:
             fixed = self._next("moe")
         self.rt.copy(fixed.ptr, out.ptr, out.nbytes)
+        self._launch_ahead()            # the next segment's inputs are all queued: its graph can go now
         return fixed
 
     def argmax(self, x):
@@ -122,11 +127,11 @@ class SegmentProxy:
             self.tape.results.append(("argmax", None))
             self.j += 1
             g = self._end_segment()
+            self.k += 1
+            self._launch(g, "end")
         else:
             self._next("argmax")
-            g = self.tape.graphs[self.k]
-        self.k += 1
-        self._launch(g, "end")
+            self._await_segment()
         return np.array([int(st.pinned_out[0])], np.int64)
 
     # ---- inside ------------------------------------------------------------------------------------------------
@@ -158,6 +163,30 @@ class SegmentProxy:
             raise CaptureFailed(str(e)) from None
         self.tape.graphs.append(g)
         return g
+
+    def _launch_ahead(self) -> None:
+        """Replay: launch the next segment's graph as soon as everything it reads is queued (the step's inputs, the
+        previous MoE's sum), before the forward's Python walks through the segment's recorded ops -- that walk
+        then runs while the GPU computes, instead of between the MoE and the router (issue 14: the host off the
+        path from one layer's last copy to the next layer's first)."""
+        if self.capture or self.launched != self.k or self.k >= len(self.tape.graphs):
+            return
+        last = self.k == len(self.tape.graphs) - 1
+        if self.busy is not None and self.k == 0:
+            self.busy.mark("start")
+        self.tape.graphs[self.k].launch(self.rt)
+        if self.busy is not None:
+            self.busy.mark("end" if last else "route")
+        self.launched += 1
+
+    def _await_segment(self) -> None:
+        """Replay: the segment whose end the forward reached is launched (ahead, or now) and finished: its top-k
+        (or token) is in pinned memory."""
+        if self.k >= len(self.tape.graphs):
+            raise TapeMismatch(f"segment {self.k} past the end of the captured step's {len(self.tape.graphs)}")
+        self._launch_ahead()
+        self.k += 1
+        self.rt.synchronize()           # the one host wake-up of the segment
 
     def _launch(self, g, mark: str) -> None:
         if self.busy is not None and self.k == 1:
