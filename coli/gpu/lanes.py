@@ -51,6 +51,7 @@ class CopyJob:
     submitted: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
     cancelled: bool = False         # speculative jobs only: skip the rest (a demand took the key over)
+    started: bool = False           # the worker took it off the queue (set under the lane's lock)
     tiles_done: int = 0
     bytes_done: int = 0             # speculative: bytes [0, bytes_done) have landed (tiles go in order, each
                                     # synchronised before the next): what a demand that takes over need not copy
@@ -106,6 +107,21 @@ class CopyLane:
                 raise DriverError(f"the {self.name} copy lane's worker thread has died "
                                   f"({self.error or 'no error recorded'})", 999)
 
+    def cancel(self, job: CopyJob) -> bool:
+        """Stop a job of this lane: True when it had not started, so nothing of it was or will be issued and it is
+        over now (no need to wait_submitted, whose handshake with the worker costs a thread hop per job); False
+        when the worker has it -- it stops after the tile in flight, wait_submitted for that."""
+        with self._cv:
+            job.cancelled = True
+            if job.started or job.submitted.is_set():
+                return False
+            try:
+                self._q.remove(job)
+            except ValueError:
+                pass
+            job.submitted.set()
+            return True
+
     def busy(self) -> bool:
         """Work queued or in flight on this lane (a host-side view plus a stream query)."""
         with self._cv:
@@ -142,6 +158,7 @@ class CopyLane:
                 if self._stop:
                     return
                 job = self._q.popleft()
+                job.started = True
             self._issue(job)
 
     def _issue(self, job: CopyJob) -> None:

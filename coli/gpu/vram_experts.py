@@ -174,7 +174,8 @@ class VramExperts:
             keys = {layer * self.E + e for e in ids}     # cancelled one by one at their lookups, the next one
             for job in self._spec_jobs.values():         # could start its trickle meanwhile (a tile each)
                 if job.key in keys and not job.submitted.is_set():
-                    job.cancelled = True
+                    self.spec.cancel(job)
+                    self.stats["spec_cancelled"] += 1
         self.pool.begin_step()
         self.stats["steps"] += 1
         misses: list[int] = []
@@ -186,6 +187,10 @@ class VramExperts:
                 misses.append(e)
             else:
                 hits += 1
+                if older and self.slot_job[s] is not None:
+                    # its record waits on that copy's events: they must not go back to the pool (and be recorded
+                    # again by another copy) before the kernels' waits are queued, so that copy is reaped later
+                    older.discard(id(self.slot_job[s]))
                 yield e, self._device_record(layer, e, s)
         try:
             if not misses:
@@ -257,10 +262,11 @@ class VramExperts:
         job = self._spec_jobs.pop(s, None)
         if job is None:
             return s
-        if not job.submitted.is_set() or job.cancelled:
-            job.cancelled = True                 # stop the trickle; its in-flight tile finishes
-            self.stats["spec_cancelled"] += 1
-            self.spec.wait_submitted(job)
+        if not job.submitted.is_set():
+            if not job.cancelled:
+                self.stats["spec_cancelled"] += 1
+            if not self.spec.cancel(job):        # the trickle has it: it stops after its in-flight tile
+                self.spec.wait_submitted(job)
         if (job.error is None and 0 < job.bytes_done < job.nbytes and self.slot_src[s] is not None
                 and self.host.still_valid(self.slot_src[s])):
             # cut short with a prefix landed: a miss for the books (the host tier must lease the record), but
@@ -303,9 +309,9 @@ class VramExperts:
         the key's bytes -- every tile landed and the unleased host source was not recycled meanwhile. Drops
         the speculative pin either way."""
         if demanded and not job.submitted.is_set():
-            job.cancelled = True                 # stop the trickle; its in-flight tile finishes
             self.stats["spec_cancelled"] += 1
-            self.spec.wait_submitted(job)
+            if not self.spec.cancel(job):        # the trickle has it: it stops after its in-flight tile
+                self.spec.wait_submitted(job)
         complete = job.error is None and job.tiles_done == job.n_tiles
         if complete:
             self.drv.event_sync(job.ev_done)
@@ -429,8 +435,10 @@ class VramExperts:
                 self.pool.invalidate(s)
             else:
                 self.pool.loaded(s)
-                if not self.retain:
-                    self.pool.invalidate(s)      # unmapped now; the slot frees when its readers release it
+                if not self.retain and self.pool.is_mapped(s):
+                    # unmapped now; the slot frees when its readers release it (a deferred reap can find it
+                    # evicted by a later step's miss already: unmapped, and freed by `loaded` if unpinned)
+                    self.pool.invalidate(s)
             self._account(job, speculative=False)
             if self.slot_job[s] is job:
                 self.slot_job[s] = None
