@@ -166,9 +166,9 @@ class SegmentProxy:
 
     def _launch_ahead(self) -> None:
         """Replay: launch the next segment's graph as soon as everything it reads is queued (the step's inputs, the
-        previous MoE's sum), before the forward's Python walks through the segment's recorded ops -- that walk
-        then runs while the GPU computes, instead of between the MoE and the router (issue 14: the host off the
-        path from one layer's last copy to the next layer's first)."""
+        previous MoE's sum), before the forward's Python walks through the segment's recorded ops, so that walk
+        runs while the GPU computes. Inside a step the MoE's copies keep the GPU busy for milliseconds anyway; at a
+        step's start the walk through segment 0 was on the path from the last token's end to the first graph."""
         if self.capture or self.launched != self.k or self.k >= len(self.tape.graphs):
             return
         last = self.k == len(self.tape.graphs) - 1
