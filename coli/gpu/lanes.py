@@ -4,10 +4,10 @@ its own CUDA stream driven by its own worker thread.
     demand lane       copies what the current layer needs, whole records back to back, one copy per half with
                       two events per record: after the gate/up part (the fused gate/up kernel may start)
                       and after the down part.
-    speculative lane  copies predicted records (the pilot's guesses) ONE TILE AT A TIME and only while the
-                      demand lane is idle (nothing queued, its stream drained): a demand copy that arrives
-                      finds at most one speculative tile on the bus ahead of it, so speculation delays a
-                      demand by at most one tile transfer.
+    speculative lane  copies predicted records (the pilot's guesses) in tiles, at most IN_FLIGHT = 2 on the bus
+                      at once, and only while the demand lane is idle (nothing queued, its stream drained): a
+                      demand copy that arrives finds at most two speculative tiles on the bus ahead of it, so
+                      speculation delays a demand by at most two tile transfers.
 
 The main (compute) thread submits `CopyJob`s and waits on the host only until a job is *submitted* (its
 events recorded: a few microseconds), never for the bytes; the compute stream waits on the job's events
@@ -31,6 +31,7 @@ from typing import Any
 from coli.gpu.driver import Driver, DriverError, EventPool, handle_of
 
 DEFAULT_TILE_BYTES = 1 << 20     # --stream-tile-kb 1024 (docs/gpu.md: chosen from the tile-size sweep)
+IN_FLIGHT = 2                    # speculative tiles on the bus at once: the delay bound of a demand copy, in tiles
 
 
 @dataclass(eq=False)
@@ -205,11 +206,22 @@ class CopyLane:
             self.drv.event_record(mark, self.stream)
 
     def _run_trickle(self, job: CopyJob) -> None:
-        """Speculative: one tile in flight at a time, each only while the demand lane is idle. The events are
-        recorded at the end; the job's `submitted` is set only then (a demand that wants this key meanwhile
-        cancels the rest, see VramExperts)."""
+        """Speculative: tiles only while the demand lane is idle, at most IN_FLIGHT of them on the bus at once (the
+        next is issued before the one before it is waited for, so the bus does not idle for a synchronisation
+        between tiles; a demand copy arriving finds at most IN_FLIGHT speculative tiles ahead of it). The half
+        events are recorded in order behind their tiles; the job's `submitted` is set only once every tile issued
+        has landed (a demand that wants this key meanwhile cancels the rest and takes over the landed prefix,
+        `bytes_done`, see VramExperts)."""
         self._begin(job)
-        tile_ev = self.events.get()
+        free = [self.events.get() for _ in range(IN_FLIGHT)]
+        flight: deque[tuple[int, int]] = deque()        # (tile event, end offset of that tile), oldest first
+
+        def land_oldest():
+            ev, end = flight.popleft()
+            self.drv.event_sync(ev)
+            job.bytes_done = end                         # tiles land in order: [0, end) is there
+            free.append(ev)
+
         try:
             for lo, hi, mark in ((0, job.split, job.ev_gateup), (job.split, job.nbytes, job.ev_done)):
                 for off, n in self._tiles(job, lo, hi):
@@ -227,10 +239,17 @@ class CopyLane:
                     self.yield_waits += waited
                     if job.cancelled:
                         break
+                    if not free:
+                        land_oldest()
                     self._tile(job, off, n)
-                    self.drv.event_record(tile_ev, self.stream)
-                    self.drv.event_sync(tile_ev)
-                    job.bytes_done = off + n     # landed (synchronised above)
+                    ev = free.pop()
+                    self.drv.event_record(ev, self.stream)
+                    flight.append((ev, off + n))
                 self.drv.event_record(mark, self.stream)
+            while flight:
+                land_oldest()
         finally:
-            self.events.put(tile_ev)
+            for ev, _end in flight:
+                free.append(ev)
+            for ev in free:
+                self.events.put(ev)

@@ -39,6 +39,7 @@ from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
 from coli.gpu.pool import SlotPool
+from coli.gpu.spec_governor import SpecGovernor
 from coli.weights import ExpertWeights
 
 SLOT_ALIGN = 4096
@@ -88,14 +89,16 @@ class VramExperts:
     def __init__(self, backend, host: HostTier, layout: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  n_slots: int, *, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES, faults=None,
                  log=None, register: bool = True, slot_bytes: int | None = None, retain: bool = True,
-                 sync: bool = False, speculate: bool | None = None):
+                 sync: bool = False, speculate: bool | None = None, spec_budget: int | None = None):
         """retain=False: a demand-loaded slot is invalidated once its copy has landed (freed when its readers
         are done), so nothing stays resident and every step misses (the `cold-ram`/`disk` benchmarks).
         sync=True (the `sync` benchmark baseline): a tile is the whole record, the host waits for each copy
         to finish before yielding it, and no FLUSH markers are yielded (except when no slot is free until
         the held records are launched), so the backend copies every expert and then computes.
         speculate: the pilot's RAM-resident guesses go to the speculative copy lane (None: COLI_SPEC_COPIES, off by
-        default -- measured a net cost, see speculative_copies_default); off, a guess only warms the host tier."""
+        default -- measured a net cost, see speculative_copies_default); off, a guess only warms the host tier.
+        spec_budget: speculative copies per prefetch (None: as many as the idle window has been landing, see
+        coli/gpu/spec_governor.py; a number: up to that many, whatever they deliver -- tests of single copies)."""
         for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
             check_format(m.fmt, f"routed experts ({part})")
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -126,6 +129,11 @@ class VramExperts:
         self._compute_stream = handle_of(self.rt.stream)
         self._pending: list[tuple[CopyJob, HostRecord | None, int]] = []  # copies whose source is held
         self._spec_jobs: dict[int, CopyJob] = {}                          # slot -> speculative job in flight
+        # how many guesses go to the speculative lane: what the idle window delivered (coli/gpu/spec_governor.py)
+        self.spec_budget = None if spec_budget is None else int(spec_budget)
+        self.governor = SpecGovernor(layout.nbytes, max_budget=top_k) if spec_budget is None else None
+        self._spec_layers: dict[int, int] = {}        # layer -> speculative copies put on the lane for it
+        self._spec_used = 0                           # bytes of them the current step used
         self._registered: list[int] = []
         self.fallbacks = {k: 0 for k in FALLBACK_KINDS}
         self._logged: set[str] = set()
@@ -165,11 +173,15 @@ class VramExperts:
         # The previous steps' copies are finished (generation check, slot READY, lease back: ~25 us of Python
         # each) after this step's misses are on the bus, not before: that bookkeeping sat between the router
         # and the first copy (~200 us a layer on the H200, docs/perf-notes.md). Deferred only where it cannot
-        # change a decision: every miss finds a free slot without the slots the reap would free, and (retain
-        # off) none of this step's keys is still mapped by a copy the reap would drop.
-        older = {id(job) for job, _rec, _s in self._pending} if self._can_defer_reap(layer, ids) else None
+        # change a decision: every miss finds a free slot without the slots the reap would free; with retain off
+        # the older slots are unmapped at once (no hit on them, no eviction ranking for them).
+        older = {id(job) for job, _rec, _s in self._pending} if self._can_defer_reap(ids) else None
         if older is None:
             self._reap(wait=not self.retain)     # retain off: every landed copy is dropped before the lookups
+        elif not self.retain:                    # ... or at least not found (the reap frees them later)
+            for _job, _rec, s in self._pending:
+                if self.pool.is_mapped(s):
+                    self.pool.unmap(s)
         if self._spec_jobs:                      # this step's keys on the speculative lane stop now, all of them:
             keys = {layer * self.E + e for e in ids}     # cancelled one by one at their lookups, the next one
             for job in self._spec_jobs.values():         # could start its trickle meanwhile (a tile each)
@@ -180,6 +192,8 @@ class VramExperts:
         self.stats["steps"] += 1
         misses: list[int] = []
         handoff: dict[int, tuple[int, CopyJob]] = {}     # expert -> (slot, its cut-short speculative copy)
+        speculated = self._spec_layers.pop(layer, 0)
+        self._spec_used = 0
         hits = 0
         for e in ids:
             s = self._demand_hit(layer * self.E + e, handoff, e)
@@ -216,21 +230,21 @@ class VramExperts:
         finally:
             for s, job in handoff.values():      # never granted (the step stopped early): drop them
                 self._drop_handoff(s, job)
+            if speculated and self.governor is not None:
+                self.governor.demanded(self._spec_used)
             if older:                            # this step's copies are issued: now the older ones (landed
                 self._reap(wait=not self.retain, only=older)   # before this router ran: no real wait)
 
-    def _can_defer_reap(self, layer: int, ids: list[int]) -> bool:
-        if not self._pending or self.sync or self.pool.n_free < len(ids):
-            return False
-        if self.retain:
-            return True
-        keys = {layer * self.E + e for e in ids}
-        return not any(job.key in keys for job, _rec, _s in self._pending)
+    def _can_defer_reap(self, ids: list[int]) -> bool:
+        return bool(self._pending) and not self.sync and self.pool.n_free >= len(ids)
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane (when speculate is
         on), the others to the host tier's prefetch."""
         cold: list[int] = []
+        budget = 0 if not self.speculate else (self.governor.budget() if self.governor is not None
+                                               else self.spec_budget)
+        put = 0
         for e in ids:
             key = layer * self.E + e
             if self.pool.slot_of(key) is not None:
@@ -239,8 +253,8 @@ class VramExperts:
             if rec is None:
                 cold.append(e)
                 continue
-            if not self.speculate:               # in RAM already: nothing to warm, no speculative copy
-                continue
+            if put >= budget:                    # in RAM already: nothing to warm, no speculative copy (off, or
+                continue                         # beyond what the idle window has been landing)
             if rec.nbytes > self.slot_bytes:
                 continue
             s = self.pool.acquire(key, speculative=True)
@@ -251,6 +265,9 @@ class VramExperts:
             self.slot_job[s], self.slot_src[s] = job, rec
             self._spec_jobs[s] = job
             self.spec.submit(job)
+            put += 1
+        if put:
+            self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
         if cold:
             self.host.prefetch(layer, cold)
 
@@ -275,6 +292,7 @@ class VramExperts:
             handoff[e] = (s, job)
             return None
         if self._finish_spec(s, job, demanded=True):
+            self._spec_used += job.nbytes
             return s
         self.pool.revoke_hit(s)                  # not a hit after all: the miss path copies it again
         self.pool.release(s)                     # the lookup's pin; the slot was dropped
@@ -295,6 +313,7 @@ class VramExperts:
         self.pool.release(s)                     # the speculative pin; the lookup's goes with the kernels
         self.stats["spec_handoffs"] += 1
         self.stats["spec_handoff_bytes"] += done
+        self._spec_used += done
         inject = self.faults is not None and self.faults.hit("copy_error")
         rest = CopyJob(job.key, job.dst + done, job.src + done, job.nbytes - done, max(0, job.split - done),
                        self.tile, inject_error=inject)
@@ -514,6 +533,9 @@ class VramExperts:
         d["copy_busy"] = round(min(1.0, (dem - d0) / dt), 4)
         d["spec_busy"] = round(min(1.0, (spec - s0) / dt), 4)
         d["spec_tiles_yielded"] = self.spec.yield_waits     # speculative tiles that waited for an idle demand lane
+        if self.governor is not None:
+            d["spec_budget_ema_bytes"] = int(self.governor.ema)  # what the idle window has been landing per layer
+            d["spec_pauses"] = self.governor.pauses
         d["sm_busy"] = round(min(1.0, (sm - b0) / dt), 4)
         n = d.get("hits", 0) + d.get("misses", 0)
         d["vram_hit_rate"] = round(d.get("hits", 0) / n, 4) if n else 0.0

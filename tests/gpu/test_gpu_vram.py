@@ -172,10 +172,11 @@ def test_speculative_copy_and_a_demand_for_the_same_expert(root, oracles, mode):
               the demand copies again. The output is right and the slot holds the right bytes every time."""
     src, _ = oracles["vram-default"]
     d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
-    vx, r, b, host = _vram(d, 6, tile_bytes=4096, speculate=True)   # small tiles: the trickle is slow, the race
-                                                                     # is real; speculation asked for (off by default)
-    layer = r.config.moe_layers[-1]
     ids = [2, 9, 11]
+    vx, r, b, host = _vram(d, 6, tile_bytes=4096, speculate=True,   # small tiles: the trickle is slow, the race
+                           spec_budget=len(ids))                     # is real; speculation asked for (off by default),
+                                                                     # every guess copied (not the governor's budget)
+    layer = r.config.moe_layers[-1]
     for rep in range(5):
         vx.prefetch(layer, ids)
         if mode != "race":
