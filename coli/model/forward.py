@@ -270,8 +270,11 @@ class GlmMoeDsaModel:
             self.routing_hook(i, idx, wts)
         wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
         shared = None
-        if self.pilot_hook is not None:
+        # the shared expert before the routed experts when a pilot wants it, or when the backend can run it while
+        # the routed experts' copies are on their way (a streaming step: coli/gpu/segments.py); the same values
+        if self.pilot_hook is not None or getattr(b, "shared_first", False):
             shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        if self.pilot_hook is not None:
             self.pilot_hook(i, h, shared)
         routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
         if shared is None:
