@@ -76,9 +76,10 @@ class HostTier(Protocol):
 
 def speculative_copies_default(env: dict | None = None) -> bool:
     """COLI_SPEC_COPIES: "0" (default) the pilot's RAM-resident guesses are not copied to VRAM ahead of their demand;
-    "1" they go to the speculative copy lane. Off by default because it costs: on the H200 (spec-ram, ORACLE pilot)
-    2.56 tok/s with it against 3.01 without -- nearly every trickle is cut short by its own demand and copied again
-    (docs/perf-notes.md, issue 14 §4)."""
+    "1" they go to the speculative copy lane. It used to cost (H200, spec-ram, ORACLE pilot: 2.93 tok/s on against
+    3.43 off -- every trickle cut short by its own demand and copied again); with the landed prefix handed to the
+    demand and SpecGovernor's budget it pays a little (3.77 on against 3.68 off, docs/perf-notes.md, issue 14 §4).
+    Still off by default: measured with an oracle's guesses only, not with the real pilot's."""
     v = (os.environ if env is None else env).get("COLI_SPEC_COPIES", "0").strip()
     if v not in ("0", "1"):
         raise ColiError(f"COLI_SPEC_COPIES={v!r}: use 0 (no speculative VRAM copies, the default) or 1")
