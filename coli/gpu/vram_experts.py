@@ -7,6 +7,10 @@ Per MoE layer step (`stream(layer, ids)`), two-phase:
   2. misses are asked of the host tier in one batch; each is copied as soon as its host record is there
      (RAM-resident ones at once, disk misses when their read lands). Between the phases, and whenever the
      next host record will take a while, a FLUSH marker lets the backend launch what it holds.
+The earlier steps' bookkeeping (reaping their landed copies) waits until this step's copies are issued, so the path
+from the router's result to the first copy on the bus is only the lookups and the first acquire (docs/gpu.md,
+"A streaming MoE layer, step by step"). A speculative copy that its demand cuts short hands the prefix that landed
+to the demand, which copies only the rest; how many guesses are copied at all is SpecGovernor's budget.
 
 Fallbacks to the CPU (counted per kind in `fallbacks`, logged once per kind): `oversize` (record larger
 than a slot), `no_slot` (every slot pinned, even after launching what is held), `copy_error` (the H2D copy
