@@ -15,6 +15,10 @@ Per MoE layer (pure; tests/bench/test_layer_timeline.py):
     dense_us           the compute span that ends at this layer's router (the layer's attention, router, the
                        previous layer's shared expert and adds): the dense part, not the MoE layer's
 
+Per token, `token_gap_us`: the head's span ends ("end": the argmax read back) -> the next compute span starts (the
+next token's first graph): host time between tokens, charged to every layer of a 2-layer slice by the bench's
+extrapolation although a real model pays it once per 78 layers.
+
 A layer is a "route" span followed by the demand copies that start before the next "route"/"end" span does.
 Layers without a demand copy (every expert a VRAM hit) are skipped: they have no copy phase to measure.
 """
@@ -67,6 +71,9 @@ def summarise_phases(events: list[dict]) -> dict[str, Any]:
         res[k] = {"mean": float(np.mean(v)), "p50": float(np.median(v))} if v else None
     if layers and res["copy_us"]["mean"]:
         res["overhead_over_copy"] = res["overhead_us"]["mean"] / res["copy_us"]["mean"]
+    compute = sorted((e for e in events if e["lane"] == "compute"), key=lambda e: float(e["t0_us"]))
+    gaps = [float(b["t0_us"]) - float(a["t1_us"]) for a, b in zip(compute, compute[1:]) if a.get("label") == "end"]
+    res["token_gap_us"] = {"mean": float(np.mean(gaps)), "p50": float(np.median(gaps))} if gaps else None
     busy = [(float(e["t0_us"]), float(e["t1_us"])) for e in events if e["lane"] == "demand"]
     if busy:
         wall = max(float(e["t1_us"]) for e in events) - min(float(e["t0_us"]) for e in events)

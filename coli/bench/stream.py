@@ -843,6 +843,7 @@ def print_table(res: dict, report: Callable[[str], None] = print) -> None:
             report(f"{row['scenario']}: per MoE layer (device timeline, {lp['layers']} layers, mean us): router -> "
                    f"first copy {us('route_to_copy_us')}, gaps {us('gaps_us')}, copies {us('copy_us')}, tail "
                    f"{us('tail_us')}: overhead {_f(lp.get('overhead_over_copy'), '{:.1%}')} of the copies; demand "
-                   f"lane busy {_f(lp.get('demand_busy_of_wall'), '{:.0%}')} of the wall")
+                   f"lane busy {_f(lp.get('demand_busy_of_wall'), '{:.0%}')} of the wall; host between tokens "
+                   f"{us('token_gap_us')}")
     for n in res.get("notes", []) + (res.get("scaling") or {}).get("notes", []):
         report(f"note: {n}")

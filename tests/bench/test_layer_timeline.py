@@ -33,6 +33,14 @@ def test_summary_over_layers_and_the_lane_busy_fraction():
     assert s["route_to_copy_us"] == {"mean": 70, "p50": 70}
     assert s["overhead_over_copy"] == pytest.approx(95 / 200)
     assert s["demand_busy_of_wall"] == pytest.approx(400 / 1150)
+    assert s["token_gap_us"] is None                    # one token: no next one to wait for
+
+
+def test_the_host_gap_between_tokens():
+    ev = two_layers()
+    nxt = [dict(e, t0_us=e["t0_us"] + 1300, t1_us=e["t1_us"] + 1300) for e in ev]   # the next token, 150 us later
+    s = summarise_phases(ev + nxt)
+    assert s["layers"] == 4 and s["token_gap_us"] == {"mean": 150, "p50": 150}
 
 
 def test_a_layer_without_copies_is_skipped_and_no_timeline_gives_no_figures():
@@ -40,5 +48,5 @@ def test_a_layer_without_copies_is_skipped_and_no_timeline_gives_no_figures():
           span("demand", 420, 520), span("compute", 500, 530, "moe_end")]
     (only,) = layer_phases(ev)
     assert only["route_to_copy_us"] == 20 and only["tail_us"] == 10 and only["dense_us"] == 250
-    assert summarise_phases([]) == {"layers": 0, **{k: None for k in ("route_to_copy_us", "gaps_us", "copy_us",
-                                                                      "tail_us", "overhead_us", "dense_us")}}
+    assert summarise_phases([]) == {"layers": 0, "token_gap_us": None, **{
+        k: None for k in ("route_to_copy_us", "gaps_us", "copy_us", "tail_us", "overhead_us", "dense_us")}}
