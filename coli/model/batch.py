@@ -43,6 +43,9 @@ def forward_batch(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[np.ndarra
 def greedy_batch(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[int]:
     """forward_batch's greedy next token per row (first maximum of its last position's logits, whatever its
     all_logits), taken on the backend as model.greedy does: only the R tokens come back to the host."""
+    if len(rows) == 1:          # one sequence: model.greedy, whose decode step may be a replayed CUDA graph
+        ids = _check(model, rows)[0]
+        return [model.greedy(ids, rows[0].cache)]
     logits, _ = _step(model, rows, all_positions=False)                 # [R, V]
     return [int(t) for t in model.backend.argmax(logits)]
 
