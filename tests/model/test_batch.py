@@ -238,3 +238,35 @@ def test_bad_rows_are_refused_before_any_cache_moves(oracle_root):
     for _ in range(31):
         toks.append(greedy_batch(model, [BatchRow(a, [toks[-1]])])[0])
     assert toks == o["greedy_tokens"]
+
+
+class FailingOnce:
+    """The model's real expert source, failing its first stream() of `layer` (as a lost RAM-tier read would)."""
+
+    def __init__(self, inner, layer):
+        self.inner, self.layer, self.failed = inner, layer, False
+
+    def stream(self, layer, ids):
+        if layer == self.layer and not self.failed:
+            self.failed = True
+            raise OSError(f"injected read failure at layer {layer}")
+        return self.inner.stream(layer, ids)
+
+
+def test_a_step_that_fails_midway_leaves_every_cache_where_it_was(oracle_root):
+    model, o = _oracle(oracle_root, "long-prompt")
+    p, cont = o["prompt_ids"], _continuation_prompt(o)
+    a, b = model.new_cache(8), model.new_cache(8)
+    first = greedy_batch(model, [BatchRow(a, p), BatchRow(b, cont)])
+    real = model.experts
+    model.experts = FailingOnce(real, model.config.moe_layers[-1])     # after every cache write of the step
+    with pytest.raises(OSError, match="injected"):
+        greedy_batch(model, [BatchRow(a, [first[0]]), BatchRow(b, [first[1]]), BatchRow(model.new_cache(), p[:6])])
+    model.experts = real
+    assert (a.length, b.length) == (len(p), len(cont))
+    toks = [[first[0]], [first[1]]]
+    for _ in range(31):
+        nxt = greedy_batch(model, [BatchRow(a, [toks[0][-1]]), BatchRow(b, [toks[1][-1]])])
+        for t, n in zip(toks, nxt):
+            t.append(n)
+    assert toks == [o["greedy_tokens"], o["continuation"]["greedy_tokens"]]
