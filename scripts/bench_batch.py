@@ -7,7 +7,8 @@ fixed seed) are prefilled, then `steps` decode steps run twice from the same cac
 calls per step, once as one greedy_batch call -- and the tokens of the two must agree. Printed per B (one JSON line):
 aggregate tokens/s of each, the speed-up, and the routed experts asked per step (summed over MoE layers: one stream()
 of the union for the batch, B streams alone), i.e. what a step would move over PCIe with nothing cached.
-Defaults to the demo model on the CPU.
+Defaults to the demo model on the CPU. On a benchmark slice (coli bench make-slice: random weights) the rows route by
+its stored trace (coli.bench.trace_router), each row its own trace tokens, the same in both runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ class AskedExperts:
         return self.inner.stream(layer, ids)
 
 
-def run(model, B: int, steps: int, prompt_len: int, seed: int = 0) -> dict:
+def sync(model) -> None:
+    rt = getattr(model.backend, "rt", None)
+    if rt is not None:
+        rt.synchronize()
+
+
+def run(model, B: int, steps: int, prompt_len: int, seed: int = 0, routing=None) -> dict:
     rng = np.random.default_rng(seed + B)
     V = model.config.vocab_size
     prompts = [[int(t) for t in rng.integers(0, V, prompt_len + b)] for b in range(B)]
@@ -47,10 +54,13 @@ def run(model, B: int, steps: int, prompt_len: int, seed: int = 0) -> dict:
         out = {}
         toks = {}
         for mode in ("alone", "batch"):
+            if routing is not None:
+                routing.reset(0)           # both modes route the same trace tokens, row by row
             caches = [model.new_cache(prompt_len + B + steps + 1) for _ in prompts]
             last = [model.greedy(p, c) for p, c in zip(prompts, caches)]
             seqs = [[t] for t in last]
             counter.asked = counter.calls = 0
+            sync(model)
             t0 = time.perf_counter()
             for _ in range(steps):
                 if mode == "alone":
@@ -59,6 +69,7 @@ def run(model, B: int, steps: int, prompt_len: int, seed: int = 0) -> dict:
                     last = greedy_batch(model, [BatchRow(c, [t]) for t, c in zip(last, caches)])
                 for s, t in zip(seqs, last):
                     s.append(t)
+            sync(model)
             dt = time.perf_counter() - t0
             out[f"{mode}_tok_s"] = round(B * steps / dt, 2)
             out[f"{mode}_experts_per_step"] = round(counter.asked / steps, 2)
@@ -80,8 +91,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=24)
     a = ap.parse_args()
     model, _ = load_model(a.model, a.device)
+    routing = None
+    if (Path(a.model) / "bench_trace.trace").is_file():     # a benchmark slice: route by its stored trace
+        from coli.bench.trace_router import TraceRouting
+        routing = TraceRouting(a.model).install(model)
     for B in (int(x) for x in a.batch.split(",")):
-        print(json.dumps({"device": a.device, **run(model, B, a.steps, a.prompt)}), flush=True)
+        print(json.dumps({"device": a.device, "trace": routing is not None,
+                          **run(model, B, a.steps, a.prompt, routing=routing)}), flush=True)
 
 
 if __name__ == "__main__":
