@@ -270,3 +270,22 @@ def test_a_step_that_fails_midway_leaves_every_cache_where_it_was(oracle_root):
         for t, n in zip(toks, nxt):
             t.append(n)
     assert toks == [o["greedy_tokens"], o["continuation"]["greedy_tokens"]]
+
+
+def test_hooks_see_the_whole_step_in_row_order(oracle_root):
+    model, o = _oracle(oracle_root, "long-prompt")
+    prompts = [o["prompt_ids"][:9], o["prompt_ids"], o["prompt_ids"][4:7]]
+    seen: dict[int, list[np.ndarray]] = {}
+    model.routing_hook = lambda layer, idx, w: seen.setdefault(layer, []).append(np.sort(idx, axis=-1))
+    try:
+        for p in prompts:                                  # each alone: one hook call per MoE layer
+            model.forward(p, model.new_cache())
+        alone = {layer: np.concatenate(calls) for layer, calls in seen.items()}
+        seen.clear()
+        forward_batch(model, [BatchRow(model.new_cache(), p) for p in prompts])
+    finally:
+        model.routing_hook = None
+    assert sorted(seen) == model.config.moe_layers
+    for layer, calls in seen.items():
+        assert len(calls) == 1 and calls[0].shape[0] == sum(len(p) for p in prompts)
+        np.testing.assert_array_equal(calls[0], alone[layer])   # [S_total, K]: the rows' choices, in row order
