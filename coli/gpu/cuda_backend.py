@@ -169,7 +169,9 @@ class CudaBackend:
 
     def graph_decoder(self, model):
         """The replayed decode step for `model` (coli.gpu.graphs.GraphDecoder), or None with COLI_GRAPHS=0."""
+        from coli.gpu.batch_graphs import batch_graphs_enabled
         from coli.gpu.graphs import GraphDecoder, graphs_enabled
+        batch_graphs_enabled()           # a bad COLI_BATCH_GRAPHS fails here, at model load, like COLI_GRAPHS
         return GraphDecoder(model, self) if graphs_enabled() else None
 
     def batch_graph_decoder(self, model):

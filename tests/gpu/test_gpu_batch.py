@@ -200,3 +200,13 @@ def test_replayed_batched_decode_steps_give_the_same_tokens(root, oracles, monke
     else:
         cpu, _ = load_model(d, "cpu")
         assert got == run_batch(cpu, prompts, n_new)
+
+
+def test_a_bad_batch_graphs_setting_fails_at_model_load(root, oracles, monkeypatch):
+    from coli.errors import ColiError
+    from coli.loader import load_model
+    src, _ = oracles["batch-topk"]
+    d = container(root, src, "batch-topk-f32", experts="f32", dense="f32")
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "on")
+    with pytest.raises(ColiError, match="COLI_BATCH_GRAPHS='on'"):
+        load_model(d, "gpu")
