@@ -1,7 +1,9 @@
 """The host side of the batched decode step replayed from CUDA graphs (coli/gpu/batch_graphs.py), no GPU needed: its
-setting, the layout of its per-step inputs, which row's values the backend reads where, and the per-row MoE launches
-of a batched step on a recording stand-in runtime (every launch checked against the kernel's signature, as in
-tests/test_decode_launches.py). The replayed step itself is checked on the GPU (tests/gpu/test_gpu_batch.py)."""
+setting, the layout of its per-step inputs, which row's values the backend reads where, the per-row MoE launches,
+and a whole capture of a real oracle model's batched step, all on a recording stand-in runtime (fake addresses, no
+data; every launch checked against the kernel's signature, as in tests/test_decode_launches.py; a host read-back or
+upload while capturing raises, as on the device). The replayed step's values are checked on the GPU
+(tests/gpu/test_gpu_batch.py)."""
 
 from __future__ import annotations
 
@@ -142,3 +144,139 @@ def test_a_batched_moe_step_runs_each_rows_fused_decode_on_its_own_rows():
         assert gu[10] == x.ptr + 4 * H * r                                                # row r's activation
         assert dn[9] == route.weights.ptr + 4 * K * r and dn[11] == out.ptr + 4 * H * r   # its weights, its output
         assert dn[12] == 0                                                                # K <= 8: one launch, no sum
+
+
+class _CapturingRuntime(_RecordingRuntime):
+    """_RecordingRuntime with what a whole model needs: uploads, read-backs (zeros) and a stream capture whose
+    graph counts its launches. Like the device runtime, a synchronous call while capturing raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.capture: list | None = None
+        self.graph_launches = 0
+        self.stream = None
+
+    @property
+    def capturing(self) -> bool:
+        return self.capture is not None
+
+    def _not_capturing(self, what):
+        if self.capture is not None:
+            raise CudaError(f"{what} while capturing")
+
+    def module(self, name):
+        return name
+
+    def alloc(self, n):
+        ptr, self._next = self._next, self._next + ((n + 255) // 256 + 1) * 256
+        return ptr
+
+    def empty(self, shape, dtype=np.float32):
+        return DeviceArray(self.alloc(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize), shape, dtype)
+
+    def to_device(self, host, dtype=None):
+        self._not_capturing("a synchronous upload")
+        h = np.asarray(host, dtype=dtype or np.asarray(host).dtype)
+        return self.empty(h.shape, h.dtype)
+
+    to_device_async = to_device
+
+    def upload_bytes(self, raw, dst):
+        self._not_capturing("a synchronous upload")
+
+    def to_host(self, x):
+        self._not_capturing("a read-back")
+        return np.zeros(x.shape, x.dtype)
+
+    def synchronize(self):
+        self._not_capturing("a synchronisation")
+
+    def copy(self, dst, src, nbytes):
+        self.launches.append(("copy", (dst, src, nbytes)))
+
+    def begin_capture(self):
+        self.capture = []
+
+    def end_capture(self):
+        self.capture = None
+        rt = self
+
+        class Graph:
+            keep: list = []
+
+            def launch(self, _rt):
+                rt.graph_launches += 1
+
+            def close(self):
+                pass
+        return Graph()
+
+    def abort_capture(self):
+        self.capture = None
+
+
+_CapturingRuntime.drv = type("Drv", (), {"pagelocked_empty": staticmethod(lambda n, dtype: np.zeros(n, dtype)),
+                                         "memcpy_htod_async": staticmethod(lambda *a: None),
+                                         "memcpy_dtoh_async": staticmethod(lambda *a: None)})()
+
+
+@pytest.fixture(scope="module")
+def oracle_src(tmp_path_factory):
+    from oracles import load_oracle, oracle_dir
+    d = oracle_dir(tmp_path_factory.mktemp("oracles"), "long-prompt")
+    return d, load_oracle(d)
+
+
+def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch):
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.batch import BatchRow, batch_graphs, greedy_batch
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    monkeypatch.setenv("COLI_GRAPHS", "1")
+    d, o = oracle_src
+    rt = _CapturingRuntime()
+    gb = CudaBackend(runtime=rt)
+    w = open_weights(d)
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    p = o["prompt_ids"]
+    caches = [model.new_cache(64) for _ in range(3)]
+    toks = [model.greedy_eager(q, c) for q, c in zip([p, p[:5], p[:20]], caches)]
+    dec = batch_graphs(model)
+    marks = []
+    for step in range(4):
+        marks.append(len(rt.launches))
+        toks = greedy_batch(model, [BatchRow(c, [t]) for c, t in zip(caches, toks)])
+        assert [c.length for c in caches] == [len(p) + 1 + step, 6 + step, 21 + step]
+        if step == 0:
+            assert dec.last_reason.startswith("first step of this batch") and rt.graph_launches == 0
+    marks.append(len(rt.launches))
+    assert not dec.failed and (dec.captures, dec.replays, rt.graph_launches) == (1, 3, 3)
+    assert marks[4] == marks[2]                      # replayed steps launch nothing from the host but the graph
+    captured = rt.launches[marks[1]:marks[2]]
+    st = dec.inputs[3]
+    c = model.config
+    bufs = [{int(x.ptr) for lc in cache.layers for x in (lc.lat, lc.k_pe, lc.k_idx) if x is not None}
+            for cache in caches]
+    rows = []
+    for name, args in captured:
+        if name == "kv_put":                          # (src, n, pos_ptr, dst): row r's position, row r's cache
+            r = (args[2] - st.dyn.ptr - st.layout.pos_at) // 8
+            assert args[3] in bufs[r]
+            rows.append(r)
+        elif name == "indexer_scores_dyn":
+            rows.append(("idx", (args[5] - st.dyn.ptr - st.layout.pos_at) // 8))
+        elif name == "embed_f32":
+            assert args[-2] == st.dyn.ptr                                     # the B tokens of the step's inputs
+        elif name == "rope":
+            assert args[4] == 3 and args[1] == st.dyn.ptr + st.layout.angles_at   # B rows of angles
+    full = sum(t == "full" for t in c.indexer_types)
+    want = []
+    for i in range(c.num_hidden_layers):             # per layer, rows in order: lat, k_pe (+ k_idx), then the indexer
+        for r in range(3):
+            want += [r, r] + ([r, ("idx", r)] if c.indexer_types[i] == "full" else [])
+    assert rows == want and full > 0
+    # a row leaving: a new key, eager once, then captured
+    for _ in range(3):
+        toks = greedy_batch(model, [BatchRow(c2, [t]) for c2, t in zip(caches[:2], toks[:2])])
+    assert (dec.captures, dec.replays) == (2, 5) and not dec.failed
