@@ -45,6 +45,30 @@ def test_layout_packs_tokens_positions_and_each_rows_angles():
         lay.pos_offset(3)
 
 
+
+def test_layout_packs_a_forced_routing_per_moe_layer():
+    from coli.gpu.batch_graphs import batch_route_mode
+    lay = BatchStepLayout(B=2, half=4, moe_layers=(1, 3), K=3)
+    assert lay.route_offset(1) == lay.angles_at + 8 * 2 * 4 and lay.route_offset(3) == lay.route_offset(1) + 8 * 6
+    assert lay.nbytes == lay.route_offset(3) + 8 * 6
+    buf = np.zeros(lay.nbytes, np.uint8)
+    angles = np.zeros((2, 4), np.float32)
+    idx = np.array([[0, 5, 2], [7, 1, 3]])
+    w = np.arange(6, dtype=np.float32).reshape(2, 3) / 8
+    lay.pack(buf, [1, 2], [3, 4], angles, angles, {3: (idx, w)})
+    o = lay.route_offset(3)
+    assert buf[o:o + 24].view(np.int32).reshape(2, 3).tolist() == idx.tolist()
+    np.testing.assert_array_equal(buf[o + 24:o + 48].view(np.float32).reshape(2, 3), w)
+    with pytest.raises(ValueError, match=r"a forced routing of shape \(1, 3\) at layer 1 in a step of 2x3"):
+        lay.pack(buf, [1, 2], [3, 4], angles, angles, {1: (idx[:1], w[:1])})
+    ok = {1: (idx, w), 3: (idx, w)}
+    assert batch_route_mode(ok, 2, 3, 8) is None
+    assert "keeps the router's choice at layer 3" in batch_route_mode({1: (idx, w), 3: None}, 2, 3, 8)
+    assert "dropped slots" in batch_route_mode({1: (np.where(idx == 5, -1, idx), w)}, 2, 3, 8)
+    assert "outside 0..5" in batch_route_mode({1: (idx, w)}, 2, 3, 6)
+    assert "shape (1, 3)" in batch_route_mode({1: (idx[:1], w[:1])}, 2, 3, 8)
+
+
 class _Drv:
     @staticmethod
     def pagelocked_empty(n, dtype):
@@ -93,11 +117,11 @@ def _backend():
     return gb
 
 
-def _inputs(gb, B, H=128, Im=64, E=16):
+def _inputs(gb, B, H=128, Im=64, E=16, K=4):
     from coli.container.format import RecordLayout
     lay = RecordLayout.make(H, Im, "int4", 64, 512)
     slots = gb.rt.empty((4, E), np.uint64)
-    return BatchStepInputs(gb.rt, BatchStepLayout(B, 8), slots, E, lay), slots
+    return BatchStepInputs(gb.rt, BatchStepLayout(B, 8, (1, 2, 3), K), slots, E, lay), slots
 
 
 def test_rows_read_their_own_position_span_and_capacity():
@@ -126,11 +150,13 @@ def test_rows_read_their_own_position_span_and_capacity():
         st.check_rows(3, "moe_step")
 
 
-def test_a_batched_moe_step_runs_each_rows_fused_decode_on_its_own_rows():
+@pytest.mark.parametrize("mode", ["router", "forced"])
+def test_a_batched_moe_step_runs_each_rows_fused_decode_on_its_own_rows(mode):
     from coli.gpu.cuda_backend import DeviceRoute
     gb = _backend()
     B, H, K = 3, 128, 4
-    st, slots = _inputs(gb, B, H=H)
+    st, slots = _inputs(gb, B, H=H, K=K)
+    st.mode = mode
     gb.step = st
     x = gb.rt.empty((B, H))
     route = DeviceRoute(gb.rt.empty((B, K), np.int32), gb.rt.empty((B, K)), K)
@@ -138,12 +164,15 @@ def test_a_batched_moe_step_runs_each_rows_fused_decode_on_its_own_rows():
     assert out.shape == (B, H)
     names = [n for n, _ in gb.rt.launches]
     assert names == ["expert_table", "moe_gateup_int4", "moe_down_int4"] * B
+    # the router's [B, K] choice, or layer 2's forced [B, K] in the step's inputs
+    idx0, w0 = ((route.idx.ptr, route.weights.ptr) if mode == "router" else
+                (st.dyn.ptr + st.layout.route_offset(2), st.dyn.ptr + st.layout.route_offset(2) + 4 * B * K))
     for r in range(B):
         tab, gu, dn = (args for _, args in gb.rt.launches[3 * r:3 * r + 3])
-        assert tab[0] == route.idx.ptr + 4 * K * r and tab[2] == slots.ptr + 2 * 16 * 8   # row r's top-k, layer 2
-        assert gu[10] == x.ptr + 4 * H * r                                                # row r's activation
-        assert dn[9] == route.weights.ptr + 4 * K * r and dn[11] == out.ptr + 4 * H * r   # its weights, its output
-        assert dn[12] == 0                                                                # K <= 8: one launch, no sum
+        assert tab[0] == idx0 + 4 * K * r and tab[2] == slots.ptr + 2 * 16 * 8   # row r's top-k, layer 2's slots
+        assert gu[10] == x.ptr + 4 * H * r                                       # row r's activation
+        assert dn[9] == w0 + 4 * K * r and dn[11] == out.ptr + 4 * H * r         # its weights, its output
+        assert dn[12] == 0                                                       # K <= 8: one launch, no sum
 
 
 class _CapturingRuntime(_RecordingRuntime):
@@ -227,7 +256,20 @@ def oracle_src(tmp_path_factory):
     return d, load_oracle(d)
 
 
-def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch):
+class _Forced:
+    """A route override (what the benchmarks' TraceRouting is): fixed experts per layer, every call recorded."""
+
+    def __init__(self, K, E):
+        self.K, self.E, self.calls = K, E, []
+
+    def __call__(self, layer, n):
+        self.calls.append((layer, n))
+        idx = (np.arange(n * self.K).reshape(n, self.K) + layer) % self.E
+        return idx.astype(np.int64), np.full((n, self.K), 1.0 / self.K, np.float32)
+
+
+@pytest.mark.parametrize("routing", ["router", "forced"])
+def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing):
     from coli.gpu.cuda_backend import CudaBackend
     from coli.loader import open_weights
     from coli.model.batch import BatchRow, batch_graphs, greedy_batch
@@ -243,6 +285,9 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch):
     caches = [model.new_cache(64) for _ in range(3)]
     toks = [model.greedy_eager(q, c) for q, c in zip([p, p[:5], p[:20]], caches)]
     dec = batch_graphs(model)
+    c = model.config
+    forced = _Forced(c.num_experts_per_tok, c.n_routed_experts) if routing == "forced" else None
+    model.route_override = forced
     marks = []
     for step in range(4):
         marks.append(len(rt.launches))
@@ -255,7 +300,11 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch):
     assert marks[4] == marks[2]                      # replayed steps launch nothing from the host but the graph
     captured = rt.launches[marks[1]:marks[2]]
     st = dec.inputs[3]
-    c = model.config
+    if forced is not None:        # drawn once per MoE layer per step: eager, captured and replayed steps alike
+        assert forced.calls == [(i, 3) for _ in range(4) for i in c.moe_layers]
+        tables = [args[0] for name, args in captured if name == "expert_table"]
+        K = c.num_experts_per_tok
+        assert tables == [st.dyn.ptr + st.layout.route_offset(i) + 4 * K * r for i in c.moe_layers for r in range(3)]
     bufs = [{int(x.ptr) for lc in cache.layers for x in (lc.lat, lc.k_pe, lc.k_idx) if x is not None}
             for cache in caches]
     rows = []
@@ -280,3 +329,5 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch):
     for _ in range(3):
         toks = greedy_batch(model, [BatchRow(c2, [t]) for c2, t in zip(caches[:2], toks[:2])])
     assert (dec.captures, dec.replays) == (2, 5) and not dec.failed
+    if forced is not None:
+        assert forced.calls[4 * len(c.moe_layers):] == [(i, 2) for _ in range(3) for i in c.moe_layers]

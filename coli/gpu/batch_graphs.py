@@ -11,6 +11,7 @@ attention span -- all in device memory, written by the graph's first node from o
     tokens [B]               int32   embed
     (position, T) [B]        int32   kv_put, indexer_scores_dyn / topk_select_dyn of row r (pos_ptr)
     cos [B, half], sin [B, half]  fp32   rope (cos_sin_table of each row's position, as the eager step)
+    forced routing [MoE layer][B, K]   int32 + fp32   only with a route override (benchmarks replay a trace)
 
 The MoE runs each row's own fused decode of its K experts (CudaBackend.moe_step over B rows) through the slot table
 of the one-sequence GraphDecoder (coli/gpu/graphs.py), so a row's routed sum is computed by the kernels of its decode
@@ -60,10 +61,13 @@ class BatchStepLayout:
         0          int32 tokens [B]
         pos_at     int32 (position, T = position + 1) per row, 8 bytes a row
         angles_at  fp32 cos [B, half], then fp32 sin [B, half]       (half = qk_rope_head_dim / 2)
+        then       per MoE layer j (in moe_layers order): int32 idx [B, K], fp32 weights [B, K]  (forced routing)
     """
 
     B: int
     half: int
+    moe_layers: tuple[int, ...] = ()
+    K: int = 0
 
     @property
     def pos_at(self) -> int:
@@ -78,14 +82,19 @@ class BatchStepLayout:
     def angles_at(self) -> int:
         return _align16(self.pos_at + 8 * self.B)
 
+    def route_offset(self, layer: int) -> int:
+        """Offset of layer's forced idx [B, K] int32; its weights [B, K] fp32 follow."""
+        j = self.moe_layers.index(layer)
+        return self.angles_at + 8 * self.B * self.half + j * 8 * self.B * self.K
+
     @property
     def nbytes(self) -> int:
-        return self.angles_at + 8 * self.B * self.half
+        return self.angles_at + 8 * self.B * self.half + len(self.moe_layers) * 8 * self.B * self.K
 
     def pack(self, buf: np.ndarray, tokens: Sequence[int], positions: Sequence[int], cos: np.ndarray,
-             sin: np.ndarray) -> None:
-        """Write one step's inputs into buf (uint8 [nbytes]). cos/sin [B, half]."""
-        B, h = self.B, self.half
+             sin: np.ndarray, forced: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        """Write one step's inputs into buf (uint8 [nbytes]). cos/sin [B, half]; forced: layer -> (idx, w) [B, K]."""
+        B, h, K = self.B, self.half, self.K
         if buf.dtype != np.uint8 or buf.nbytes < self.nbytes:
             raise ValueError(f"step inputs need a uint8 buffer of {self.nbytes} bytes, got {buf.dtype} {buf.nbytes}")
         if len(tokens) != B or len(positions) != B or np.shape(cos) != (B, h) or np.shape(sin) != (B, h):
@@ -95,9 +104,29 @@ class BatchStepLayout:
         pt = buf[self.pos_at:self.pos_at + 8 * B].view(np.int32).reshape(B, 2)
         pos = np.asarray(positions, np.int64)
         pt[:, 0], pt[:, 1] = pos, pos + 1
-        a = buf[self.angles_at:self.nbytes].view(np.float32)
+        a = buf[self.angles_at:self.angles_at + 8 * B * h].view(np.float32)
         a[:B * h] = np.asarray(cos, np.float32).reshape(-1)
         a[B * h:] = np.asarray(sin, np.float32).reshape(-1)
+        for layer, (idx, w) in (forced or {}).items():
+            if np.shape(idx) != (B, K) or np.shape(w) != (B, K):
+                raise ValueError(f"a forced routing of shape {np.shape(idx)} at layer {layer} in a step of {B}x{K}")
+            o = self.route_offset(layer)
+            buf[o:o + 4 * B * K].view(np.int32)[:] = np.asarray(idx, np.int64).reshape(-1)
+            buf[o + 4 * B * K:o + 8 * B * K].view(np.float32)[:] = np.asarray(w, np.float32).reshape(-1)
+
+
+def batch_route_mode(routes: dict, B: int, K: int, E: int) -> str | None:
+    """Why a forced routing of a B-row step cannot be replayed (None: it can): every MoE layer must force all B x K
+    slots to experts 0..E-1 (a dropped slot, -1, or a layer keeping the router's choice runs the step eagerly)."""
+    for i, r in routes.items():
+        if r is None:
+            return f"the route override keeps the router's choice at layer {i}"
+        idx = np.asarray(r[0])
+        if idx.shape != (B, K) or np.shape(r[1]) != (B, K):
+            return f"a forced routing of shape {idx.shape} at layer {i} in a step of {B} rows"
+        if (idx < 0).any() or (idx >= E).any():
+            return f"a forced routing with dropped slots or expert ids outside 0..{E - 1} at layer {i}"
+    return None
 
 
 class BatchStepInputs:
@@ -173,7 +202,13 @@ class BatchStepInputs:
                 DeviceArray(base + 4 * B * half, (B, half), np.float32, self.dyn.owner))
 
     def route_ptrs(self, layer: int, route) -> tuple[int, int]:
-        return route.idx.ptr, route.weights.ptr
+        """Row 0 of layer's [B, K] choice (the router's, or the step's forced routing); row r is 4 K r bytes on."""
+        if route.K != self.layout.K:
+            self._fail(f"a router of top-{route.K} in a batched step laid out for top-{self.layout.K}")
+        if self.mode == "router":
+            return route.idx.ptr, route.weights.ptr
+        o = self.dyn.ptr + self.layout.route_offset(layer)
+        return o, o + 4 * self.layout.B * self.layout.K
 
     def slots_row(self, layer: int) -> int:
         return self.slots.ptr + layer * self.E * 8
@@ -201,30 +236,36 @@ class BatchGraphDecoder:
         m, c, b = self.model, self.model.config, self.b
         single = m.step_graphs
         B = len(rows)
+        routes, mode = None, "router"
+        if m.route_override is not None:           # drawn once per step: a replay reads them from its inputs
+            routes = {i: m.route_override(i, B) for i in c.moe_layers}
+            why = batch_route_mode(routes, B, c.num_experts_per_tok, c.n_routed_experts)
+            if why is not None:
+                return self._eager(rows, routes, why)
+            mode = "forced"
         for r in rows:
             r.cache.reserve(1)
         spans = [single._attn_span(r.cache.length + 1) for r in rows]
-        key = ("batch", B, b.moe_kernels) + tuple(
+        key = ("batch", B, mode, b.moe_kernels) + tuple(
             step_key(r.cache, "router", b.moe_kernels) + (("attn", sp),) for r, sp in zip(rows, spans))
         if key in self.failed:
-            self.last_reason = self.failed[key]
-            return None
+            return self._eager(rows, routes, self.failed[key])
         g = self.graphs.get(key)
         if g is None and key not in self.seen:
             self.seen[key] = True
-            self.last_reason = "first step of this batch (eager: compiles and sizes what the capture needs)"
-            return None
+            return self._eager(rows, routes, "first step of this batch (eager: compiles and sizes what the capture "
+                                             "needs)")
         st = self._inputs(B)
         positions = [r.cache.length for r in rows]
         tables = [cos_sin_table([p], c.qk_rope_head_dim, c.rope_theta) for p in positions]
         st.layout.pack(st.pinned_in, [int(x[0]) for x in ids], positions,
-                       np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables]))
+                       np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables]), routes)
         if g is None:
             st.positions, st.capacities, st.spans = positions, [r.cache.capacity for r in rows], spans
+            st.mode = mode
             g = self._capture(key, rows, st)
             if g is None:
-                self.last_reason = self.failed[key]
-                return None
+                return self._eager(rows, routes, self.failed[key])
         self.graphs.move_to_end(key)
         rt = b.rt
         g.launch(rt)
@@ -245,6 +286,22 @@ class BatchGraphDecoder:
         self._bound = None
 
     # ---- inside ----------------------------------------------------------------------------------------------
+    def _eager(self, rows, routes, reason: str) -> list[int] | None:
+        """Say why, and run the step eagerly: here with the routes already drawn from the override (None: the
+        caller runs it, nothing was drawn)."""
+        from coli.gpu.graphs import _Replay
+        from coli.model.batch import step_logits
+        self.last_reason = reason
+        if routes is None:
+            return None
+        m = self.model
+        saved, m.route_override = m.route_override, _Replay(routes)
+        try:
+            logits, _ = step_logits(m, rows, all_positions=False)
+            return [int(t) for t in self.b.argmax(logits)]
+        finally:
+            m.route_override = saved
+
     def _why_not(self, rows, ids) -> str | None:
         m = self.model
         if any(len(x) != 1 for x in ids):
@@ -252,8 +309,6 @@ class BatchGraphDecoder:
         why = why_not_graphable(m, [0])
         if why is not None:
             return why
-        if m.route_override is not None:
-            return "a route override (forced routing) in a batched step"
         if any(r.cache.backend is not self.b for r in rows) or m.backend is not self.b:
             return "the model or a cache lives on another backend"
         if not all(0 <= int(x[0]) < m.config.vocab_size for x in ids):
@@ -273,8 +328,8 @@ class BatchGraphDecoder:
         st = self.inputs.get(B)
         if st is None:
             c, one = self.model.config, self._bound
-            st = self.inputs[B] = BatchStepInputs(self.b.rt, BatchStepLayout(B, c.qk_rope_head_dim // 2), one.slots,
-                                                  c.n_routed_experts, one.rec_layout)
+            layout = BatchStepLayout(B, c.qk_rope_head_dim // 2, tuple(c.moe_layers), c.num_experts_per_tok)
+            st = self.inputs[B] = BatchStepInputs(self.b.rt, layout, one.slots, c.n_routed_experts, one.rec_layout)
         return st
 
     def _capture(self, key: tuple, rows, st: BatchStepInputs):

@@ -542,7 +542,7 @@ class CudaBackend:
         for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
         _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch). S > 1: a
         batched decode step (coli/gpu/batch_graphs.py), each row its own fused decode of its K experts, row after
-        row (route [S, K], router mode only)."""
+        row (route, or the step's forced routing, [S, K])."""
         st = self.step.check_rows(x.shape[0], "moe_step")
         S, H = x.shape
         out = self.empty((S, H))
@@ -550,8 +550,6 @@ class CudaBackend:
             self.rt.zero(out.ptr, out.nbytes)
             return out
         idx_ptr, w_ptr = st.route_ptrs(layer, route)
-        if S > 1 and st.mode != "router":
-            raise CudaError(f"a forced routing in a captured step of {S} rows (router mode only)")
         slots, lay = st.slots_row(layer), st.rec_layout
         f_tab = self._fn("graph", "expert_table")
         for r in range(S):
