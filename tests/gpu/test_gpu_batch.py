@@ -210,3 +210,35 @@ def test_a_bad_batch_graphs_setting_fails_at_model_load(root, oracles, monkeypat
     monkeypatch.setenv("COLI_BATCH_GRAPHS", "on")
     with pytest.raises(ColiError, match="COLI_BATCH_GRAPHS='on'"):
         load_model(d, "gpu")
+
+
+class FixedRoutes:
+    """A route override (as the benchmarks' trace replay): each token's experts a function of its layer and row."""
+
+    def __init__(self, K, E):
+        self.K, self.E = K, E
+
+    def __call__(self, layer, n):
+        idx = (np.arange(n * self.K).reshape(n, self.K) * 3 + layer) % self.E
+        w = np.linspace(0.5, 1.5, n * self.K, dtype=np.float32).reshape(n, self.K)
+        return idx.astype(np.int64), w
+
+
+def test_replayed_batched_steps_with_a_forced_routing_equal_the_numpy_path(root, oracles, monkeypatch):
+    from coli.loader import load_model
+    from coli.model.batch import batch_graphs
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    src, _ = oracles["batch-topk"]
+    o = load_oracle(src)
+    d = container(root, src, "batch-topk-f32", experts="f32", dense="f32")
+    gpu, cfg = load_model(d, "gpu")
+    cpu, _ = load_model(d, "cpu")
+    for m in (gpu, cpu):
+        m.route_override = FixedRoutes(cfg.num_experts_per_tok, cfg.n_routed_experts)
+    prompts = _prompts(o)[:3]
+    n_new = [20, 20, 20]
+    g = run_batch(gpu, prompts, n_new)
+    dec = batch_graphs(gpu)
+    report("batch_graphs_forced", replays=dec.replays, captures=dec.captures, failed=dict(dec.failed))
+    assert dec.replays > 0 and not dec.failed
+    assert g == run_batch(cpu, prompts, n_new)
