@@ -251,9 +251,12 @@ _CapturingRuntime.drv = type("Drv", (), {"pagelocked_empty": staticmethod(lambda
 
 @pytest.fixture(scope="module")
 def oracle_src(tmp_path_factory):
+    from coli.container.writer import ConvertOptions, convert
     from oracles import load_oracle, oracle_dir
     d = oracle_dir(tmp_path_factory.mktemp("oracles"), "long-prompt")
-    return d, load_oracle(d)
+    int4 = tmp_path_factory.mktemp("containers") / "long-prompt-int4"
+    convert(d, int4, ConvertOptions(experts="int4", dense="int8", group=64))
+    return {"f32": d, "int4": int4}, load_oracle(d)
 
 
 class _Forced:
@@ -268,15 +271,16 @@ class _Forced:
         return idx.astype(np.int64), np.full((n, self.K), 1.0 / self.K, np.float32)
 
 
-@pytest.mark.parametrize("routing", ["router", "forced"])
-def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing):
+@pytest.mark.parametrize("routing,fmt", [("router", "f32"), ("forced", "f32"), ("router", "int4")])
+def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing, fmt):
     from coli.gpu.cuda_backend import CudaBackend
     from coli.loader import open_weights
     from coli.model.batch import BatchRow, batch_graphs, greedy_batch
     from coli.model.forward import GlmMoeDsaModel
     monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
     monkeypatch.setenv("COLI_GRAPHS", "1")
-    d, o = oracle_src
+    dirs, o = oracle_src
+    d = dirs[fmt]                                    # the checkpoint, or an int4 container (int8 dense core)
     rt = _CapturingRuntime()
     gb = CudaBackend(runtime=rt)
     w = open_weights(d)
@@ -315,7 +319,7 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, r
             rows.append(r)
         elif name == "indexer_scores_dyn":
             rows.append(("idx", (args[5] - st.dyn.ptr - st.layout.pos_at) // 8))
-        elif name == "embed_f32":
+        elif name.startswith("embed_"):
             assert args[-2] == st.dyn.ptr                                     # the B tokens of the step's inputs
         elif name == "rope":
             assert args[4] == 3 and args[1] == st.dyn.ptr + st.layout.angles_at   # B rows of angles
