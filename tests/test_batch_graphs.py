@@ -335,3 +335,24 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, r
     assert (dec.captures, dec.replays) == (2, 5) and not dec.failed
     if forced is not None:
         assert forced.calls[4 * len(c.moe_layers):] == [(i, 2) for _ in range(3) for i in c.moe_layers]
+
+
+def test_a_model_with_batched_graphs_can_be_freed(oracle_src, monkeypatch):
+    """The decoder is kept per model (coli.model.batch.batch_graphs): it must not keep its model -- and the model's
+    device weights -- alive once the caller drops it."""
+    import gc
+    import weakref
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.batch import batch_graphs
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    dirs, _ = oracle_src
+    w = open_weights(dirs["f32"])
+    gb = CudaBackend(runtime=_CapturingRuntime())
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    assert batch_graphs(model) is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

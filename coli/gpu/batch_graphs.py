@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -218,7 +219,10 @@ class BatchGraphDecoder:
     """Greedy batched decode steps of one model replayed from CUDA graphs (see the module docstring)."""
 
     def __init__(self, model, backend):
-        self.model, self.b = model, backend
+        # weak: coli.model.batch keeps this decoder in a WeakKeyDictionary keyed by the model, which a strong
+        # reference back would keep alive (and with it every weight on the device)
+        self._model = weakref.ref(model)
+        self.b = backend
         self.graphs: OrderedDict[tuple, Any] = OrderedDict()
         self.seen = _Bounded()
         self.failed = _Bounded()
@@ -226,6 +230,10 @@ class BatchGraphDecoder:
         self._bound = None                                  # the one-sequence decoder's step whose slot table we use
         self.replays = self.captures = 0
         self.last_reason: str | None = None
+
+    @property
+    def model(self):
+        return self._model()
 
     def greedy(self, rows, ids: list[np.ndarray]) -> list[int] | None:
         """Each row's greedy next token from a replayed graph; None: run the step eagerly (last_reason says why)."""
