@@ -36,6 +36,7 @@ F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
 VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
 MOE_K_MAX = 8                      # experts per fused decode launch (cuda_backend.MOE_MAXK)
+ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "auto")   # cuda_backend.ATTN_VERSIONS, oldest first
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -249,6 +250,7 @@ def main() -> int:
     ap.add_argument("--dense-16k", action="store_true", help="also time attention over all 16,384 keys (no DSA)")
     ap.add_argument("--dense-only", action="store_true",
                     help="only the copy, the dense GEMVs and the attention rows (skip the MoE and the other kernels)")
+    ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
     ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
     a = ap.parse_args()
     if a.moe_compare:
@@ -286,7 +288,7 @@ def main() -> int:
     add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
     del src, dst
 
-    if not a.dense_only:    # --dense-only: the copy, then the GEMV and attention rows
+    if not (a.dense_only or a.attn_only):    # --dense-only: the copy, then the GEMV and attention rows
         # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
         # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
         # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
@@ -392,7 +394,7 @@ def main() -> int:
     # matrix rotates over copies totalling > 120 MB so that L2 (60 MB) never holds the previous call's weights
     gemv_res = res["gemv"] = {}
     from coli.gpu.cuda_backend import gemv2_split
-    for name, (r_, c_, fmt) in {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
+    for name, (r_, c_, fmt) in {} if a.attn_only else {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
                                 "q_b_proj": (16384, 2048, "int4"), "o_proj": (H, 16384, "int4"),
                                 "shared gate (int4)": (2048, H, "int4"), "router (f32)": (256, H, "f32")}.items():
         w = qw(r_, c_, fmt)
@@ -409,7 +411,7 @@ def main() -> int:
             row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
         gb.gemv_kernels = "v2"
         del ws_
-    if not a.dense_only:
+    if not (a.dense_only or a.attn_only):
         lm = qw(V, H, "int4")
         us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
         add(f"lm_head gemv {V}x{H} int4", us, lm.nbytes)
@@ -424,7 +426,7 @@ def main() -> int:
     nh, dn, dr, dv, L = 64, 192, 64, 256, 512
     kvb = qw(nh * (dn + dv), L, "int8")
     w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
-    attn = res["mla_attend"] = {}     # per case: v1 / new whole-op us, the new one's parts, the chunk sweep
+    attn = res["mla_attend"] = {}     # per case: every version's whole-op us, the parts, the chunk sweeps
     # kv_b and the cache rotate over copies (> 120 MB each) so that every call reads them from HBM, as a decode step
     # does after the other layers' weights went through L2
     NKV = 9
@@ -449,15 +451,24 @@ def main() -> int:
                 continue
             c = attn[f"T={T} {cname}"] = {}
             nb = kvb.nbytes + 4 * nkeys * (L + dr)
-            for ver in ("v1", "split1", "auto"):
+            for ver in ATTN_BENCH_VERSIONS:
                 gb.attn_kernels = ver
                 us = tm.per_call_us(lambda i: gb.mla_attend(q, lats[i % ncache], kpes[i % ncache], *heads[i % NKV],
                                                             mask, 1 / 16), a.iters, spin_us=400)
-                add(f"mla_attend decode T={T} {cname} [{'split' if ver == 'auto' else ver}]", us, nb)
+                add(f"mla_attend decode T={T} {cname} [{'tile2' if ver == 'auto' else ver}]", us, nb)
                 c[ver] = round(us, 2)
-            gb.attn_kernels = "split1"
-            c["core_split1_us"] = round(tm.per_call_us(lambda i: gb.attend_core(
-                gb.empty((1, nh, L)), q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+            # the context alone (part + combine) of every split version, and each one's result against split2's
+            qa_in = gb.upload(rng.standard_normal((1, nh, L)).astype(F32) * 0.05)
+            core_v, err_v = c["core_us_by_version"], c["ctx_rel_err_vs_split2"] = {}, {}
+            ref = None
+            for ver in ("split2",) + tuple(v for v in ATTN_BENCH_VERSIONS if v not in ("v1", "split2")):
+                gb.attn_kernels = ver
+                core_v[ver] = round(tm.per_call_us(lambda i: gb.attend_core(
+                    qa_in, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+                got = gb.to_host(gb.attend_core(qa_in, q, dn, lat, kpe, mask, 1 / 16)).astype(np.float64)
+                ref = got if ref is None else ref
+                err_v[ver] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            c["core_split1_us"] = core_v["split1"]
             gb.attn_kernels = "auto"
             # the new op's three parts: q_abs (gemv_t), the split context (part + combine), o (gemv over heads)
             q_abs, ctx, o = gb.empty((1, nh, L)), gb.empty((1, nh, L)), gb.empty((1, nh * dv))
@@ -470,16 +481,18 @@ def main() -> int:
                 gb.attend_core(q_abs, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16)
             c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
             c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
-            sweep = c["core_us_by_chunk"] = {}
-            for ch in (16, 32, 64, 128, 256, 512):
-                gb.attn_chunk = ch
-                sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
-            gb.attn_chunk = None
+            for ver in ("auto", "tile1"):            # the chunk sweep of both tile kernels
+                gb.attn_kernels = ver
+                sweep = c["core_us_by_chunk" if ver == "auto" else f"core_us_by_chunk_{ver}"] = {}
+                for ch in (16, 32, 64, 128, 256, 512):
+                    gb.attn_chunk = ch
+                    sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
+            gb.attn_chunk, gb.attn_kernels = None, "auto"
             print(f"mla_attend T={T} {cname}: {json.dumps(c)}", flush=True)
         gb.attn_kernels = "auto"
         del lat, kpe, kid, lats, kpes
     del kvbs, heads
-    if not a.dense_only:
+    if not (a.dense_only or a.attn_only):
         rw = qw(256, H, "f32")
         bias = gb.upload(rng.standard_normal(256).astype(F32) * 0.01)
         t0 = time.perf_counter()
@@ -554,9 +567,12 @@ def main() -> int:
     if att:
         print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
         for k, c in att.items():
-            print(f"  {k}: v1 {c['v1']:.1f} us -> split1 {c['split1']:.1f} -> split {c['auto']:.1f} us "
-                  f"({c['v1'] / c['auto']:.1f}x); parts: q_abs {c['q_abs_us']:.1f}, context {c['core_us']:.1f} "
-                  f"(split1's {c['core_split1_us']:.1f}), o {c['o_us']:.1f}; context by chunk {c['core_us_by_chunk']}")
+            print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
+                  + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2); parts: q_abs "
+                  f"{c['q_abs_us']:.1f}, context {c['core_us']:.1f}, o {c['o_us']:.1f}")
+            print(f"    context by version {c['core_us_by_version']} (rel err vs split2 "
+                  f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
+                  f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}")
     gv = res.get("gemv", {})
     if gv:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")

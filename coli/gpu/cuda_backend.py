@@ -60,6 +60,8 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("attention", f"mla_attend_part_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
         s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
     s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
+    s[("attention", "mla_attend_tile2")] = s[("attention", "mla_attend_tile1")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_combine4")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
         s[("elementwise", f"dequant_{f}")] = QM + "iP"
@@ -101,16 +103,19 @@ MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts pe
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
-# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks (cuda/attention.cu
-# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "split1" the same with the first split kernel
-# (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
-# row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
+# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks as two register-tiled
+# products per tile (cuda/attention.cu mla_attend_tile2 + mla_attend_combine4; mla_attend_tile1 where the device's
+# shared memory per block cannot take tile2's two buffers) where the shapes allow; "tile1" always the one-buffer tile
+# kernel; "split2" the previous split kernel (mla_attend_part_<NJ> + mla_attend_combine: a warp per 2 heads,
+# shuffle-summed dots); "split1" the same with the first split kernel (mla_attend_part1_<NJ>: a tile staged in
+# dependent load steps); "v1" the first version (one block per head and row, the projections as tiled GEMMs). The
+# older ones stay for scripts/bench_kernels.py's comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
 # staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
-ATTN_VERSIONS = ("auto", "split1", "v1")
+ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
 GEMV_VERSIONS = ("v2", "v1")
 
 
@@ -381,23 +386,38 @@ class CudaBackend:
         if n_max is None:
             n_max = mask.kmax if mask.idx is not None else mask.start + S
         chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
-        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
-        smem = attention_split.smem_bytes(Lkv, dr)
-        if not self.rt.allow_smem(fn, smem):
-            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        fn, threads, smem, combine, combine_threads = self._split_kernels(Lkv, dr, nj)
         grid = (nchunk, attention_split.head_groups(nh), S)
         args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,
                 dr, F32(scale), chunk, nchunk)
         if nchunk == 1:                   # one chunk per row: the block normalises and writes ctx itself
-            self.rt.launch(fn, grid, attention_split.THREADS, *args, 0, 0, ctx.ptr, smem=smem)
+            self.rt.launch(fn, grid, threads, *args, 0, 0, ctx.ptr, smem=smem)
             return ctx
         pm, pl = self.empty((S, nh, nchunk)), self.empty((S, nh, nchunk))
         pc = self.empty((S, nh, nchunk, Lkv))
-        self.rt.launch(fn, grid, attention_split.THREADS, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
-        fc = self._fn("attention", "mla_attend_combine")
-        self.rt.launch(fc, (nh, S), attention_split.COMBINE_THREADS, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
+        self.rt.launch(fn, grid, threads, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
+        fc = self._fn("attention", combine)
+        self.rt.launch(fc, (nh, S), combine_threads, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
                        T_dev, S, nh, Lkv, chunk, nchunk, ctx.ptr)
         return ctx
+
+    def _split_kernels(self, Lkv: int, dr: int, nj: int) -> tuple[Any, int, int, str, int]:
+        """(part kernel, its threads, its dynamic shared memory, combine kernel name, its threads) of the split
+        context under attn_kernels. "auto" takes mla_attend_tile2 (two key buffers) where the device lets a block
+        have its shared memory, else mla_attend_tile1 (one buffer: 92 KB at GLM-5's shape, within sm_86/89's 99 KB),
+        else the part kernel; the choice depends only on the device, so a captured step and the eager one agree."""
+        AS = attention_split
+        tiles = {"auto": (2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
+        for nbuf in tiles:
+            fn = self._fn("attention", f"mla_attend_tile{nbuf}")
+            smem = AS.tile_smem_bytes(Lkv, dr, nbuf)
+            if self.rt.allow_smem(fn, smem):
+                return fn, AS.TILE2_THREADS, smem, "mla_attend_combine4", AS.COMBINE4_THREADS
+        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
+        smem = AS.smem_bytes(Lkv, dr)
+        if not self.rt.allow_smem(fn, smem):
+            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        return fn, AS.THREADS, smem, "mla_attend_combine", AS.COMBINE_THREADS
 
     def _gemv_t(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
         """y[z][n] = x[z] @ W[wrow0 + z*wz : + K] (n < W.cols); False when gemv_t does not apply (use _gemm)."""
