@@ -559,3 +559,129 @@ extern "C" __global__ void mla_attend_combine4(const float *pm, const float *pl,
     reinterpret_cast<float4 *>(ctx + ((long long)s * nh + h) * Lkv)[d4] =
         make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
 }
+
+// ==== the decode projections around the context: mla_qabs_<fmt> (q_abs) and mla_o_<fmt> (o) ===================
+// gemv_t_<fmt> / gemv2_<fmt> ran q_abs (64 heads x 192 rows x 512 cols of kv_b) on 64 blocks, one per head (11 us on
+// the H200 for 6.3 MB of int8), and o took 9.6 us for 8.4 MB. Both are a per-head product with a slice of kv_b that
+// is read once; here each block takes 128 columns (q_abs) or 32 rows (o) of one head, so the grid is 4-8 blocks per
+// head (256-512 blocks) and every weight load of a thread is issued before any is used.
+//
+// mla_qabs_<fmt>(w, wrow0, wz, K, x, x_z, y, y_z):  y[z][n] = sum_k x[z][k] * W[wrow0 + z*wz + k, n], k < K, n < cols
+//   grid (ceil(nchunks / QA_CPB), Z), block 256, no dynamic smem. QA_CPB = 128 / VALS chunks (128 columns) per
+//   block; thread (rl, cc) = (tid / CPB, tid % CPB) reads chunk cc of rows rl, rl + RL, ... (RL = 256 / CPB), up to
+//   QA_U at once, and keeps the chunk's VALS column sums; the RL partial sums of a column are added in order of rl.
+//   Each term is x[k] * (v * s), the stored weight exactly (dequantize()), as in gemv_t.
+// mla_o_<fmt>(w, wrow0, wz, N, x, x_z, y, y_z):  y[z][n] = W[wrow0 + z*wz + n] . x[z], n < N
+//   grid (ceil(N / 32), Z), block 256 (warp w: rows 32 bx + 4 w .. + 3), dynamic smem = nchunks * VALS * 4 bytes;
+//   the rows are prefetched into L2 before x is staged, then warp_rows_dot (the GEMV's inner loop).
+#define QA_U 8
+
+template <int FMT>
+__device__ inline void at_chunk_vals(const uint4 &w, float *v) {   // a chunk's codes as floats, before scales
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
+        else if (FMT == FMT_BF16) {
+            v[2 * i] = __uint_as_float(ws[i] << 16);
+            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
+        } else if (FMT == FMT_INT8) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
+                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
+                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
+            }
+        }
+    }
+}
+
+template <int FMT>
+__device__ void mla_qabs_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
+                              long long y_z) {
+    constexpr int V = Chunk<FMT>::VALS, CPB = 128 / V, RL = 256 / CPB;
+    __shared__ float part[RL][128];                            // [row lane][column of the block]
+    const int z = blockIdx.y, nchunks = W.row_data / 16;
+    const int cc = threadIdx.x % CPB, rl = threadIdx.x / CPB, c = blockIdx.x * CPB + cc;
+    const float *xz = x + z * x_z;
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] = 0.f;
+    if (c < nchunks) {
+        for (int k0 = rl; k0 < K; k0 += QA_U * RL) {
+            uint4 w[QA_U];
+            float s[QA_U], xk[QA_U];
+#pragma unroll
+            for (int u = 0; u < QA_U; u++) {
+                const int k = k0 + u * RL;
+                s[u] = 0.f;
+                xk[u] = 0.f;
+                if (k < K) {
+                    const u8 *d, *m;
+                    qmat_row(W, wrow0 + z * wz + k, d, m);
+                    w[u] = ld_stream(d + 16 * c);
+                    s[u] = chunk_scale<FMT>(m, c, W.group) * row_scale<FMT>(m);
+                    xk[u] = xz[k];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < QA_U; u++) {
+                if (k0 + u * RL < K) {
+                    float v[V];
+                    at_chunk_vals<FMT>(w[u], v);
+#pragma unroll
+                    for (int i = 0; i < V; i++) acc[i] = fmaf(xk[u], v[i] * s[u], acc[i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) part[rl][cc * V + i] = acc[i];
+    __syncthreads();
+    const int n = blockIdx.x * 128 + threadIdx.x;
+    if (threadIdx.x < 128 && n < W.cols) {
+        float a = 0.f;
+        for (int r = 0; r < RL; r++) a += part[r][threadIdx.x];
+        y[z * y_z + n] = a;
+    }
+}
+
+template <int FMT>
+__device__ void mla_o_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z) {
+    extern __shared__ float4 at_xs4[];
+    float *xs = reinterpret_cast<float *>(at_xs4);
+    constexpr int V = Chunk<FMT>::VALS;
+    const int z = blockIdx.y, nchunks = W.row_data / 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * 32 + warp * 4;
+    const u8 *d[4], *m[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        qmat_row(W, wrow0 + z * wz + min(n0 + r, N - 1), d[r], m[r]);
+        if (lane == r && n0 + r < N) l2_prefetch(d[r], W.row_data);   // in flight while x is staged
+    }
+    stage_x<FMT>(xs, x + z * x_z, W.cols, nchunks * V);
+    __syncthreads();
+    float out[4];
+    warp_rows_dot<FMT, 4, 2>(d, m, nchunks, W.group, xs, lane, out);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (n0 + r < N) y[z * y_z + n0 + r] = out[r];
+    }
+}
+
+#define MLA_PROJ_KERNELS(NAME, FMT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) mla_qabs_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int K, \
+                                                                      const float *x, long long x_z, float *y, \
+                                                                      long long y_z) {                         \
+        mla_qabs_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, K, x, x_z, y, y_z);                                  \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) mla_o_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int N,    \
+                                                                   const float *x, long long x_z, float *y,    \
+                                                                   long long y_z) {                            \
+        mla_o_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z);                                     \
+    }
+COLI_FOR_FORMATS(MLA_PROJ_KERNELS)

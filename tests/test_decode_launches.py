@@ -60,8 +60,8 @@ def _weight(gb, rows, cols, fmt, group=64):
 
 
 @pytest.mark.parametrize("attn,want", [
-    ("auto", ["gemv_t_int8", "mla_attend_tile2", "mla_attend_combine4", "gemv2_int8"]),
-    ("tile1", ["gemv_t_int8", "mla_attend_tile1", "mla_attend_combine4", "gemv2_int8"]),
+    ("auto", ["mla_qabs_int8", "mla_attend_tile2", "mla_attend_combine4", "mla_o_int8"]),
+    ("tile1", ["mla_qabs_int8", "mla_attend_tile1", "mla_attend_combine4", "mla_o_int8"]),
     ("split2", ["gemv_t_int8", "mla_attend_part_16", "mla_attend_combine", "gemv2_int8"]),
     ("split1", ["gemv_t_int8", "mla_attend_part1_16", "mla_attend_combine", "gemv2_int8"]),
     ("v1", ["gemm_nn_int8", "mla_attend_16", "gemm_nt_int8"]),
@@ -85,6 +85,8 @@ def test_glm5_decode_attention_launches(attn, want, masking):
     if attn != "v1":
         part = gb.rt.launches[1]
         assert part[1] == (32, 4, 1) and part[2] == 256       # 32 chunks of 64 keys x 4 head groups: one wave
+    if attn in ("auto", "tile1"):                             # the projections: 4 (q_abs) and 8 (o) blocks per head
+        assert gb.rt.launches[0][1] == (4, nh) and gb.rt.launches[3][1] == (8, nh)
 
 
 def test_one_chunk_needs_no_combine():

@@ -72,6 +72,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
         s[("gemm", f"gemm_nn_{f}")] = "Pqqi" + QM + "iiiiPqq"
+        s[("attention", f"mla_qabs_{f}")] = s[("attention", f"mla_o_{f}")] = QM + "iiiPqPq"
         s[("gemm", f"moe_gateup_gemm_{f}")] = "PqqiiiiqPPPP"
         s[("gemm", f"moe_down_gemm_{f}")] = "PqiiiiqPPPPPiP"
     # the first version of the fused MoE decode, kept for scripts/bench_kernels.py's old-vs-new comparison
@@ -116,6 +117,7 @@ ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
 ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
+MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu); "auto" and "tile1" decode with them
 GEMV_VERSIONS = ("v2", "v1")
 
 
@@ -349,7 +351,9 @@ class CudaBackend:
         decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
-        if not (decode and self._gemv_t(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh, q.ptr, dq, q_abs.ptr, Lkv)):
+        proj = self.attn_kernels in ("auto", "tile1")     # the projections' own kernels (else the GEMVs)
+        if not (decode and (self._mla_qabs if proj else self._gemv_t)(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh,
+                                                                       q.ptr, dq, q_abs.ptr, Lkv)):
             self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
                        q_abs.ptr, nh * Lkv, Lkv, nh)
         # a captured step (coli/gpu/graphs.py) sizes the split by attn_span: the same chunks as the eager step at this T
@@ -357,7 +361,8 @@ class CudaBackend:
         ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max)
         # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
         o = self.empty((S, nh * dv))
-        if not (decode and self._gemv(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh, ctx.ptr, Lkv, o.ptr, dv)):
+        if not (decode and (self._mla_o if proj else self._gemv)(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh,
+                                                                 ctx.ptr, Lkv, o.ptr, dv)):
             self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
                        o.ptr, nh * dv, dv, nh)
         return o
@@ -418,6 +423,28 @@ class CudaBackend:
         if not self.rt.allow_smem(fn, smem):
             raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
         return fn, AS.THREADS, smem, "mla_attend_combine", AS.COMBINE_THREADS
+
+    def _mla_qabs(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """As _gemv_t, with cuda/attention.cu's mla_qabs_<fmt>: a block per 128 columns of a head (4 per head at
+        GLM-5's int8 kv_b), not one per head. False when it does not apply."""
+        if not w.vec_ok:
+            return False
+        nchunks, cpb = w.layout.row_data_bytes // 16, 128 // _chunk_vals(w.fmt)
+        fn = self._fn("attention", f"mla_qabs_{w.fmt}")
+        self.rt.launch(fn, (-(-nchunks // cpb), Z), MLA_PROJ_THREADS, *w.args(), wrow0, wz, K, x, x_z, y, y_z)
+        return True
+
+    def _mla_o(self, w: QWeight, wrow0: int, wz: int, N: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """As _gemv, with cuda/attention.cu's mla_o_<fmt>: a block per 32 rows of a head (8 per head at GLM-5's
+        v_head_dim 256). False when it does not apply."""
+        if not w.vec_ok:
+            return False
+        smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        fn = self._fn("attention", f"mla_o_{w.fmt}")
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        self.rt.launch(fn, (-(-N // 32), Z), MLA_PROJ_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, smem=smem)
+        return True
 
     def _gemv_t(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
         """y[z][n] = x[z] @ W[wrow0 + z*wz : + K] (n < W.cols); False when gemv_t does not apply (use _gemm)."""

@@ -164,6 +164,36 @@ def test_gemv_t_per_head(gb, rng, fmt, rows, cols, Z):
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols,Z", [(192, 512, 64), (40, 96, 3), (7, 32, 2), (300, 160, 2)])
+def test_mla_projection_kernels_per_head(gb, rng, fmt, rows, cols, Z):
+    """mla_qabs (q_abs = q_nope @ w_kb per head) and mla_o (o = ctx @ w_vb.T per head), the default decode's
+    projections, against float64: head z's rows z*rows .. of one matrix; x_z and y_z past the used lengths, rows
+    and columns not multiples of a block's 32 rows / 128 columns. Outputs poisoned with NaN first."""
+    buf, lay, W = stored_matrix(Z * rows + 5, cols, fmt, rng, group=32)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, Z, rows + 3)                   # x_z > rows: the kernel must read only the first `rows`
+    y = gb.upload(np.full((Z, cols + 1), np.nan, F32))
+    assert gb._mla_qabs(w, 5, rows, rows, Z, gb.upload(x).ptr, rows + 3, y.ptr, cols + 1)
+    got = gb.to_host(y)
+    want = np.stack([x[z, :rows].astype(np.float64) @ W[5 + z * rows: 5 + (z + 1) * rows].astype(np.float64)
+                     for z in range(Z)])
+    assert np.isnan(got[:, cols]).all()          # nothing written past the columns
+    err = rel_err(got[:, :cols], want)
+    report("mla_qabs", fmt=fmt, shape=[rows, cols, Z], rel_err=err)
+    assert err < 1e-5
+    c = rand(rng, Z, cols + 2)
+    o = gb.upload(np.full((Z, rows + 1), np.nan, F32))
+    assert gb._mla_o(w, 5, rows, rows, Z, gb.upload(c).ptr, cols + 2, o.ptr, rows + 1)
+    got = gb.to_host(o)
+    want = np.stack([W[5 + z * rows: 5 + (z + 1) * rows].astype(np.float64) @ c[z, :cols].astype(np.float64)
+                     for z in range(Z)])
+    assert np.isnan(got[:, rows]).all()
+    err = rel_err(got[:, :rows], want)
+    report("mla_o", fmt=fmt, shape=[rows, cols, Z], rel_err=err)
+    assert err < 1e-5
+
+
 # ---- indexer: scores + top-k ----------------------------------------------------------------------------------
 INDEXER_SHAPES = [  # ih, ihd, T, S, topk
     (32, 128, 5000, 1, 2048),
