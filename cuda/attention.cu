@@ -383,6 +383,14 @@ __device__ inline void at2_cp16(float *dst, const float *src, bool on) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(src), "r"(on ? 16 : 0));
 }
 
+__device__ inline void at2_cp4(float *dst, const float *src, bool on) {   // any 4-byte aligned float; off: 0
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa), "l"(src), "r"(on ? 4 : 0));
+}
+
+// Pieces of a tile each thread stages: D <= 576 (Lkv <= 512, dr <= 64) is at most 144 float4s per key.
+#define AT2_MAXE ((AT2_TK * 144 + AT2_THREADS - 1) / AT2_THREADS)
+
 __device__ inline void fma4(float4 &c, float p, const float4 &v) {
     c.x = fmaf(p, v.x, c.x); c.y = fmaf(p, v.y, c.y); c.z = fmaf(p, v.z, c.z); c.w = fmaf(p, v.w, c.w);
 }
@@ -406,24 +414,45 @@ __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_of
     if (lo >= n) return;                                       // uniform over the block
     const int hi = min(lo + chunk, n), ntiles = (hi - lo + AT2_TK - 1) / AT2_TK;
 
+    // Every copy is asynchronous (cp.async) and every key index a thread needs is loaded before the first copy is
+    // issued: a loop of load-then-store steps would wait one memory round trip per step (the first version of this
+    // kernel staged the queries so: 36 dependent round trips, ~18 us per block on the H200).
+    // NBUF = 2 loads a thread's key indices into registers; NBUF = 1 (128 registers, which that would spill) has
+    // 16 threads put the tile's keys in shared memory first (one round trip and a barrier more per tile).
+    __shared__ int keys_sh[AT2_TK];
+    constexpr int STAGE_UNROLL = NBUF == 2 ? AT2_MAXE : 1;    // tile1: a loop (its unrolled copies spilled)
     auto stage = [&](int i, int b) {                          // tile i -> buffer b, every 16-byte piece in flight
         float *dst = ks + b * AT2_TK * DP;
-        for (int e = tid; e < AT2_TK * D4; e += AT2_THREADS) {
-            const int r = e / D4, f = e - r * D4, jj = lo + i * AT2_TK + r;
-            const bool on = jj < hi;
-            const long long t = on ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : 0;
-            const float *src = f < L4 ? lat + t * Lkv + 4 * f : kpe + t * dr + 4 * (f - L4);
-            at2_cp16(dst + r * DP + 4 * f, src, on);           // absent keys: zero rows (p = 0 must not meet NaN)
+        int tk[NBUF == 2 ? AT2_MAXE : 1];
+        if (NBUF == 2) {
+#pragma unroll
+            for (int k = 0; k < AT2_MAXE; k++) {
+                const int e = tid + k * AT2_THREADS, jj = lo + i * AT2_TK + e / D4;
+                tk[NBUF == 2 ? k : 0] = e < AT2_TK * D4 && jj < hi ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
+            }
+        } else {
+            const int jj = lo + i * AT2_TK + tid;
+            if (tid < AT2_TK) keys_sh[tid] = jj < hi ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
+            __syncthreads();
+        }
+#pragma unroll STAGE_UNROLL
+        for (int k = 0; k < AT2_MAXE; k++) {
+            const int e = tid + k * AT2_THREADS, r = e / D4, f = e - r * D4;
+            if (e < AT2_TK * D4) {
+                const int t = NBUF == 2 ? tk[NBUF == 2 ? k : 0] : keys_sh[r];
+                const float *src = f < L4 ? lat + (long long)max(t, 0) * Lkv + 4 * f
+                                          : kpe + (long long)max(t, 0) * dr + 4 * (f - L4);
+                at2_cp16(dst + r * DP + 4 * f, src, t >= 0);   // absent keys: zero rows (p = 0 must not meet NaN)
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    stage(0, 0);
-    for (int e = tid; e < AT2_HB * D; e += AT2_THREADS) {    // the queries, while tile 0 is in flight
-        const int hl = e / D, d = e - hl * D, h = h0 + hl;
-        float v = 0.f;
-        if (h < nh) v = d < Lkv ? qa[((long long)s * nh + h) * Lkv + d] : q[((long long)s * nh + h) * dq + pe_off + d - Lkv];
-        qs[hl * DP + d] = v;
+    for (int e = tid; e < AT2_HB * D; e += AT2_THREADS) {    // the queries (heads past nh: zeros), with tile 0
+        const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
+        const float *src = d < Lkv ? qa + ((long long)s * nh + h) * Lkv + d : q + ((long long)s * nh + h) * dq + pe_off + d - Lkv;
+        at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
     }
+    stage(0, 0);
     // score-phase ownership: slice sl, heads hq + 4i, keys kq + 4j; softmax: head sh, key st; context: heads
     // 8 hh + i, latent dims 4 d4 .. 4 d4 + 3
     const int sl = tid >> 4, hq = tid & 3, kq = (tid >> 2) & 3;
@@ -543,21 +572,40 @@ MLA_TILE_KERNEL(1, 2)
 extern "C" __global__ void mla_attend_combine4(const float *pm, const float *pl, const float *pc, const int *idx,
                                                const int *cnt, int start, const int *T_dev, int S, int nh, int Lkv,
                                                int chunk, int nchunk, float *ctx) {
-    const int h = blockIdx.x, s = blockIdx.y, d4 = threadIdx.x;
+    // M and L as block reductions (each thread one chunk's m, l per step: one round trip for up to 128 chunks, not
+    // one per chunk), the chunks' weights e^(m_c - M) in shared memory, 128 at a time
+    __shared__ float red[4], wsh[128];
+    const int h = blockIdx.x, s = blockIdx.y, d4 = threadIdx.x, lane = d4 & 31, warp = d4 >> 5;
     const int n = attend_keys(idx, cnt, start, T_dev, S, s);
     const int nc = min(nchunk, (n + chunk - 1) / chunk);
     const long long p0 = ((long long)s * nh + h) * nchunk;
     float M = -INFINITY;
-    for (int c = 0; c < nc; c++) M = fmaxf(M, pm[p0 + c]);
+    for (int c = d4; c < nc; c += 128) M = fmaxf(M, pm[p0 + c]);
+    M = warp_max(M);
+    if (lane == 0) red[warp] = M;
+    __syncthreads();
+    M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
     float L = 0.f;
-    for (int c = 0; c < nc; c++) L = fmaf(pl[p0 + c], expf(pm[p0 + c] - M), L);
-    if (4 * d4 >= Lkv) return;
+    for (int c = d4; c < nc; c += 128) L = fmaf(pl[p0 + c], expf(pm[p0 + c] - M), L);
+    L = warp_sum(L);
+    if (lane == 0) red[warp] = L;
+    __syncthreads();
+    L = (red[0] + red[1]) + (red[2] + red[3]);
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int c = 0; c < nc; c++)
-        fma4(a, expf(pm[p0 + c] - M), reinterpret_cast<const float4 *>(pc + (p0 + c) * Lkv)[d4]);
-    reinterpret_cast<float4 *>(ctx + ((long long)s * nh + h) * Lkv)[d4] =
-        make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
+    for (int c0 = 0; c0 < nc; c0 += 128) {
+        __syncthreads();                                       // the previous weights are consumed
+        if (c0 + d4 < nc) wsh[d4] = expf(pm[p0 + c0 + d4] - M);
+        __syncthreads();
+        const int m = min(128, nc - c0);
+        if (4 * d4 < Lkv) {
+#pragma unroll 16
+            for (int c = 0; c < m; c++) fma4(a, wsh[c], reinterpret_cast<const float4 *>(pc + (p0 + c0 + c) * Lkv)[d4]);
+        }
+    }
+    if (4 * d4 < Lkv)
+        reinterpret_cast<float4 *>(ctx + ((long long)s * nh + h) * Lkv)[d4] =
+            make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
 }
 
 // ==== the decode projections around the context: mla_qabs_<fmt> (q_abs) and mla_o_<fmt> (o) ===================

@@ -13,8 +13,10 @@ Measures, in one run:
      weights; the target is >= 60 % of the copy bandwidth;
   3. the other main kernels at GLM-5 shapes (dense GEMV, lm_head, MLA attention, indexer, router, norms, rope,
      prefill GEMMs) with their times and, for weight-streaming ones, bandwidth; the dense GEMVs in both versions
-     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), the
-     first version against the split-context one, with the new one's parts and its chunk sweep.
+     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), every
+     version (COLI_ATTN_KERNELS) in one run, the default's parts (q_abs, context, o; the GEMVs split2 uses for
+     q_abs and o), every split version's context alone, and both tile kernels' chunk sweeps. --attn-only: the
+     copy and these rows.
 Prints a table and, last, one JSON line.
 """
 
@@ -470,11 +472,16 @@ def main() -> int:
                 err_v[ver] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
             c["core_split1_us"] = core_v["split1"]
             gb.attn_kernels = "auto"
-            # the new op's three parts: q_abs (gemv_t), the split context (part + combine), o (gemv over heads)
+            # the default op's three parts: q_abs (mla_qabs), the split context (tile2 + combine4), o (mla_o); and the
+            # projections as split2 runs them (gemv_t, gemv over heads)
             q_abs, ctx, o = gb.empty((1, nh, L)), gb.empty((1, nh, L)), gb.empty((1, nh * dv))
-            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._mla_qabs(
                 kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
-            c["o_us"] = round(tm.per_call_us(lambda i: gb._gemv(
+            c["o_us"] = round(tm.per_call_us(lambda i: gb._mla_o(
+                kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
+            c["q_abs_gemv_t_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+                kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
+            c["o_gemv_us"] = round(tm.per_call_us(lambda i: gb._gemv(
                 kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
 
             def core(i):
@@ -569,7 +576,8 @@ def main() -> int:
         for k, c in att.items():
             print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
                   + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2); parts: q_abs "
-                  f"{c['q_abs_us']:.1f}, context {c['core_us']:.1f}, o {c['o_us']:.1f}")
+                  f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, o {c['o_us']:.1f} "
+                  f"(gemv {c['o_gemv_us']:.1f})")
             print(f"    context by version {c['core_us_by_version']} (rel err vs split2 "
                   f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
                   f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}")
