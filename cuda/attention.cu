@@ -428,7 +428,8 @@ __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_of
 #pragma unroll
             for (int k = 0; k < AT2_MAXE; k++) {
                 const int e = tid + k * AT2_THREADS, jj = lo + i * AT2_TK + e / D4;
-                tk[NBUF == 2 ? k : 0] = e < AT2_TK * D4 && jj < hi ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
+                const bool on = e < AT2_TK * D4 && jj < hi;
+                tk[NBUF == 2 ? k : 0] = on ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
             }
         } else {
             const int jj = lo + i * AT2_TK + tid;
@@ -449,7 +450,8 @@ __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_of
     };
     for (int e = tid; e < AT2_HB * D; e += AT2_THREADS) {    // the queries (heads past nh: zeros), with tile 0
         const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
-        const float *src = d < Lkv ? qa + ((long long)s * nh + h) * Lkv + d : q + ((long long)s * nh + h) * dq + pe_off + d - Lkv;
+        const long long row = (long long)s * nh + h;
+        const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
         at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
     }
     stage(0, 0);

@@ -488,6 +488,23 @@ def main() -> int:
                 gb.attend_core(q_abs, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16)
             c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
             c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
+            try:    # the default context's two launches apart (part into fixed partials; the combine over them)
+                AS = attention_split
+                ch, nchk = c["chunk"]
+                fp, thr, smem, comb_name, cthr = gb._split_kernels(L, dr, 16)
+                pm_, pl_, pc_ = gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk, L))
+                idx_ = mask.idx.ptr if mask.idx is not None else 0
+                cnt_ = mask.cnt.ptr if mask.cnt is not None else 0
+                c["part_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                    fp, (nchk, AS.head_groups(nh), 1), thr, q_abs.ptr, q.ptr, dn + dr, dn, lats[i % ncache].ptr,
+                    kpes[i % ncache].ptr, idx_, cnt_, mask.kmax, mask.start, 0, 1, nh, L, dr, F32(1 / 16), ch, nchk,
+                    pm_.ptr, pl_.ptr, pc_.ptr, smem=smem), a.iters, spin_us=200), 2)
+                fc = gb._fn("attention", comb_name)
+                c["combine_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                    fc, (nh, 1), cthr, pm_.ptr, pl_.ptr, pc_.ptr, idx_, cnt_, mask.start, 0, 1, nh, L, ch, nchk,
+                    ctx.ptr), a.iters, spin_us=200), 2)
+            except Exception as e:   # a diagnostic row: never the rest of the benchmark
+                c["parts_error"] = repr(e)[:300]
             for ver in ("auto", "tile1"):            # the chunk sweep of both tile kernels
                 gb.attn_kernels = ver
                 sweep = c["core_us_by_chunk" if ver == "auto" else f"core_us_by_chunk_{ver}"] = {}
@@ -576,8 +593,10 @@ def main() -> int:
         for k, c in att.items():
             print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
                   + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2); parts: q_abs "
-                  f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, o {c['o_us']:.1f} "
-                  f"(gemv {c['o_gemv_us']:.1f})")
+                  f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, "
+                  f"o {c['o_us']:.1f} (gemv {c['o_gemv_us']:.1f})")
+            print(f"    context's launches apart: part {c.get('part_only_us')} us, combine "
+                  f"{c.get('combine_only_us')} us{' ' + c['parts_error'] if 'parts_error' in c else ''}")
             print(f"    context by version {c['core_us_by_version']} (rel err vs split2 "
                   f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
                   f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}")
