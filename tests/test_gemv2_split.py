@@ -63,3 +63,54 @@ def test_gemv2_fits_needs_aligned_x_and_a_shift_group():
 def test_warps_constant_is_the_kernels():
     src = (kernels_dir() / "gemv.cu").read_text()
     assert int(re.search(r"#define GEMV2_WARPS (\d+)", src).group(1)) == GEMV2_WARPS
+
+
+def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int) -> list[np.ndarray]:
+    """gemv2x_<fmt>'s pair numbering (Gemv2Many in gemv.cu, transliterated): pairs matrix after matrix, pend the running
+    sum of ceil(rows / 2); which(p) the first matrix whose running sum exceeds p. -> per matrix, int [rows, nchunks]:
+    how many times each (row, chunk) is read; and the writes per row."""
+    pend = np.cumsum([(r + 1) // 2 for r in rows]).tolist()
+    seen = [np.zeros((r, nchunks), int) for r in rows]
+    writes = [np.zeros(r, int) for r in rows]
+    P = GEMV2_WARPS // ks
+    cps = -(-nchunks // ks)
+    ngroups = -(-pend[-1] // P)
+
+    def which(p):
+        m = 0
+        while m + 1 < len(rows) and p >= pend[m]:
+            m += 1
+        return m, p - (pend[m - 1] if m else 0)
+
+    for b in range(grid):
+        for warp in range(GEMV2_WARPS):
+            pp, seg = divmod(warp, ks)
+            c_lo = min(nchunks, seg * cps)
+            c_hi = min(nchunks, c_lo + cps)
+            for g in range(b, ngroups, grid):
+                p = g * P + pp
+                if p >= pend[-1]:
+                    continue
+                m, lp = which(p)
+                for r in {2 * lp, min(2 * lp + 1, rows[m] - 1)}:
+                    seen[m][r, c_lo:c_hi] += 1
+                if seg == 0:                                   # the segment-0 warp writes the pair's rows
+                    writes[m][2 * lp] += 1
+                    if 2 * lp + 1 < rows[m]:
+                        writes[m][2 * lp + 1] += 1
+    return seen, writes
+
+
+@pytest.mark.parametrize("rows,nchunks,grid", [([2048, 576, 128], 384, 264), ([16384, 4096], 128, 264),
+                                               ([7, 1, 33, 2], 4, 3), ([1, 1], 1, 1), ([5, 9], 25, 200)])
+@pytest.mark.parametrize("ks", [1, 2, 4, 8])
+def test_gemv2x_reads_every_row_chunk_of_every_matrix_once(rows, nchunks, grid, ks):
+    seen, writes = coverage_many(rows, nchunks, ks, grid)
+    for s, w in zip(seen, writes):
+        assert (s == 1).all() and (w == 1).all()
+
+
+def test_gemv2x_limit_is_the_kernels():
+    from coli.gpu.cuda_backend import GEMV2X_MAX
+    src = (kernels_dir() / "gemv.cu").read_text()
+    assert int(re.search(r"#define GEMV2X_MAX (\d+)", src).group(1)) == GEMV2X_MAX

@@ -66,6 +66,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
+        s[("gemv", f"gemv2x_{f}")] = QM * 4 + "iPPPPPi"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
@@ -106,12 +107,14 @@ INDEXER_CHUNK_BYTES = 256 << 20
 # (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
 # row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
-# Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
-# staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
-GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
+# Dense decode GEMV: "v3" (default) as v2, and the matrices that read the same input (linear_many) in one gemv2x_<fmt>
+# launch; "v2" gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is staged) where it
+# applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
+GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
+GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
 ATTN_VERSIONS = ("auto", "split1", "v1")
-GEMV_VERSIONS = ("v2", "v1")
+GEMV_VERSIONS = ("v3", "v2", "v1")
 
 
 def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -263,14 +266,53 @@ class CudaBackend:
         return out
 
     def linear(self, x: DeviceArray, w: QWeight) -> DeviceArray:
-        S, K = x.shape
-        if K != w.cols:
-            raise ValueError(f"linear: input of width {K} for a weight of shape [{w.rows}, {w.cols}]")
-        out = self.empty((S, w.rows))
-        if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
-            return out
-        self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
+        _check_width(x, w, "linear")
+        out = self.empty((x.shape[0], w.rows))
+        self._linear_into(x, w, out)
         return out
+
+    def _linear_into(self, x: DeviceArray, w: QWeight, out: DeviceArray) -> None:
+        S, K = x.shape
+        if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
+            return
+        self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
+
+    def linear_many(self, x: DeviceArray, ws) -> list[DeviceArray]:
+        """[linear(x, w) for w in ws], the same values. One token with COLI_GEMV_KERNELS=v3 (the default): the matrices
+        of one format, width and group go through gemv2x_<fmt> together, up to GEMV2X_MAX per launch (a decode layer's
+        q_a | kv_a | indexer wk, then q_b | indexer wq_b); the rest (the f32 weights_proj beside an int8 core) alone."""
+        for w in ws:
+            _check_width(x, w, "linear_many")
+        S = x.shape[0]
+        outs = [self.empty((S, w.rows)) for w in ws]
+        done: set[int] = set()
+        if S == 1 and self.gemv_kernels == "v3":
+            for js in gemv2x_groups(ws, x.ptr):
+                if self._gemv_many([ws[j] for j in js], x.ptr, [outs[j].ptr for j in js]):
+                    done.update(js)
+        for j, w in enumerate(ws):
+            if j not in done:
+                self._linear_into(x, w, outs[j])
+        return outs
+
+    def _gemv_many(self, ws: list[QWeight], x: int, ys: list[int]) -> bool:
+        """ys[m] = W_m x for 2..GEMV2X_MAX matrices of one format, width and group in one gemv2x launch; False when it
+        does not fit (shared memory)."""
+        w0 = ws[0]
+        fn = self._fn("gemv", f"gemv2x_{w0.fmt}")
+        smem = w0.layout.row_data_bytes // 16 * _chunk_vals(w0.fmt) * 4
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        rows = sum(w.rows for w in ws)
+        pairs = sum(-(-w.rows // 2) for w in ws)
+        ks = gemv2_split(rows, w0.layout.row_data_bytes // 16, self.rt.sm_count)
+        groups = -(-pairs // (GEMV2_WARPS // ks))
+        blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem)))
+        unused = (0, 0, w0.cols, w0.layout.group or 32, 1, 0)      # a slot past nm: never read
+        mats = [a for m in range(GEMV2X_MAX) for a in (ws[m].args() if m < len(ws) else unused)]
+        outs = [ys[m] if m < len(ws) else 0 for m in range(GEMV2X_MAX)]
+        self.rt.launch(fn, (blocks,), GEMV_THREADS, *mats, len(ws), x, *outs, ks, smem=smem)
+        return True
 
     def split_cols(self, x: DeviceArray, n: int) -> tuple[DeviceArray, DeviceArray]:
         S, D = x.shape
@@ -951,6 +993,24 @@ def mma_layout_ok(lay, K: int) -> bool:
 def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
     """gemv2_<fmt> stages x with 16-byte loads and finds an int4 group by a shift."""
     return x % 16 == 0 and x_z % 4 == 0 and (fmt != "int4" or group in (32, 64, 128))
+
+
+def gemv2x_groups(ws, x: int) -> list[list[int]]:
+    """Indices of `ws` that gemv2x can take together: groups of 2..GEMV2X_MAX matrices of one format, width and group
+    (in the order given), each one gemv2 could take alone (16-byte rows, x aligned, an int4 group by a shift)."""
+    by: dict[tuple, list[int]] = {}
+    for j, w in enumerate(ws):
+        if w.vec_ok and gemv2_fits(w.fmt, w.layout.group, x, 0):
+            by.setdefault((w.fmt, w.cols, w.layout.group or 0), []).append(j)
+    out = []
+    for js in by.values():
+        out += [js[c:c + GEMV2X_MAX] for c in range(0, len(js), GEMV2X_MAX) if len(js[c:c + GEMV2X_MAX]) > 1]
+    return out
+
+
+def _check_width(x: DeviceArray, w: QWeight, what: str) -> None:
+    if x.shape[1] != w.cols:
+        raise ValueError(f"{what}: input of width {x.shape[1]} for a weight of shape [{w.rows}, {w.cols}]")
 
 
 def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
