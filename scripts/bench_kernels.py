@@ -298,6 +298,19 @@ def _weight_bytes(args) -> int:
     return n
 
 
+def ks_sweep(gb, tm, fn, iters: int) -> dict:
+    """GPU time of fn (a gemv2 / gemv2x call) with every column split forced (gb.gemv_ks = 1, 2, 4, 8), GEMV v3."""
+    before = gb.gemv_kernels
+    gb.gemv_kernels, out = "v3", {}
+    try:
+        for ks in (1, 2, 4, 8):
+            gb.gemv_ks = ks
+            out[ks] = round(tm.per_call_us(fn, iters, spin_us=300), 2)
+    finally:
+        gb.gemv_ks, gb.gemv_kernels = None, before
+    return out
+
+
 def time_launches(rt, tm, launches, reps: int = 7) -> list[float]:
     """GPU time of each recorded launch in its place in the sequence: the whole sequence issued behind bench_spin with
     an event after every launch, median over reps of each gap (us)."""
@@ -582,6 +595,7 @@ def main() -> int:
             r = add(f"gemv {name} {r_}x{c_} {fmt} [{ver}]", us, nb)
             r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
             row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
+        row["us_by_ks"] = ks_sweep(gb, tm, lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)
         gb.gemv_kernels = "v2"
         del ws_
     # the projections of a decode layer that read one input, int8 and int4 dense cores: each in its own gemv2 launch
@@ -597,11 +611,13 @@ def main() -> int:
             row = fused_res[f"{name} {fmt}"] = {"bytes": nb}
             for ver in ("v2", "v3"):
                 gb.gemv_kernels = ver
-                us = tm.per_call_us(lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters)
+                # spin 300 us per call: v2's three launches and allocations take the host ~60 us (the first run's
+                # 50 us timed the host, 62 us for q_a | kv_a | wk)
+                us = tm.per_call_us(lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters, spin_us=300)
                 r = add(f"gemv {name} {fmt} ({len(shapes)} matrices) [{ver}]", us, nb)
                 r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
                 row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
-            gb.gemv_kernels = "v3"
+            row["us_by_ks"] = ks_sweep(gb, tm, lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters)
             del sets
     # the whole dense part of a decode layer replayed as a CUDA graph, int8 and int4 dense cores, T = --layer-T
     layer_res = res["dense_layer"] = {}
@@ -773,13 +789,13 @@ def _report(a, res, rows, copy_bw, rt) -> int:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")
         for k, g in gv.items():
             print(f"  {k}: {g['v1']['us']:.1f} us ({100 * g['v1']['frac']:.0f}%) -> {g['v2']['us']:.1f} us "
-                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}")
+                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}; us by ks {g.get('us_by_ks')}")
     fz = res.get("gemv_fused", {})
     if fz:
         print("dense GEMVs that read one input, separate launches (v2) -> one gemv2x launch (v3), fraction of the copy:")
         for k, g in fz.items():
             print(f"  {k}: {g['v2']['us']:.1f} us ({100 * g['v2']['frac']:.0f}%) -> {g['v3']['us']:.1f} us "
-                  f"({100 * g['v3']['frac']:.0f}%)")
+                  f"({100 * g['v3']['frac']:.0f}%); us by ks {g.get('us_by_ks')}")
     dl = res.get("dense_layer", {})
     for fmt, d in dl.items():
         if "error" in d:

@@ -48,7 +48,7 @@ def _backend(attn="auto", gemv="v2"):
     from coli.gpu.cuda_backend import CudaBackend
     gb = CudaBackend.__new__(CudaBackend)
     gb.rt, gb.busy = _RecordingRuntime(), None
-    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels = attn, None, gemv
+    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels, gb.gemv_ks = attn, None, gemv, None
     gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
     return gb
 

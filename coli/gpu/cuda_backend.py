@@ -166,6 +166,7 @@ class CudaBackend:
         self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
+        self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
         # (token, position, rope angles, routing) are then read from its device buffer instead of the host
         self.step = None
@@ -305,7 +306,7 @@ class CudaBackend:
             return False
         rows = sum(w.rows for w in ws)
         pairs = sum(-(-w.rows // 2) for w in ws)
-        ks = gemv2_split(rows, w0.layout.row_data_bytes // 16, self.rt.sm_count)
+        ks = self.gemv_ks or gemv2_split(rows, w0.layout.row_data_bytes // 16, self.rt.sm_count)
         groups = -(-pairs // (GEMV2_WARPS // ks))
         blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem)))
         unused = (0, 0, w0.cols, w0.layout.group or 32, 1, 0)      # a slot past nm: never read
@@ -354,7 +355,7 @@ class CudaBackend:
         if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
             fn = self._fn("gemv", f"gemv2_{w.fmt}")
             if self.rt.allow_smem(fn, smem):
-                ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                ks = self.gemv_ks or gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
                 groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
                 blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
                 self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)

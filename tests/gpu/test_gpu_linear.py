@@ -61,7 +61,8 @@ MANY_SHAPES = [
     ([16384, 4096], 2048, "int4", 64),            # q_b | indexer wq_b
     ([2048, 576, 128, 32], 6144, "f32", 0),       # an f32 core: weights_proj joins them
     ([7, 1, 33, 2], 128, "int4", 32),             # odd rows, a one-row matrix: pairs never straddle two matrices
-    ([5, 9], 100, "bf16", 0),                     # a ragged last float4 of x
+    ([5, 9], 98, "int4", 32),                     # a ragged last float4 of x (98 columns, 16-byte rows)
+    ([3, 6], 104, "bf16", 0),
 ]
 
 
@@ -70,8 +71,10 @@ def test_gemv2x_writes_every_row_of_every_matrix(gb, rng, rows, cols, fmt, group
     """gemv2x_<fmt>: several matrices that read one x in one launch; each output equals W_m x (float64 reference) and
     every element is written (outputs poisoned with NaN first)."""
     import numpy as np
+    from coli.gpu.cuda_backend import gemv2x_groups
     mats = [stored_matrix(r, cols, fmt, rng, group=group or 64) for r in rows]
     ws = [qweight(gb, buf, lay) for buf, lay, _ in mats]
+    assert gemv2x_groups(ws, 0) == [list(range(len(ws)))]        # what the backend would send to gemv2x
     x = rand(rng, 1, cols)
     xd = gb.upload(x)
     ys = [gb.upload(np.full((1, r), np.nan, np.float32)) for r in rows]
