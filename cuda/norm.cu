@@ -7,7 +7,8 @@
 //   Each thread's NORM_U loads are issued before any is used: a decode row (D = 6144, one block) is 24 values per
 //   thread, and one dependent load after another made it 17 us on the H200 -- as long as a 50 MB GEMV. The sum runs in
 //   the same order as a plain loop (thread t: elements t, t + 256, ... in turn), so the result is the same bits.
-#define NORM_U 8
+//   12: D = 6144 is two rounds of loads per pass, 2048 one (8 loads in flight: 8 us for 6144 in the layer, 47 registers).
+#define NORM_U 12
 extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int D, float eps) {
     __shared__ float red[32];
     const float *xr = x + (long long)blockIdx.x * D;

@@ -588,7 +588,7 @@ def main() -> int:
         ws_ = [w] + [dev_copy(w) for _ in range(ncopy - 1)]
         xin = gb.upload(rng.standard_normal((1, c_)).astype(F32))
         nb = w.nbytes + 4 * (c_ + r_)
-        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, rt.sm_count)}
+        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, 2 * rt.sm_count)}
         for ver in ("v1", "v2"):
             gb.gemv_kernels = ver
             us = tm.per_call_us(lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)

@@ -148,8 +148,8 @@ def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
         assert [x[0] for x in gb.rt.launches] == want_x
         if gemv == "v3":
             name, grid, block, smem = gb.rt.launches[0]
-            # 1,376 row pairs at ks 2 (4 pairs per block): 344 groups, capped at 2 resident blocks per SM
-            assert grid == (264,) and block == 256 and smem == 6144 * 4
+            # 1,376 row pairs at ks 1 (8 pairs per block, gemv2_split): 172 groups, one round on 264 resident blocks
+            assert grid == (172,) and block == 256 and smem == 6144 * 4
         gb.rt.launches.clear()
         gb.linear_many(gb.rt.empty((1, Lq)), [_weight(gb, 16384, Lq, fmt), _weight(gb, 4096, Lq, fmt)])
         assert [x[0] for x in gb.rt.launches] == want_q

@@ -44,13 +44,20 @@ def test_every_row_chunk_is_read_once(N, nchunks, grid, ks):
 
 
 def test_split_choice_at_glm5_shapes():
-    sms = 132
-    assert gemv2_split(256, 6144 * 4 // 16, sms) == 8          # router, f32
-    assert gemv2_split(2048, 6144 // 2 // 16, sms) == 2        # q_a, int4
-    assert gemv2_split(576, 6144 // 16, sms) == 4              # kv_a, int8
-    assert gemv2_split(6144, 16384 // 2 // 16, sms) == 1       # o_proj: rows enough
+    """The choices the H200's forced-ks sweep measured best (gemv2_split's docstring), on its 264 resident blocks."""
+    blocks = 264
+    assert gemv2_split(256, 6144 * 4 // 16, blocks) == 8          # router, f32
+    assert gemv2_split(2048, 6144 // 2 // 16, blocks) == 2        # q_a, int4
+    assert gemv2_split(576, 6144 // 16, blocks) == 4              # kv_a, int8
+    assert gemv2_split(6144, 16384 // 2 // 16, blocks) == 2       # o_proj int4: 384 groups at ks 1 = 1.45 rounds
+    assert gemv2_split(6144, 16384 // 16, blocks) == 2            # o_proj int8
+    assert gemv2_split(16384, 2048 // 2 // 16, blocks) == 1       # q_b int4: 64 chunks, no room to split
+    assert gemv2_split(2048 + 576 + 128, 6144 // 16, blocks) == 1  # q_a | kv_a | wk in one gemv2x launch, int8
+    assert gemv2_split(2048 + 576 + 128, 6144 // 2 // 16, blocks) == 1
+    assert gemv2_split(16384 + 4096, 2048 // 16, blocks) == 1     # q_b | wq_b, int8: a tie -> the smaller ks
+    assert gemv2_split(256, 512 // 16, 4) == 1                    # MLA's o per head: 64 heads share the blocks
     for N, nc in [(256, 1536), (2048, 192), (5, 64), (100, 1)]:
-        ks = gemv2_split(N, nc, sms)
+        ks = gemv2_split(N, nc, blocks)
         assert ks in (1, 2, 4, 8) and (ks == 1 or nc // ks >= 64)   # >= 2 chunks per lane per segment
 
 

@@ -113,6 +113,7 @@ ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
 GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
+GEMV2_ROUND_CHUNKS = 64   # gemv2_split's fixed cost of a round of groups, in chunks of a segment (fitted to the sweep)
 ATTN_VERSIONS = ("auto", "split1", "v1")
 GEMV_VERSIONS = ("v3", "v2", "v1")
 
@@ -306,9 +307,10 @@ class CudaBackend:
             return False
         rows = sum(w.rows for w in ws)
         pairs = sum(-(-w.rows // 2) for w in ws)
-        ks = self.gemv_ks or gemv2_split(rows, w0.layout.row_data_bytes // 16, self.rt.sm_count)
+        resident = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem))
+        ks = self.gemv_ks or gemv2_split(rows, w0.layout.row_data_bytes // 16, resident)
         groups = -(-pairs // (GEMV2_WARPS // ks))
-        blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem)))
+        blocks = min(groups, resident)
         unused = (0, 0, w0.cols, w0.layout.group or 32, 1, 0)      # a slot past nm: never read
         mats = [a for m in range(GEMV2X_MAX) for a in (ws[m].args() if m < len(ws) else unused)]
         outs = [ys[m] if m < len(ws) else 0 for m in range(GEMV2X_MAX)]
@@ -355,9 +357,10 @@ class CudaBackend:
         if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
             fn = self._fn("gemv", f"gemv2_{w.fmt}")
             if self.rt.allow_smem(fn, smem):
-                ks = self.gemv_ks or gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                per_z = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z)
+                ks = self.gemv_ks or gemv2_split(N, w.layout.row_data_bytes // 16, per_z)
                 groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
-                blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+                blocks = min(groups, per_z)
                 self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
                 return True
         fn = self._fn("gemv", f"gemv_{w.fmt}")
@@ -1014,14 +1017,26 @@ def _check_width(x: DeviceArray, w: QWeight, what: str) -> None:
         raise ValueError(f"{what}: input of width {x.shape[1]} for a weight of shape [{w.rows}, {w.cols}]")
 
 
-def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
-    """Column segments per row pair (ks) of gemv2: doubled (up to the block's 8 warps) while the matrix has fewer
-    warp tasks than two per-SM blocks' worth of warps and each segment keeps >= 2 chunks per lane -- the router's
-    256 x 6144 f32 gets 8, q_a's 2048 x 6144 int4 2, o_proj's 6144 rows 1."""
-    ks, pairs = 1, -(-N // 2)
-    while ks < GEMV2_WARPS and pairs * ks < 2 * GEMV2_WARPS * sm_count and nchunks // (2 * ks) >= 64:
-        ks *= 2
-    return ks
+def gemv2_split(N: int, nchunks: int, blocks: int) -> int:
+    """Column segments per row pair (ks) of gemv2 / gemv2x over N rows of nchunks 16-byte chunks, on `blocks` resident
+    blocks: of ks = 1, 2, 4, 8 the one with the least work on the busiest block -- ceil(groups / blocks) rounds, each
+    a segment's nchunks / ks chunks plus GEMV2_ROUND_CHUNKS of fixed cost (a round trip, the partial sums),
+    groups = ceil(ceil(N / 2) / (8 / ks)) -- keeping >= 2 chunks per lane per segment (nchunks / ks >= 64) for ks > 1;
+    a tie goes to the smaller ks (fewer partial sums to add). Against the forced-ks
+    sweep on the H200 (scripts/bench_kernels.py, 2026-12-01): o_proj 6144 x 16384 int4 38.3 / 34.5 / 34.2 / 43.0 us at
+    ks 1 / 2 / 4 / 8 -> 2 (at 1, 384 groups on 264 blocks left half the blocks a second round); q_a | kv_a | wk in one
+    launch 13.1 / 13.6 / 14.8 us -> 1; q_b 16384 x 2048 15.2 / 22.6 -> 1; kv_a 7.9 / 6.6 / 6.6 -> 4; the router's
+    256 x 6144 f32 11.4 / 8.1 / 6.5 / 6.5 -> 8."""
+    pairs = -(-N // 2)
+    best, best_cost = 1, None
+    for ks in (1, 2, 4, 8):
+        if ks > GEMV2_WARPS or (ks > 1 and nchunks // ks < 64):
+            break
+        groups = -(-pairs // (GEMV2_WARPS // ks))
+        cost = -(-groups // max(1, blocks)) * (-(-nchunks // ks) + GEMV2_ROUND_CHUNKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = ks, cost
+    return best
 
 
 def _chunk_vals(fmt: str) -> int:

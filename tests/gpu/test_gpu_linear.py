@@ -50,7 +50,7 @@ def test_gemv_versions(gb, rng, rows, cols, fmt, group, version):
         gb.gemv_kernels = before
     err = rel_err(got, x.astype("float64") @ ref.T.astype("float64"))
     report("gemv", shape=[rows, cols], fmt=fmt, version=version, rel_err=err,
-           ks=gemv2_split(rows, lay.row_data_bytes // 16, gb.rt.sm_count))
+           ks=gemv2_split(rows, lay.row_data_bytes // 16, 2 * gb.rt.sm_count))
     assert err < TOL
 
 
