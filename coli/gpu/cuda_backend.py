@@ -206,6 +206,11 @@ class CudaBackend:
     def rows(self, x: DeviceArray, n: int) -> DeviceArray:
         return x.row_view(0, n)
 
+    def row_range(self, x: DeviceArray, start: int, n: int) -> DeviceArray:
+        if start < 0 or n < 0 or start + n > x.shape[0]:
+            raise ValueError(f"rows {start}..{start + n} of an array of {x.shape[0]}")
+        return x.row_view(start, n)
+
     # weights in their stored format ------------------------------------------------------------------------
     def weight(self, src: Any, name: str) -> QWeight:
         return upload_weight(self.rt, src, name)
