@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from coli.model.batch import BatchRow, forward_batch, greedy_batch
 from coli.stages.executor.scheduler import Row
-
-try:
-    from coli.model.batch import BatchRow, forward_batch, greedy_batch
-except ImportError:     # the batched forward is not in this tree yet: one row at a time (the same tokens, slower)
-    BatchRow = None
 
 
 def choose_tokens(model, rows: list[Row]) -> list[int | None]:
@@ -20,8 +16,6 @@ def choose_tokens(model, rows: list[Row]) -> list[int | None]:
     if not rows:
         return []
     greedy = all(r.seq.sampling.greedy for r in rows if r.samples)
-    if BatchRow is None:
-        return [_alone(model, r, greedy) for r in rows]
     batch = [BatchRow(r.seq.cache, r.ids) for r in rows]
     if greedy:
         return [int(t) if r.samples else None for r, t in zip(rows, greedy_batch(model, batch))]
@@ -32,11 +26,7 @@ def choose_tokens(model, rows: list[Row]) -> list[int | None]:
 
 def choose_alone(model, r: Row) -> int | None:
     """One row by itself (a failed batch is retried row by row, so that only the failing request fails)."""
-    return _alone(model, r, r.seq.sampling.greedy)
-
-
-def _alone(model, r: Row, greedy: bool) -> int | None:
-    if greedy:
+    if r.seq.sampling.greedy:
         tok = model.greedy(r.ids, r.seq.cache)
         return int(tok) if r.samples else None
     logits = model.forward(r.ids, r.seq.cache)           # [1, V]
