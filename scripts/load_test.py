@@ -11,8 +11,8 @@ prompt is identical (a stream mixed up with another request's would differ). It 
     coli up -d && coli serve --http 127.0.0.1:8000 &
     .venv/bin/python scripts/load_test.py --url http://127.0.0.1:8000 --clients 16 --requests 20
 
-Only the standard library (http.client in threads: the client side must not be the bottleneck of a
-server that serves one request at a time)."""
+Only the standard library (http.client in threads: the client side must not be the bottleneck of the
+server, which batches up to --max-batch requests at once). Figures: docs/performance.md, "Continuous batching"."""
 
 from __future__ import annotations
 
