@@ -7,7 +7,8 @@ fixed seed) are prefilled, then `steps` decode steps run twice from the same cac
 calls per step, once as one greedy_batch call -- and the tokens of the two must agree. Printed per B (one JSON line):
 aggregate tokens/s of each, the speed-up, and the routed experts asked per step (summed over MoE layers: one stream()
 of the union for the batch, B streams alone), i.e. what a step would move over PCIe with nothing cached.
-Defaults to the demo model on the CPU. On a benchmark slice (coli bench make-slice: random weights) the rows route by
+Defaults to the demo model on the CPU. On the GPU, COLI_BATCH_GRAPHS=1 replays the batched decode steps from CUDA
+graphs (their replay counters are printed; the one-at-a-time steps replay the one-sequence graphs either way). On a benchmark slice (coli bench make-slice: random weights) the rows route by
 its stored trace (coli.bench.trace_router), each row its own trace tokens, the same in both runs.
 """
 
@@ -75,6 +76,11 @@ def run(model, B: int, steps: int, prompt_len: int, seed: int = 0, routing=None)
             out[f"{mode}_experts_per_step"] = round(counter.asked / steps, 2)
             out[f"{mode}_streams_per_step"] = round(counter.calls / steps, 2)
             toks[mode] = seqs
+        from coli.model.batch import batch_graphs
+        dec = batch_graphs(model)           # replayed batched steps (COLI_BATCH_GRAPHS=1 on the GPU), else None
+        if dec is not None:
+            out["batch_graph_replays"], out["batch_graph_captures"] = dec.replays, dec.captures
+            out["batch_graph_eager_reason"] = dec.last_reason
         out["tokens_equal"] = toks["alone"] == toks["batch"]
         out["speedup"] = round(out["batch_tok_s"] / out["alone_tok_s"], 2)
         return {"batch": B, "steps": steps, **out}

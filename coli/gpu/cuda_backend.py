@@ -169,8 +169,17 @@ class CudaBackend:
 
     def graph_decoder(self, model):
         """The replayed decode step for `model` (coli.gpu.graphs.GraphDecoder), or None with COLI_GRAPHS=0."""
+        from coli.gpu.batch_graphs import batch_graphs_enabled
         from coli.gpu.graphs import GraphDecoder, graphs_enabled
+        batch_graphs_enabled()           # a bad COLI_BATCH_GRAPHS fails here, at model load, like COLI_GRAPHS
         return GraphDecoder(model, self) if graphs_enabled() else None
+
+    def batch_graph_decoder(self, model):
+        """The replayed batched decode steps for `model` (coli.gpu.batch_graphs.BatchGraphDecoder), or None unless
+        COLI_BATCH_GRAPHS=1 (and COLI_GRAPHS is not 0)."""
+        from coli.gpu.batch_graphs import BatchGraphDecoder, batch_graphs_enabled
+        from coli.gpu.graphs import graphs_enabled
+        return BatchGraphDecoder(model, self) if batch_graphs_enabled() and graphs_enabled() else None
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -210,6 +219,14 @@ class CudaBackend:
         if start < 0 or n < 0 or start + n > x.shape[0]:
             raise ValueError(f"rows {start}..{start + n} of an array of {x.shape[0]}")
         return x.row_view(start, n)
+
+    def place_rows(self, dst: DeviceArray, start: int, src: DeviceArray) -> None:
+        """dst[start:start+n] = src on the compute stream -- also inside a captured step (a batch's own arrays; the
+        cache write is write_rows)."""
+        row = dst.nbytes // dst.shape[0]
+        if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
+            raise ValueError(f"cannot place rows {src.shape} into {dst.shape} at {start}")
+        self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
 
     # weights in their stored format ------------------------------------------------------------------------
     def weight(self, src: Any, name: str) -> QWeight:
@@ -521,27 +538,32 @@ class CudaBackend:
         return idx, w
 
     def moe_step(self, layer: int, x: DeviceArray, route: "DeviceRoute") -> DeviceArray:
-        """The routed sum [1, H] of a captured decode step: the experts `route` chose (or the step's forced routing
+        """The routed sum [S, H] of a captured decode step: the experts `route` chose (or the step's forced routing
         for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
-        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch)."""
+        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch). S > 1: a
+        batched decode step (coli/gpu/batch_graphs.py), each row its own fused decode of its K experts, row after
+        row (route, or the step's forced routing, [S, K])."""
         st = self.step.check_rows(x.shape[0], "moe_step")
+        S, H = x.shape
+        out = self.empty((S, H))
         if st.mode == "dropped":             # every slot dropped: the eager step's routed sum is zeros too
-            out = self.empty((1, x.shape[1]))
             self.rt.zero(out.ptr, out.nbytes)
             return out
         idx_ptr, w_ptr = st.route_ptrs(layer, route)
         slots, lay = st.slots_row(layer), st.rec_layout
-        out = self.empty((1, x.shape[1]))
         f_tab = self._fn("graph", "expert_table")
-        for c0 in range(0, route.K, MOE_MAXK):
-            k = min(MOE_MAXK, route.K - c0)
-            table = self.rt.empty((k,), np.uint64)
-            self.rt.launch(f_tab, (1,), 32, idx_ptr + 4 * c0, k, slots, table.ptr)
-            sc = self.moe_scratch(lay, k)
-            st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
-            if not (self.moe_gateup(sc, table.ptr, x.ptr) and self.moe_down(sc, table.ptr, w_ptr + 4 * c0, out.ptr,
-                                                                            c0 > 0)):
-                raise CudaError("MoE decode kernels do not fit this device's shared memory")
+        for r in range(S):
+            ri, rw = idx_ptr + 4 * route.K * r, w_ptr + 4 * route.K * r       # row r of [S, K]
+            xr, yr = x.ptr + 4 * H * r, out.ptr + 4 * H * r
+            for c0 in range(0, route.K, MOE_MAXK):
+                k = min(MOE_MAXK, route.K - c0)
+                table = self.rt.empty((k,), np.uint64)
+                self.rt.launch(f_tab, (1,), 32, ri + 4 * c0, k, slots, table.ptr)
+                sc = self.moe_scratch(lay, k)
+                st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
+                if not (self.moe_gateup(sc, table.ptr, xr) and self.moe_down(sc, table.ptr, rw + 4 * c0, yr,
+                                                                             c0 > 0)):
+                    raise CudaError("MoE decode kernels do not fit this device's shared memory")
         return out
 
     def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:

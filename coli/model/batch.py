@@ -9,6 +9,7 @@ its new tokens (one for a decode step, a chunk of its prompt for prefill).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,7 +32,7 @@ class BatchRow:
 def forward_batch(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[np.ndarray]:
     """Run every row's new positions in one step. -> host float32 logits per row: [len(ids), V] if all_logits
     else [1, V]."""
-    logits, wanted = _step(model, rows, all_positions=True)
+    logits, wanted = step_logits(model, rows, all_positions=True)
     host = model.backend.to_host(logits)                                # [sum of wanted rows, V]
     out, at = [], 0
     for n in wanted:
@@ -46,8 +47,25 @@ def greedy_batch(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[int]:
     if len(rows) == 1:          # one sequence: model.greedy, whose decode step may be a replayed CUDA graph
         ids = _check(model, rows)[0]
         return [model.greedy(ids, rows[0].cache)]
-    logits, _ = _step(model, rows, all_positions=False)                 # [R, V]
+    graphs = batch_graphs(model)
+    if graphs is not None:      # a pure decode step replayed from a CUDA graph of this batch (None: run it eagerly)
+        toks = graphs.greedy(rows, _check(model, rows))
+        if toks is not None:
+            return toks
+    logits, _ = step_logits(model, rows, all_positions=False)           # [R, V]
     return [int(t) for t in model.backend.argmax(logits)]
+
+
+_graph_decoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def batch_graphs(model: GlmMoeDsaModel):
+    """The model's replayed batched decode steps (coli.gpu.batch_graphs.BatchGraphDecoder, from its backend's
+    batch_graph_decoder), or None: the backend has none, or they are off (COLI_BATCH_GRAPHS, COLI_GRAPHS)."""
+    if model not in _graph_decoders:
+        make = getattr(model.backend, "batch_graph_decoder", None)
+        _graph_decoders[model] = make(model) if make is not None else None
+    return _graph_decoders[model]
 
 
 @dataclass
@@ -62,6 +80,14 @@ class _Segment:
     @property
     def positions(self) -> np.ndarray:
         return np.arange(self.start, self.start + self.n)               # [n]
+
+
+def _select_row(b, r: int | None) -> None:
+    """Inside a captured batched decode step (coli/gpu/batch_graphs.py) the backend's step reads row r's position,
+    cache length and attention span while row r's attention runs (None: the step's batch-wide inputs again)."""
+    st = getattr(b, "step", None)
+    if st is not None and hasattr(st, "select"):
+        st.select(r)
 
 
 def _check(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[np.ndarray]:
@@ -87,9 +113,10 @@ def _check(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[np.ndarray]:
     return out
 
 
-def _step(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
-    """The batched forward. -> (logits [R, V] on the backend, rows of it per batch row). With all_positions,
-    a row with all_logits gets all its positions, others their last; without, every row its last."""
+def step_logits(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
+    """The batched step, its logits left on the backend. -> (logits [R, V], how many of its rows each batch row
+    has). With all_positions a row with all_logits gets all its positions, the others their last; without, every
+    row its last (greedy_batch; what a captured batched decode step computes, coli/gpu/batch_graphs.py)."""
     c, b = model.config, model.backend
     ids = _check(model, rows)
     segs, at = [], 0
@@ -111,12 +138,14 @@ def _step(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
         p = model._attention_inputs(i, lw.attn, x, cos, sin)            # every projection once over all rows
         o = b.empty((S, c.num_attention_heads * c.v_head_dim)) if len(segs) > 1 else None   # [S, nh*dv]
         for r, s in enumerate(segs):                                    # attention per sequence, its own cache
+            _select_row(b, r)
             o_r, allowed[r] = model._attention_segment(i, lw.attn, p.rows(b, s.offset, s.n), s.positions,
                                                        s.row.cache, s.start, allowed[r])
             if o is None:
                 o = o_r
             else:
-                b.write_rows(o, s.offset, o_r)
+                b.place_rows(o, s.offset, o_r)
+        _select_row(b, None)
         h = b.add(h, b.linear(o, lw.attn.o))
         x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)                # [S, H]
         h = b.add(h, model._mlp(i, lw, x2, h))                          # one router, one stream() of the union
@@ -132,7 +161,7 @@ def _step(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
         hw = b.empty((R, c.hidden_size))                                # [R, H]
         at = 0
         for s, n in zip(segs, wanted):
-            b.write_rows(hw, at, b.row_range(h, s.offset + s.n - n, n))
+            b.place_rows(hw, at, b.row_range(h, s.offset + s.n - n, n))
             at += n
     hn = b.rms_norm(hw, model.final_norm, c.rms_norm_eps)
     return b.linear(hn, model.lm_head), wanted                          # [R, V]

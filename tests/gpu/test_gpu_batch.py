@@ -171,3 +171,74 @@ def test_streaming_engine_sees_one_stream_of_the_union_per_layer(root, oracles):
     finally:
         vx.close()
         vx.host.close()
+
+
+@pytest.mark.parametrize("variant", ["f32", "int4"])
+def test_replayed_batched_decode_steps_give_the_same_tokens(root, oracles, monkeypatch, variant):
+    """COLI_BATCH_GRAPHS=1: pure decode steps of 3 then 2 rows replayed from CUDA graphs (a key per batch and cache
+    shape: the short row leaving and a cache growing make new ones) give transformers' tokens (f32) and the numpy
+    path's (int4)."""
+    from coli.loader import load_model
+    from coli.model.batch import batch_graphs
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    src, _ = oracles["batch-topk"]
+    o = load_oracle(src)
+    opts = dict(experts="f32", dense="f32") if variant == "f32" else dict(experts="int4", dense="int8", group=64)
+    d = container(root, src, f"batch-topk-{'f32' if variant == 'f32' else 'int8-g64'}", **opts)
+    model, _ = load_model(d, "gpu")
+    prompts = _prompts(o)[:3]
+    n_new = [32, 32, 9]
+    got = run_batch(model, prompts, n_new)
+    dec = batch_graphs(model)
+    report("batch_graphs", variant=variant, replays=dec.replays, captures=dec.captures, failed=dict(dec.failed),
+           last_reason=dec.last_reason)
+    assert dec.replays > 0 and dec.captures >= 2 and not dec.failed
+    if variant == "f32":
+        assert got[0] == o["greedy_tokens"]
+        assert got[1] == o["continuation"]["greedy_tokens"]
+        assert got[2] == greedy(model, prompts[2], 9)[0]
+    else:
+        cpu, _ = load_model(d, "cpu")
+        assert got == run_batch(cpu, prompts, n_new)
+
+
+def test_a_bad_batch_graphs_setting_fails_at_model_load(root, oracles, monkeypatch):
+    from coli.errors import ColiError
+    from coli.loader import load_model
+    src, _ = oracles["batch-topk"]
+    d = container(root, src, "batch-topk-f32", experts="f32", dense="f32")
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "on")
+    with pytest.raises(ColiError, match="COLI_BATCH_GRAPHS='on'"):
+        load_model(d, "gpu")
+
+
+class FixedRoutes:
+    """A route override (as the benchmarks' trace replay): each token's experts a function of its layer and row."""
+
+    def __init__(self, K, E):
+        self.K, self.E = K, E
+
+    def __call__(self, layer, n):
+        idx = (np.arange(n * self.K).reshape(n, self.K) * 3 + layer) % self.E
+        w = np.linspace(0.5, 1.5, n * self.K, dtype=np.float32).reshape(n, self.K)
+        return idx.astype(np.int64), w
+
+
+def test_replayed_batched_steps_with_a_forced_routing_equal_the_numpy_path(root, oracles, monkeypatch):
+    from coli.loader import load_model
+    from coli.model.batch import batch_graphs
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    src, _ = oracles["batch-topk"]
+    o = load_oracle(src)
+    d = container(root, src, "batch-topk-f32", experts="f32", dense="f32")
+    gpu, cfg = load_model(d, "gpu")
+    cpu, _ = load_model(d, "cpu")
+    for m in (gpu, cpu):
+        m.route_override = FixedRoutes(cfg.num_experts_per_tok, cfg.n_routed_experts)
+    prompts = _prompts(o)[:3]
+    n_new = [20, 20, 20]
+    g = run_batch(gpu, prompts, n_new)
+    dec = batch_graphs(gpu)
+    report("batch_graphs_forced", replays=dec.replays, captures=dec.captures, failed=dict(dec.failed))
+    assert dec.replays > 0 and not dec.failed
+    assert g == run_batch(cpu, prompts, n_new)
