@@ -77,3 +77,28 @@ def test_a_request_that_fails_in_a_batch_fails_alone(default_oracle, start_run):
     assert st["failed"] == 1 and st["rows"] > st["steps"]
     with Client(run.name, base=str(run.run_base)) as c:        # and the executor serves the next one
         assert c.generate(p, 32, greedy=True, ignore_eos=True).tokens == o["greedy_tokens"]
+
+
+@pytest.mark.timeout(240)
+def test_a_sessions_second_turn_sent_while_its_first_runs_waits_for_it_and_reuses_its_cache(default_oracle, start_run):
+    o = load_oracle(default_oracle)
+    p = o["prompt_ids"]
+    run = start_run(default_oracle)
+    started = threading.Event()
+    first = Stream(run, p, 32, started=started, session="twice", new_session=True)
+    # the same conversation sent again (a second tab, a retry) while the first turn still decodes
+    again = Stream(run, p + [5, 6], 8, after=started, session="twice")
+    other = Stream(run, p[:9], 12, after=started)      # another request is not held up by the session's queue
+    for s in (first, again, other):
+        s.start()
+    for s in (first, again, other):
+        s.join(200)
+    for s in (first, again, other):
+        assert s.error is None, s.error
+    assert first.tokens == o["greedy_tokens"]
+    assert again.tokens == alone(default_oracle, p + [5, 6], 8)
+    # it ran after the first turn was committed: the prompt it shares with it (all 20 tokens) came from the cache
+    assert again.done.timing["reused_tokens"] == len(p) and again.done.timing["prefill_tokens"] == 2
+    assert other.tokens == alone(default_oracle, p[:9], 12)
+    # at the executor the second turn waited for the first; the other request, sent with it, did not
+    assert other.done.timing["queued_s"] < again.done.timing["queued_s"]
