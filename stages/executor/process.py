@@ -197,9 +197,14 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     note="--record-routing serves one sequence per step")
         max_batch = 1
     sched = Scheduler(max_batch, step_tokens or DEFAULT_STEP_TOKENS)
-    server = BatchServer(sched, cfg, sessions, lambda: state["model"], lambda peer, msg: send(sock, msg, peer=peer),
-                         counters, log, faults=faults, recorder=recorder, on_step_error=gpu_lost,
-                         after_batch=finish_vram)
+    def answer(peer: bytes, msg) -> None:
+        try:
+            send(sock, msg, peer=peer)
+        except zmq.ZMQError as e:       # the supervisor is gone or its socket full: never the batch's end
+            log.error("answer_not_sent", request_id=getattr(msg, "request_id", None), error=str(e))
+
+    server = BatchServer(sched, cfg, sessions, lambda: state["model"], answer, counters, log, faults=faults,
+                         recorder=recorder, on_step_error=gpu_lost, after_batch=finish_vram)
     state["server"] = server
     for peer, msg in early:
         server.submit(peer, msg)
@@ -212,8 +217,11 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                     publish_stats()
                 server.step()
             except StopRequested:
-                server.shutdown("stopping")
+                server.shutdown()
                 break
+            except Exception as e:      # a bug in the loop itself: its sequences fail, never the run
+                log.exception("step_failed", error=f"{type(e).__name__}: {e}")
+                server.fail_all(e)
     finally:
         try:
             saved = sessions.save_all()

@@ -76,7 +76,8 @@ class BatchServer:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> None:
         """Cancelled sequences leave, newcomers join, one batched model step, its tokens out."""
-        for seq in self.sched.reap():
+        reaped = self.sched.reap()
+        for seq in reaped:
             self.counters["cancelled"] += 1
             self._finish(seq)
         for seq in self.sched.admit():
@@ -91,8 +92,14 @@ class BatchServer:
                 if seq.finish != "failed":
                     self._finish(seq)
         self._drop_released_sessions()
-        if not self.sched.running and self.after_batch is not None:
-            self.after_batch()
+        if (rows or reaped) and not self.sched.running and self.after_batch is not None:
+            self.after_batch()          # the batch just emptied
+
+    def fail_all(self, e: Exception) -> None:
+        """A step broke outside the model (a bug in this loop): every sequence here fails with it, the executor
+        goes on with the next requests."""
+        for seq in [*self.sched.running, *self.sched.waiting]:
+            self._failed(seq, e)
 
     def _begin(self, seq: Sequence) -> None:
         t: Ticket = seq.payload
@@ -257,10 +264,14 @@ class BatchServer:
                 self.drop_after.discard(name)
                 self.log.info("session_dropped", session=name, found=self.sessions.drop(name))
 
-    def shutdown(self, reason: str) -> None:
-        """Every sequence still here ends (cancelled) with its session committed: the run is stopping."""
+    def shutdown(self) -> None:
+        """The run is stopping (the supervisor tells the clients): every sequence still here ends, and a session
+        it held keeps the tokens its cache covers, for the save on the way out."""
         for seq in [*self.sched.running, *self.sched.waiting]:
             self.sched.cancel(seq.request_id)
-        for seq in self.sched.reap():
+        gone = self.sched.reap()
+        for seq in gone:
             if seq.cache is not None and seq.payload.sess is not None:
                 seq.payload.sess.tokens = (seq.prompt + seq.out)[:seq.payload.sess.cache.length]
+        if gone:
+            self.log.info("batch_stopped", sequences=len(gone))
