@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from test_gateway_cancel import hang_up, hold_every_slot
+from test_gateway_cancel import hang_up, hold_every_slot, wait_stat
 
 
 @pytest.mark.timeout(120)
@@ -33,6 +33,9 @@ def test_a_second_user_is_not_queued_behind_the_first_users_burst(gateway):
         t.start()
         threads.append(t)
         time.sleep(0.3)  # a fixed arrival order
+    # all four wait at the supervisor before a slot frees (bob's first request opens a new connection to the run,
+    # which takes a while on a machine busy with the holders' streams)
+    assert wait_stat(gateway, "supervisor", "queued", 4, timeout=20) >= 4
     hang_up(held[0][0])  # one batch slot frees: the queue drains through it, one request at a time
     for t in threads:
         t.join(60)
