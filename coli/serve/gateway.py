@@ -11,7 +11,7 @@
 The gateway is a client of the run (see `coli.serve.aclient.AsyncClient`): prompts are rendered and tokenised
 here with the same modules `coli chat` uses (`coli.chat_template`, `coli.tokenizer`, from the run's
 container directory), token ids go to the supervisor, which queues requests round-robin across its
-client connections and runs them one at a time on the executor. The gateway opens one connection per
+client connections and admits up to `coli up --max-batch` of them at once into the executor's batch. The gateway opens one connection per
 end user (the request's `user` field, else the client's address), so one user's burst of requests
 does not starve another's; one user's requests run in arrival order. Every HTTP request is its own
 request at the run and is cancelled on its own: a client that hangs up (mid-stream or still queued)
