@@ -22,23 +22,33 @@
 // Layouts (dimension legend: R activation rows, C columns, nG = C / 64 blocks):
 //   split x  xq [R][nG][4 parts][4 pieces][16 B] int8: piece t of part p holds the block's columns 16 t + (0 2 4 6
 //            1 3 5 7 8 10 12 14 9 11 13 15) -- the order one lane's B fragments need (see the MMA mapping below);
-//            xm [R][nG][8] int32: ci[p] = MAGIC - 8 sum(b_p) (the accumulator's start), fe = 2^(E-5) as float bits
-//            (NaN if the block holds a non-finite value, so NaN/inf propagate as in the reference), 3 zero words.
+//            xm [R][nG][12] int32: c_A = (ci0, ci1, ci0, ci1), c_B = (ci2, ci3, ci2, ci3) with ci_p = MAGIC - 8 sum(b_p)
+//            (the MMA accumulators' starts, in D's register order), fe = 2^(E-5) as float bits (NaN if the block holds
+//            a non-finite value, so NaN/inf propagate as in the reference), 3 zero words.
 //   MMA      one 64-column block = 2 MMAs (m = 0, 1); lane (g, t) feeds, for weight row g (and g + 8), the word 2t + m
 //            of the row's 32 bytes: its low nibbles are k = 4t .. 4t+3 (columns 8(2t+m) + 0, 2, 4, 6), its high
 //            nibbles k = 16 + 4t .. (columns 8(2t+m) + 1, 3, 5, 7). N = 8 columns = 4 tokens x 2 parts: column n is
 //            token n / 2 of the quad, part n % 2 (MMA "A": parts 0, 1; MMA "B": parts 2, 3), so D lane (g, t) holds
 //            token t's two parts for rows g and g + 8 and a thread owns all four parts of its (row, token) outputs.
-//   Block    128 weight rows x 64 activation rows, 8 warps: warp w covers rows 64 (w & 1) .. + 63 (4 MMA row tiles)
-//            and activation rows 16 (w >> 1) .. + 15 (4 quads). K runs in 64-column blocks through a PF_STAGES-deep
-//            cp.async pipeline (weights 4 KiB, split x 16 KiB, its metadata 2 KiB per stage); the block's fp16 group
+//   Block    PF_ROWS = 256 weight rows x PF_TOKS = 32 activation rows (pairs), 8 warps: warp w covers rows 64 (w % 4)
+//            .. + 63 (4 MMA row tiles) and activation rows 16 (w / 4) .. + 15 (4 quads). (256 x 32 rather than
+//            128 x 64: a MoE expert's ~64 pairs fill 32-pair tiles better, and a column costs 128 + 128 bytes of
+//            staging instead of 64 + 256.) K runs in 64-column blocks through a PF_STAGES-deep
+//            cp.async pipeline (weights 4 KiB, split x 16 KiB, its metadata 3 KiB per stage); the block's fp16 group
 //            scales are staged once.
 // Requirements (pf_layout_ok in cuda_backend.py; otherwise gemm.cu runs): int4, group 64 or 128 dividing C, C % 64,
-// rows % 128 (linear, down) or Im % 64 (gate/up), 16-byte aligned rows, the shared memory within the device's limit.
+// rows % PF_ROWS (linear, down) or Im % (PF_ROWS / 2) (gate/up), 16-byte aligned rows, the shared memory within the device's limit.
 #include "coli_common.cuh"
 
-#define PF_ROWS 128
-#define PF_TOKS 64
+#ifndef PF_ROWS
+#define PF_ROWS 256                    // weight rows per block: PF_ROWS / 64 row warps ...
+#endif
+#ifndef PF_TOKS
+#define PF_TOKS 32                     // ... x PF_TOKS / 16 token warps = 8 warps (cuda_backend.py: the same two)
+#endif
+#define PF_RW (PF_ROWS / 64)
+#define PF_EXLD (PF_ROWS / 2 + 8)      // gate/up's exchange rows, padded: 4 x 8 lanes of a store hit 32 banks
+static_assert(PF_RW * (PF_TOKS / 16) == 8 && PF_TOKS <= 64, "8 warps of 64 rows x 16 activation rows");
 #define PF_THREADS 256
 #ifndef PF_STAGES
 #define PF_STAGES 3
@@ -50,7 +60,7 @@
 #define PF_MAGIC_F 12582912.0f
 #define PF_W_BYTES (PF_ROWS * 32)      // one stage: 32 bytes (64 int4 columns) per weight row
 #define PF_X_BYTES (PF_TOKS * 256)     //            4 parts x 64 bytes per activation row
-#define PF_M_BYTES (PF_TOKS * 32)      //            8 words of metadata per activation row
+#define PF_M_BYTES (PF_TOKS * 48)      //            12 words of metadata per activation row
 #define PF_STAGE_BYTES (PF_W_BYTES + PF_X_BYTES + PF_M_BYTES)
 
 #define PF_LINEAR 0
@@ -64,6 +74,16 @@ __device__ inline void pf_mma(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The same with the accumulator's start c in other registers (d = a b + c): the four row tiles of a quad share one c,
+// loaded as it is laid out in shared memory, so no copies per tile.
+__device__ inline void pf_mma_c(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const int4 &c) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%11,%12,%13};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c.x), "r"(c.y), "r"(c.z),
+                   "r"(c.w));
+}
+
 // 16 bytes global -> shared, in flight until pf_wait; n = 0 fills zeros (rows past the tile's end).
 __device__ inline void pf_cp16(void *dst, const void *src, int n) {
     const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
@@ -74,7 +94,7 @@ template <int N>
 __device__ inline void pf_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // ---- splitting 64 columns into four int8 parts --------------------------------------------------------------
-// One warp, the block's values v0, v1 at columns 2 lane, 2 lane + 1 -> q (the block's 256 bytes) and m (8 words).
+// One warp, the block's values v0, v1 at columns 2 lane, 2 lane + 1 -> q (the block's 256 bytes) and m (12 words).
 __device__ inline void pf_split64(float v0, float v1, int lane, u8 *q, int *m) {
     // fmaxf drops NaNs, so finiteness is voted on separately
     const bool finite = !__any_sync(0xffffffffu, !(isfinite(v0) && isfinite(v1)));
@@ -97,11 +117,12 @@ __device__ inline void pf_split64(float v0, float v1, int lane, u8 *q, int *m) {
         int s = b[0] + b[1];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) m[p] = PF_MAGIC - 8 * s;
+        // the MMA accumulator starts of parts (0, 1) and (2, 3) as D lays them out: c = (p0, p1, p0, p1), (p2, p3, ..)
+        if (lane == 0) m[4 * (p >> 1) + (p & 1)] = m[4 * (p >> 1) + (p & 1) + 2] = PF_MAGIC - 8 * s;
     }
     if (lane == 0) {
-        m[4] = __float_as_int(finite ? ldexpf(1.f, E - 5) : __int_as_float(0x7fc00000));
-        m[5] = m[6] = m[7] = 0;
+        m[8] = __float_as_int(finite ? ldexpf(1.f, E - 5) : __int_as_float(0x7fc00000));
+        m[9] = m[10] = m[11] = 0;
     }
 }
 
@@ -115,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) pf_split_rows(const flo
     const long long r = i / nG;
     const int G = (int)(i - r * nG);
     const float *src = x + r * ldx + 64 * G;
-    pf_split64(src[2 * lane], src[2 * lane + 1], lane, xq + i * 256, xm + i * 8);
+    pf_split64(src[2 * lane], src[2 * lane + 1], lane, xq + i * 256, xm + i * 12);
 }
 
 // ---- the shared main loop -------------------------------------------------------------------------------------
@@ -127,26 +148,27 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
                                    int group, const u8 *xq, const int *xm, float (&acc)[4][4][2]) {
     const int nG = C / 64, ng = C / group, gsh = group == 128 ? 1 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int wr = warp & 1, wt = warp >> 1;
+    const int wr = warp % PF_RW, wt = warp / PF_RW;
     __half *scs = reinterpret_cast<__half *>(smem + PF_STAGES * PF_STAGE_BYTES);     // [128][ng]
 
     auto issue = [&](int G) {
         if (G < nG) {
             u8 *st = smem + (G % PF_STAGES) * PF_STAGE_BYTES;
-            {   // weights: 2 pieces per row
-                const int row = tid >> 1, pc = tid & 1;
+#pragma unroll
+            for (int k = 0; k < PF_ROWS * 2 / PF_THREADS; k++) {   // weights: 2 pieces per row
+                const int idx = tid + PF_THREADS * k, row = idx >> 1, pc = idx & 1;
                 pf_cp16(st + row * 32 + 16 * pc, rowd[row] + 32 * G + 16 * pc, 16);
             }
 #pragma unroll
-            for (int k = 0; k < 4; k++) {   // split x: 16 pieces per activation row
+            for (int k = 0; k < PF_TOKS * 16 / PF_THREADS; k++) {  // split x: 16 pieces per activation row
                 const int idx = tid + PF_THREADS * k, a = idx >> 4, pc = idx & 15, r = act[a];
                 const u8 *src = r >= 0 ? xq + ((long long)r * nG + G) * 256 + 16 * pc : xq;
                 pf_cp16(st + PF_W_BYTES + a * 256 + 16 * pc, src, r >= 0 ? 16 : 0);
             }
-            if (tid < 2 * PF_TOKS) {        // metadata: 2 pieces per activation row
-                const int a = tid >> 1, pc = tid & 1, r = act[a];
-                const int *src = r >= 0 ? xm + ((long long)r * nG + G) * 8 + 4 * pc : xm;
-                pf_cp16(st + PF_W_BYTES + PF_X_BYTES + a * 32 + 16 * pc, src, r >= 0 ? 16 : 0);
+            if (tid < 3 * PF_TOKS) {        // metadata: 3 pieces per activation row
+                const int a = tid / 3, pc = tid - 3 * a, r = act[a];
+                const int *src = r >= 0 ? xm + ((long long)r * nG + G) * 12 + 4 * pc : xm;
+                pf_cp16(st + PF_W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, src, r >= 0 ? 16 : 0);
             }
         }
         pf_commit();                         // an empty group past the end keeps the wait counts uniform
@@ -189,22 +211,20 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const int tb = 16 * wt + 4 * q + (g >> 1), td = 16 * wt + 4 * q + t;
-            const float fe = __int_as_float(ms[td * 8 + 4]);
+            const float fe = __int_as_float(ms[td * 12 + 8]);
             uint4 b[2];
-            int2 ci[2];
+            int4 ci[2];
 #pragma unroll
             for (int ab = 0; ab < 2; ab++) {
                 b[ab] = *reinterpret_cast<const uint4 *>(xs + tb * 256 + (2 * ab + (g & 1)) * 64 + 16 * t);
-                ci[ab] = *reinterpret_cast<const int2 *>(ms + td * 8 + 2 * ab);
+                ci[ab] = *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int d[2][4];
 #pragma unroll
                 for (int ab = 0; ab < 2; ab++) {
-                    d[ab][0] = d[ab][2] = ci[ab].x;
-                    d[ab][1] = d[ab][3] = ci[ab].y;
-                    pf_mma(d[ab], a[i][0], b[ab].x, b[ab].y);
+                    pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
                     pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
                 }
 #pragma unroll
@@ -248,7 +268,7 @@ __device__ inline void pf_row(const QMat &m, int r, const u8 **rowd, const u8 **
 
 // ---- pf_linear_int4 ---------------------------------------------------------------------------------------------
 // Y[s, n] = sum_k x[s, k] W[n, k] for s < S, n < N (= W rows), x split (pf_split_rows: xq, xm, C = W cols).
-//   grid (N / 128, ceil(S / 64)), block 256, dynamic smem = pf_smem(C, group).
+//   grid (N / PF_ROWS, ceil(S / PF_TOKS)), block 256, dynamic smem = pf_smem(C, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4(
     QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
     extern __shared__ float4 smem4[];
@@ -256,6 +276,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
     const QMat W = QMAT_MAKE(w, FMT_INT4);
     const int n0 = PF_ROWS * blockIdx.x, s0 = PF_TOKS * blockIdx.y;
     PfTables tb = pf_tables(smem, W.cols, W.group);
+    static_assert(PF_ROWS <= PF_THREADS, "a thread a row in the tables");
     if (threadIdx.x < PF_ROWS) pf_row(W, n0 + threadIdx.x, tb.rowd, tb.rowm, threadIdx.x);
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = s0 + (int)threadIdx.x < S ? s0 + (int)threadIdx.x : -1;
     __syncthreads();
@@ -264,57 +285,63 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        const int s = s0 + 16 * (warp >> 1) + 4 * q + t;
+        const int s = s0 + 16 * (warp / PF_RW) + 4 * q + t;
         if (s >= S) continue;
 #pragma unroll
         for (int i = 0; i < 4; i++)
 #pragma unroll
-            for (int r = 0; r < 2; r++) Y[s * ldy + n0 + 64 * (warp & 1) + 16 * i + g + 8 * r] = acc[i][q][r];
+            for (int r = 0; r < 2; r++) Y[s * ldy + n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r] = acc[i][q][r];
     }
 }
 
 // ---- pf_gateup_int4 ---------------------------------------------------------------------------------------------
 // The grouped MoE's first half. The host sorts the layer's (token, slot) pairs by expert; tiles[3 u .. 3 u + 2] =
-// (expert table index e, first pair p0, count <= 64). For pair p (token pair_token[p]) and j in [j0, j0 + 64):
+// (expert table index e, first pair p0, count <= PF_TOKS). For pair p (token pair_token[p]), j in [j0, j0 + PF_ROWS / 2):
 //   h[p, j] = silu(x[token] . gate_e[j]) * (x[token] . up_e[j]), written split (hq, hm: rows P, columns Im) for
-//   pf_down_int4. x arrives split (xq, xm over [S, H]). Block rows: gate j0 .. + 63, then up j0 .. + 63.
-//   grid (Im / 64, n_tiles), block 256, dynamic smem = pf_smem(H, group).
+//   pf_down_int4. x arrives split (xq, xm over [S, H]). Block rows: gate j0 .. + PF_ROWS / 2 - 1, then up the same.
+//   grid (Im / (PF_ROWS / 2), n_tiles), block 256, dynamic smem = pf_smem(H, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4(
     const u8 *const *table, long long gate_off, long long up_off, int rows, int cols, int group, int rpt,
     long long tile_bytes, const int *tiles, const int *pair_token, const u8 *xq, const int *xm, u8 *hq, int *hm) {
     extern __shared__ float4 smem4[];
     u8 *smem = reinterpret_cast<u8 *>(smem4);
     const int e = tiles[3 * blockIdx.y], p0 = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
-    const int j0 = 64 * blockIdx.x;
+    constexpr int HALF = PF_ROWS / 2;
+    const int j0 = HALF * blockIdx.x;
     PfTables tb = pf_tables(smem, cols, group);
     if (threadIdx.x < PF_ROWS) {
-        const int half = threadIdx.x >> 6;
+        const int half = threadIdx.x / HALF;
         const QMat W = make_qmat<FMT_INT4>(table[e] + (half ? up_off : gate_off), rows, cols, group, rpt, tile_bytes);
-        pf_row(W, j0 + (threadIdx.x & 63), tb.rowd, tb.rowm, threadIdx.x);
+        pf_row(W, j0 + (threadIdx.x % HALF), tb.rowd, tb.rowm, threadIdx.x);
     }
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = (int)threadIdx.x < cnt ? pair_token[p0 + threadIdx.x] : -1;
     __syncthreads();
     float acc[4][4][2];
     pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cols, group, xq, xm, acc);
-    // gate (warps w & 1 == 0) and up (w & 1 == 1) meet in shared memory: ex[half][pair][j], rows padded to 72 floats
-    // so the 4 x 8 lanes of a store hit 32 distinct banks
+    // gate (block rows < HALF) and up meet in shared memory: ex[half][pair][j], rows padded to PF_EXLD floats
+    static_assert(2 * PF_TOKS * PF_EXLD * 4 <= PF_STAGES * PF_STAGE_BYTES, "the exchange fits the drained stages");
     float *ex = reinterpret_cast<float *>(smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wr = warp % PF_RW, wt = warp / PF_RW;
 #pragma unroll
     for (int q = 0; q < 4; q++)
 #pragma unroll
         for (int i = 0; i < 4; i++)
 #pragma unroll
-            for (int r = 0; r < 2; r++)
-                ex[((warp & 1) * PF_TOKS + 16 * (warp >> 1) + 4 * q + t) * 72 + 16 * i + g + 8 * r] = acc[i][q][r];
+            for (int r = 0; r < 2; r++) {
+                const int R = 64 * wr + 16 * i + g + 8 * r;
+                ex[((R / HALF) * PF_TOKS + 16 * wt + 4 * q + t) * PF_EXLD + R % HALF] = acc[i][q][r];
+            }
     __syncthreads();
     const int nGh = rows / 64;
-    for (int a = warp; a < cnt; a += PF_THREADS / 32) {      // a warp a pair: its 64 values are one block of h
-        const float *gv = ex + a * 72, *uv = ex + (PF_TOKS + a) * 72;
+    constexpr int NS = HALF / 64;                              // 64-column blocks of h per pair in this block
+    for (int w = warp; w < cnt * NS; w += PF_THREADS / 32) {   // a warp a (pair, block of h)
+        const int a = w / NS, hh = w - a * NS;
+        const float *gv = ex + a * PF_EXLD + 64 * hh, *uv = ex + (PF_TOKS + a) * PF_EXLD + 64 * hh;
         const float h0 = __fmul_rn(silu_f(gv[2 * lane]), uv[2 * lane]);
         const float h1 = __fmul_rn(silu_f(gv[2 * lane + 1]), uv[2 * lane + 1]);
-        const long long blk = (long long)(p0 + a) * nGh + blockIdx.x;
-        pf_split64(h0, h1, lane, hq + blk * 256, hm + blk * 8);
+        const long long blk = (long long)(p0 + a) * nGh + NS * blockIdx.x + hh;
+        pf_split64(h0, h1, lane, hq + blk * 256, hm + blk * 12);
     }
 }
 
@@ -322,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4
 // The grouped MoE's second half: Y[token p, slot p, n] = pair_w[p] * (h[p] . down_e[n]) for the tiles' pairs,
 // n in [n0, n0 + 128); h split as pf_gateup_int4 writes it ([P, Im]); down [rows = H, cols = Im] at down_off.
 // Y [S, K, H] fp32: every (token, slot) row written by exactly one block column (no atomics: deterministic).
-//   grid (H / 128, n_tiles), block 256, dynamic smem = pf_smem(Im, group).
+//   grid (H / PF_ROWS, n_tiles), block 256, dynamic smem = pf_smem(Im, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
     const u8 *const *table, long long down_off, int rows, int cols, int group, int rpt, long long tile_bytes,
     const int *tiles, const int *pair_token, const int *pair_slot, const float *pair_w, const u8 *hq, const int *hm,
@@ -343,10 +370,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        const int a = 16 * (warp >> 1) + 4 * q + t;
+        const int a = 16 * (warp / PF_RW) + 4 * q + t;
         if (a >= cnt) continue;
         const int p = p0 + a;
-        float *yrow = Y + ((long long)pair_token[p] * K + pair_slot[p]) * rows + n0 + 64 * (warp & 1);
+        float *yrow = Y + ((long long)pair_token[p] * K + pair_slot[p]) * rows + n0 + 64 * (warp % PF_RW);
         const float w = pair_w[p];
 #pragma unroll
         for (int i = 0; i < 4; i++)

@@ -624,35 +624,48 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
 
 
 def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
-    """The tensor-core MoE prefill rebuilt with other register / pipeline settings (PF_MINB, PF_STAGES)."""
+    """The tensor-core prefill rebuilt with other block shapes and register / pipeline settings (PF_ROWS x PF_TOKS,
+    PF_MINB, PF_STAGES): the MoE row and the dense 2048 x 6144 GEMM at S = 2,048."""
     import coli.gpu.cuda_backend as cb
     from pycuda.compiler import SourceModule
     from coli.gpu.cuda_runtime import kernels_dir
+    from coli.gpu.cuda_weights import upload_stored
     rt = gb.rt
     src = (kernels_dir() / "prefill_mma.cu").read_text()
-    base = (cb.PF_STAGES, rt._modules.get("prefill_mma"))
+    base = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, rt._modules.get("prefill_mma"))
+    b, lay_ = random_matrix_bytes(2048, H, "int4", 64, np.random.default_rng(1))
+    w = upload_stored(rt, b, lay_, (2048, H), "bench")
+    xd = gb.upload(np.random.default_rng(2).standard_normal((2048, H)).astype(F32))
     gb.prefill_kernels = "mma"
+
+    def drop():
+        for k in [k for k in rt._fns if k[0] == "prefill_mma"]:
+            del rt._fns[k]
     try:
-        for minb, stages in ((1, 3), (1, 4), (2, 2), (1, 2)):
+        for rows_, toks, minb, stages in ((256, 32, 2, 3), (256, 32, 1, 3), (256, 32, 2, 4), (256, 32, 2, 2),
+                                          (128, 64, 2, 3), (128, 64, 1, 3)):
+            tag = f"rows{rows_}_toks{toks}_minb{minb}_stages{stages}"
             try:
                 rt._modules["prefill_mma"] = SourceModule(src, no_extern_c=True, include_dirs=[str(kernels_dir())],
                                                           options=["-std=c++17", f"-DPF_MINB={minb}",
-                                                                   f"-DPF_STAGES={stages}"])
-                for k in [k for k in rt._fns if k[0] == "prefill_mma"]:
-                    del rt._fns[k]
-                cb.PF_STAGES = stages
+                                                                   f"-DPF_STAGES={stages}", f"-DPF_ROWS={rows_}",
+                                                                   f"-DPF_TOKS={toks}"])
+                drop()
+                cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = rows_, toks, stages
                 us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in recs)), 2, reps=3,
                                     warmup=1, spin_us=150000)
-                tf = flops / us / 1e6
-                add(f"moe prefill S=2048 [mma PF_MINB={minb} PF_STAGES={stages}]", us, None, f"{tf:.2f} TFLOP/s")
-                out[f"moe_variant_minb{minb}_stages{stages}_TFLOPs"] = round(tf, 2)
+                add(f"moe prefill S=2048 [mma {tag}]", us, None, f"{flops / us / 1e6:.2f} TFLOP/s")
+                out[f"moe_variant_{tag}_TFLOPs"] = round(flops / us / 1e6, 2)
+                us = tm.per_call_us(lambda i: gb.linear(xd, w), 3, spin_us=20000)
+                add(f"gemm prefill S=2048 2048x6144 [mma {tag}]", us, None, f"{2 * 2048 * 2048 * H / us / 1e6:.2f} TFLOP/s")
+                out[f"gemm_variant_{tag}_TFLOPs"] = round(2 * 2048 * 2048 * H / us / 1e6, 2)
             except Exception as e:      # a variant that does not fit or build is a row, not the end of the run
-                out[f"moe_variant_minb{minb}_stages{stages}_error"] = str(e)[:200]
+                out[f"variant_{tag}_error"] = str(e)[:200]
+                print(f"  variant {tag}: {str(e)[:200]}", flush=True)
     finally:
-        cb.PF_STAGES = base[0]
-        rt._modules["prefill_mma"] = base[1]
-        for k in [k for k in rt._fns if k[0] == "prefill_mma"]:
-            del rt._fns[k]
+        cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = base[:3]
+        rt._modules["prefill_mma"] = base[3]
+        drop()
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ MAGIC_F = F32(12582912.0)
 
 
 def pf_split64(v: np.ndarray):
-    """pf_split64 for one block: (q bytes [256] int8, meta words [8] int32 with fe's bits at 4)."""
+    """pf_split64 for one block: (q bytes [256] int8, meta words [12] int32: the accumulator starts of parts
+    (0, 1, 0, 1) and (2, 3, 2, 3), then fe's bits)."""
     v = v.astype(F32)
     q = np.zeros(256, np.int8)
-    meta = np.zeros(8, np.int64)
+    meta = np.zeros(12, np.int64)
     finite = bool(np.isfinite(v).all())
     m = F32(np.max(np.abs(v))) if finite else F32(0)
     E = int(np.frexp(m)[1]) - 1 if m > 0 else 0
@@ -39,8 +40,8 @@ def pf_split64(v: np.ndarray):
             t, cc = col >> 4, col & 15
             w = cc & 7
             q[p * 64 + t * 16 + 8 * (cc >> 3) + 4 * (w & 1) + (w >> 1)] = int(b[col])
-        meta[p] = MAGIC - 8 * int(b.sum())
-    meta[4] = np.array([np.ldexp(F32(1), E - 5) if finite else np.nan], F32).view(np.int32)[0]
+        meta[4 * (p >> 1) + (p & 1)] = meta[4 * (p >> 1) + (p & 1) + 2] = MAGIC - 8 * int(b.sum())
+    meta[8] = np.array([np.ldexp(F32(1), E - 5) if finite else np.nan], F32).view(np.int32)[0]
     return q, meta.astype(np.int32)
 
 
@@ -56,7 +57,7 @@ def test_split_bytes_rebuild_the_block_to_2_pow_minus_27(seed):
     rng = np.random.default_rng(seed)
     v = _block(rng, wide=seed % 2 == 1)
     q, meta = pf_split64(v)
-    fe = float(meta[4:5].view(F32)[0])
+    fe = float(meta[8:9].view(F32)[0])
     back = np.zeros(64)
     bsum = np.zeros(4, np.int64)
     for p in range(4):
@@ -67,7 +68,8 @@ def test_split_bytes_rebuild_the_block_to_2_pow_minus_27(seed):
             assert abs(byte) <= 64
             back[col] += fe * 2.0 ** (-7 * p) * byte
             bsum[p] += byte
-    np.testing.assert_array_equal(meta[:4], MAGIC - 8 * bsum)
+    c = MAGIC - 8 * bsum
+    np.testing.assert_array_equal(meta[:8], [c[0], c[1], c[0], c[1], c[2], c[3], c[2], c[3]])
     assert np.abs(back - v.astype(np.float64)).max() <= np.abs(v).max() * 2.0 ** -27
 
 
@@ -75,7 +77,7 @@ def test_split_of_a_non_finite_block_gives_nan_factor_and_zero_parts():
     v = np.ones(64, F32)
     v[5] = np.inf
     q, meta = pf_split64(v)
-    assert not q.any() and np.isnan(meta[4:5].view(F32)[0])
+    assert not q.any() and np.isnan(meta[8:9].view(F32)[0])
 
 
 def _stage(wq: np.ndarray, xblocks: list[tuple[np.ndarray, np.ndarray]], G: int):
@@ -83,7 +85,7 @@ def _stage(wq: np.ndarray, xblocks: list[tuple[np.ndarray, np.ndarray]], G: int)
     metadata (8 words per activation row) -- as issue() copies them."""
     ws = np.ascontiguousarray(wq[:, 32 * G:32 * G + 32])
     xs = np.stack([xb[G][0] for xb in xblocks]).view(np.uint8)          # [tokens, 256]
-    ms = np.stack([xb[G][1] for xb in xblocks])                          # [tokens, 8]
+    ms = np.stack([xb[G][1] for xb in xblocks])                          # [tokens, 12]
     return ws, xs, ms
 
 
@@ -117,14 +119,13 @@ def _warp_tile(wq, scales, group, xsplit, ntok_quads=1):
                     b_frags[0].append((int(bw[0]), int(bw[1])))
                     b_frags[1].append((int(bw[2]), int(bw[3])))
                     td = 4 * q + t
-                    ci = ms[td, 2 * ab:2 * ab + 2].astype(np.int64)
-                    d[ab, lane] = ci[0], ci[1], ci[0], ci[1]
+                    d[ab, lane] = ms[td, 4 * ab:4 * ab + 4]          # the MMA's c operand, as loaded
                 for m in range(2):
                     d[ab] += np.array(_mma_m16n8k32(a_frags[m], b_frags[m]), np.int64)
             assert (d >= 0).all() and (d < 2 ** 31).all()
             for lane in range(32):
                 t = lane & 3
-                fe = ms[4 * q + t, 4:5].view(F32)[0]
+                fe = ms[4 * q + t, 8:9].view(F32)[0]
                 for r in range(2):
                     f = [np.array([d[ab, lane, 2 * r + c]], np.int64).astype(np.int32).view(F32)[0] - MAGIC_F
                          for ab in range(2) for c in range(2)]
@@ -168,15 +169,16 @@ def test_pf_layout_ok_and_shared_memory():
     from coli.gpu.cuda_backend import pf_layout_ok, pf_moe_layout_ok, pf_smem
     assert pf_layout_ok(MatrixLayout.make(2048, 6144, "int4", 64, 512))
     assert pf_layout_ok(MatrixLayout.make(6144, 16384, "int4", 128, 512))
-    assert not pf_layout_ok(MatrixLayout.make(576, 6144, "int4", 64, 512))           # rows not whole blocks of 128
+    assert not pf_layout_ok(MatrixLayout.make(576, 6144, "int4", 64, 512))           # rows not whole blocks of 256
     assert not pf_layout_ok(MatrixLayout.make(2048, 6144 + 32, "int4", 32, 512))     # group 32, ragged columns
     assert not pf_layout_ok(MatrixLayout.make(2048, 6144, "int8", 64, 512))
     assert pf_moe_layout_ok(RecordLayout.make(6144, 2048, "int4", 64, 512))
     assert not pf_moe_layout_ok(RecordLayout.make(6144, 2048, "bf16", 0, 512))
-    assert not pf_moe_layout_ok(RecordLayout.make(100, 64, "int4", 64, 512))          # H not whole blocks of 128
-    # GLM-5: 3 stages of 22 KiB + the block's scales (128 rows x 96 groups x 2 bytes) + its tables: 2 blocks per SM
-    assert pf_smem(6144, 64) == 3 * 22528 + 128 * 96 * 2 + 128 * 16 + 64 * 4
-    assert 2 * pf_smem(16384, 128) <= 227 * 1024
+    assert not pf_moe_layout_ok(RecordLayout.make(128, 64, "int4", 64, 512))          # H not whole blocks of 256
+    assert not pf_moe_layout_ok(RecordLayout.make(6144, 2048 + 64, "int4", 64, 512))  # Im not whole blocks of 128
+    # GLM-5: 3 stages of 17.5 KiB + the block's scales (256 rows x 96 groups x 2 bytes) + its tables: 2 blocks per SM
+    assert pf_smem(6144, 64) == 3 * (256 * 32 + 32 * 256 + 32 * 48) + 256 * 96 * 2 + 256 * 16 + 32 * 4
+    assert 2 * pf_smem(6144, 64) <= 227 * 1024 and 2 * pf_smem(2048, 64) <= 227 * 1024
 
 
 # ---- the host side, on the recording stand-in runtime of tests/test_decode_launches.py ----------------------------
@@ -215,13 +217,13 @@ def test_prefill_linear_launches(rows, cols, fmt, group, version, want):
     assert [x[0] for x in gb.rt.launches] == want
     if want[-1] == "pf_linear_int4":
         _, grid, block, smem = gb.rt.launches[-1]
-        assert grid == (rows // 128, 5) and block == 256 and smem == pf_smem(cols, group)
+        assert grid == (rows // 256, 10) and block == 256 and smem == pf_smem(cols, group)
         assert gb.rt.launches[0][1] == (S * cols // 64 // 8,)      # a warp per 64-column block
 
 
 def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
     """A 300-token prefill over 40 GLM-5 experts: x split once, one gate/up and one down launch over every expert's
-    64-pair tiles, then the slot sum; an f32 record (a host expert) in the same batch takes the fp32 GEMMs after."""
+    32-pair tiles, then the slot sum; an f32 record (a host expert) in the same batch takes the fp32 GEMMs after."""
     from coli.container.format import RecordLayout
     from coli.gpu.cuda_weights import DeviceRecord
     gb = _prefill_backend()
@@ -238,6 +240,6 @@ def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
     assert names[5:] == ["zero", "moe_gateup_gemm_f32", "moe_down_gemm_f32", "moe_reduce"]
     pairs = np.isin(idx, [e for e in range(E) if e != 7])
     counts = np.bincount(idx[pairs], minlength=E)
-    tiles = int(sum(-(-c // 64) for c in counts))
-    assert gb.rt.launches[2][1] == (2048 // 64, tiles)
-    assert gb.rt.launches[3][1] == (6144 // 128, tiles)
+    tiles = int(sum(-(-c // 32) for c in counts))
+    assert gb.rt.launches[2][1] == (2048 // 128, tiles)
+    assert gb.rt.launches[3][1] == (6144 // 256, tiles)

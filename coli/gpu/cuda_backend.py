@@ -124,7 +124,7 @@ PREFILL_VERSIONS = ("mma", "v1")
 # chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the 64-pair
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
 PREFILL_CHUNK_BYTES = 1 << 30
-PF_ROWS, PF_TOKS, PF_STAGES = 128, 64, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
+PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
 ATTN_VERSIONS = ("auto", "split1", "v1")
 GEMV_VERSIONS = ("v2", "v1")
 
@@ -317,7 +317,7 @@ class CudaBackend:
         """x [R, C] fp32 at device address x -> its int8 parts and metadata (prefill_mma.cu's split layout)."""
         nblk = R * (C // 64)
         xq = self.rt.empty((nblk * 256,), np.uint8)
-        xm = self.rt.empty((nblk * 8,), np.int32)
+        xm = self.rt.empty((nblk * 12,), np.int32)
         fn = self._fn("prefill_mma", "pf_split_rows")
         self.rt.launch(fn, (-(-nblk // 8),), 256, x, R, C, C if ldx is None else ldx, xq.ptr, xm.ptr)
         return xq, xm
@@ -897,7 +897,7 @@ class CudaBackend:
         S, H = x.shape
         K = idx.shape[1]
         Im = max(lay.gate.rows for lay in groups)
-        per_token = K * H * 4 + K * Im * 9 // 2 + H * 9 // 2        # Y [K, H] + split h + split x
+        per_token = K * H * 4 + K * Im * 19 // 4 + H * 19 // 4      # Y [K, H] + split h + split x
         chunk = max(1, PREFILL_CHUNK_BYTES // per_token)
         handled = {e for m in groups.values() for e in m}
         f_red = self._fn("gemm", "moe_reduce")
@@ -910,17 +910,17 @@ class CudaBackend:
             if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= handled:
                 self.rt.zero(Y.ptr, Y.nbytes)      # pruned slots, another batch's or layout's experts: rows stay zero
             for lay, members in groups.items():
-                pairs = self._moe_pairs(ii, wi, recs, members)
+                pairs = self._moe_pairs(ii, wi, recs, members, PF_TOKS)
                 if pairs is None:
                     continue
                 table, tiles_d, tok_d, slot_d, pw_d, n_tiles, P = pairs
                 g, d = lay.gate, lay.down
                 hq = self.rt.empty((P * g.rows * 4,), np.uint8)
-                hm = self.rt.empty((P * (g.rows // 64) * 8,), np.int32)
+                hm = self.rt.empty((P * (g.rows // 64) * 12,), np.int32)
                 f_gu = self._fn("prefill_mma", "pf_gateup_int4")
                 smem = pf_smem(g.cols, g.group)
                 self.rt.allow_smem(f_gu, smem)
-                self.rt.launch(f_gu, (g.rows // 64, n_tiles), 256, table.ptr, g.offset, lay.up.offset, g.rows, g.cols,
+                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), 256, table.ptr, g.offset, lay.up.offset, g.rows, g.cols,
                                g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr, tok_d.ptr, xq.ptr, xm.ptr, hq.ptr,
                                hm.ptr, smem=smem)
                 f_dn = self._fn("prefill_mma", "pf_down_int4")
@@ -931,9 +931,9 @@ class CudaBackend:
                                hm.ptr, K, Y.ptr, smem=smem)
             self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
-    def _moe_pairs(self, idx, weights, recs, members):
+    def _moe_pairs(self, idx, weights, recs, members, tile: int = 64):
         """The (token, slot) pairs routed to `members`, sorted by expert (stable: token order inside an expert), on
-        the device: (record table, tiles [(member, first pair, count <= 64)], pair token, pair slot, pair weight,
+        the device: (record table, tiles [(member, first pair, count <= tile)], pair token, pair slot, pair weight,
         number of tiles, number of pairs); None when no pair routes there."""
         g_of = {e: g for g, e in enumerate(members)}
         tok, slot = np.nonzero(np.isin(idx, members))
@@ -946,8 +946,8 @@ class CudaBackend:
         tiles = []
         bounds = np.searchsorted(gid, np.arange(len(members) + 1))
         for g in range(len(members)):
-            for p0 in range(int(bounds[g]), int(bounds[g + 1]), 64):
-                tiles.append((g, p0, min(64, int(bounds[g + 1]) - p0)))
+            for p0 in range(int(bounds[g]), int(bounds[g + 1]), tile):
+                tiles.append((g, p0, min(tile, int(bounds[g + 1]) - p0)))
         packed = [np.array([recs[e].ptr for e in members], np.uint64), np.array(tiles, np.int32).reshape(-1),
                   tok.astype(np.int32), slot.astype(np.int32), pw]
         return (*(self.rt.to_device_async(a) for a in packed), len(tiles), tok.size)
@@ -1065,10 +1065,10 @@ def pf_layout_ok(lay) -> bool:
 
 def pf_moe_layout_ok(lay) -> bool:
     """Whether the tensor-core grouped MoE prefill takes this record layout: gate and up alike ([Im, H], Im in whole
-    64-row blocks: a block holds 64 gate and the same 64 up rows) and down [H, Im] as pf_layout_ok wants it."""
+    blocks of PF_ROWS / 2: a block holds that many gate and the same up rows) and down [H, Im] as pf_layout_ok wants."""
     g, u, d = lay.gate, lay.up, lay.down
     return (all(m.fmt == "int4" and m.group in (64, 128) and m.cols % m.group == 0 and vec_ok(m) for m in (g, u, d))
-            and g.rows % 64 == 0 and d.rows % PF_ROWS == 0 and d.rows == g.cols and d.cols == g.rows
+            and g.rows % (PF_ROWS // 2) == 0 and d.rows % PF_ROWS == 0 and d.rows == g.cols and d.cols == g.rows
             and (u.rows, u.cols, u.group, u.rows_per_tile, u.tile_bytes)
             == (g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes))
 
@@ -1076,7 +1076,7 @@ def pf_moe_layout_ok(lay) -> bool:
 def pf_smem(cols: int, group: int) -> int:
     """Dynamic shared memory of the prefill_mma.cu GEMMs over `cols` columns: PF_STAGES stages (weights, split x,
     metadata), the block's fp16 group scales, its row-address and activation-row tables."""
-    stage = PF_ROWS * 32 + PF_TOKS * 256 + PF_TOKS * 32
+    stage = PF_ROWS * 32 + PF_TOKS * 256 + PF_TOKS * 48
     scales = -(-(PF_ROWS * (cols // group) * 2) // 16) * 16
     return PF_STAGES * stage + scales + PF_ROWS * 16 + PF_TOKS * 4
 

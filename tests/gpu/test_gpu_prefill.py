@@ -59,18 +59,19 @@ PREFILL_MOE = [  # H, Im, group, E, K, S
     (6144, 2048, 64, 12, 8, 70),      # GLM-5 experts
     (256, 128, 64, 16, 4, 100),
     (256, 128, 128, 6, 3, 41),
-    (128, 64, 64, 3, 2, 130),         # more than 64 pairs per expert: several tiles each
+    (256, 128, 64, 3, 2, 130),        # ~87 pairs per expert: several tiles each, the last one partial
 ]
 
 
 @pytest.mark.parametrize("H,Im,group,E,K,S", PREFILL_MOE)
 def test_moe_prefill_tensor_cores(gb, rng, H, Im, group, E, K, S):
+    from coli.gpu.cuda_backend import pf_moe_layout_ok
     recs, mats = _experts(gb, H, Im, "int4", group, E, rng)
+    assert pf_moe_layout_ok(recs[0].layout) and gb._pf_ok(1)      # the tensor-core path, not a fallback
     x = rand(rng, S, H)
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
     w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
     wanted = sorted(set(idx.ravel().tolist()))
-    assert gb._pf_ok(1)
 
     def run(version):
         return _with(gb, version, lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in wanted))))
@@ -86,7 +87,7 @@ def test_moe_prefill_mixed_layouts_and_pruned_slots(gb, rng):
     """Int4 records (tensor cores) and host experts uploaded as f32 records (fp32 GEMMs) in one prefill, with
     pruned slots (id -1, weight 0): each path adds its own experts' rows, nothing twice."""
     from coli.weights import ExpertWeights
-    H, Im, E, K, S = 128, 64, 8, 4, 23
+    H, Im, E, K, S = 256, 128, 8, 4, 23
     recs, mats = _experts(gb, H, Im, "int4", 64, E, rng)
     x = rand(rng, S, H)
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
@@ -101,7 +102,7 @@ def test_moe_prefill_mixed_layouts_and_pruned_slots(gb, rng):
 
 
 def test_moe_prefill_nan_stays_in_its_token(gb, rng):
-    H, Im, E, K, S = 128, 64, 6, 2, 12
+    H, Im, E, K, S = 256, 128, 6, 2, 12
     recs, mats = _experts(gb, H, Im, "int4", 64, E, rng)
     x = rand(rng, S, H)
     x[7, 3] = np.nan
