@@ -9,27 +9,22 @@
 //
 // Exactness (as moe_mma.cu, with tokens as the MMA's N dimension): activations are cut into 64-column blocks, each
 // into FOUR int8 parts with a shared exponent E (2^E <= max |x| < 2^(E+1)):
-//     x = 2^(E-4) (b0 + b1 / 2^7 + b2 / 2^13 + b3 / 2^20) + (an error below 2^(E-25) per element),
-//     |b0|, |b2| <= 32 and |b1|, |b3| <= 64 (the residual of a rounding, times 128 or 64).
+//     x = 2^(E-5) (b0 + b1 / 2^7 + b2 / 2^14 + b3 / 2^21) + (an error below 2^(E-27) per element),  |b_p| <= 64.
 // The weights enter as unsigned nibbles q (0..15); mma.sync.m16n8k32 (u8 x s8 -> s32) sums q * b_p exactly, and its
-// accumulator starts at -8 sum(b_p) (+ a magic constant for parts 1 and 3), so after a block's two MMAs it holds the
-// exact v_p = sum (q - 8) b_p, |v0|, |v2| <= 8 * 64 * 32 = 2^14, |v1|, |v3| <= 2^15. Parts pair up in integers:
-// 128 D0 + D1 = MAGIC + 128 v0 + v1 with |128 v0 + v1| < 2^22, so MAGIC (the bits of 1.5 * 2^23) makes it, read as a
-// float, 1.5 * 2^23 + that integer exactly; 128 D2 + D3 = MAGIC2 + 128 v2 + v3 with MAGIC2 = the bits of 1.5 * 2^10,
-// read as a float 1536 + (128 v2 + v3) / 2^13 exactly (ulp 2^-13 there). One FADD removes both constants from the
-// first, one FADD adds the second: h = (128 v0 + v1) + (128 v2 + v3) / 2^13, once rounded -- two IMADs and two FADDs
-// per output and block, no int -> float conversion (quarter rate). The block adds sc * 2^(E-11) * h to an fp32
-// accumulator (one FFMA per 64 columns). The only roundings: h, the FFMA per block, and the 2^(E-25) truncation of
-// elements much smaller than their block's largest (a quarter of the largest's fp32 ulp) -- below fp32's own
-// summation error (tests/gpu/test_gpu_prefill.py measures both against float64).
+// accumulator starts at C = MAGIC - 8 sum(b_p) (MAGIC = the bits of 1.5 * 2^23), so after a block's two MMAs it holds
+// MAGIC + sum (q - 8) b_p, |sum| <= 8 * 64 * 64 = 2^15: reinterpreted as a float that is 1.5 * 2^23 + the exact dot
+// product, and one FADD gives the product itself (no int -> float conversion, which is quarter rate). The four parts
+// combine exactly in pairs (F0 + F1 / 2^7 needs 23 bits), then once rounded; the block adds sc * 2^(E-5) * that to
+// an fp32 accumulator (one FFMA per 64 columns). The only roundings: that combination, the FFMA per block, and the
+// 2^(E-27) truncation of elements much smaller than their block's largest -- below fp32's own summation error
+// (tests/gpu/test_gpu_prefill.py measures both against float64).
 //
 // Layouts (dimension legend: R activation rows, C columns, nG = C / 64 blocks):
 //   split x  xq [R][nG][4 parts][4 pieces][16 B] int8: piece t of part p holds the block's columns 16 t + (0 2 4 6
 //            1 3 5 7 8 10 12 14 9 11 13 15) -- the order one lane's B fragments need (see the MMA mapping below);
-//            xm [R][nG][12] int32: c_A = (c0, c1, c0, c1), c_B = (c2, c3, c2, c3) with c0 = -8 sum(b0), c1 = MAGIC - 8
-//            sum(b1), c2 = -8 sum(b2), c3 = MAGIC2 - 8 sum(b3) (the MMA accumulators' starts, in D's register order),
-//            fe = 2^(E-11) as float bits (NaN if the block holds a non-finite value, so NaN/inf propagate as in the
-//            reference), 3 zero words.
+//            xm [R][nG][12] int32: c_A = (ci0, ci1, ci0, ci1), c_B = (ci2, ci3, ci2, ci3) with ci_p = MAGIC - 8 sum(b_p)
+//            (the MMA accumulators' starts, in D's register order), fe = 2^(E-5) as float bits (NaN if the block holds
+//            a non-finite value, so NaN/inf propagate as in the reference), 3 zero words.
 //   MMA      one 64-column block = 2 MMAs (m = 0, 1); lane (g, t) feeds, for weight row g (and g + 8), the word 2t + m
 //            of the row's 32 bytes: its low nibbles are k = 4t .. 4t+3 (columns 8(2t+m) + 0, 2, 4, 6), its high
 //            nibbles k = 16 + 4t .. (columns 8(2t+m) + 1, 3, 5, 7). N = 8 columns = 4 tokens x 2 parts: column n is
@@ -61,9 +56,8 @@ static_assert(PF_RW * (PF_TOKS / 16) == 8 && PF_TOKS <= 64, "8 warps of 64 rows 
 #ifndef PF_MINB
 #define PF_MINB 2                      // blocks per SM asked of the register allocator
 #endif
-#define PF_MAGIC 0x4B400000            // bits of 1.5 * 2^23: + an integer I (|I| < 2^22) reads as 1.5 * 2^23 + I
-#define PF_MAGIC2 0x44C00000           // bits of 1.5 * 2^10: + I reads as 1536 + I / 2^13
-#define PF_MAGICS_F 12584448.0f        // 1.5 * 2^23 + 1536
+#define PF_MAGIC 0x4B400000            // bits of 1.5 * 2^23
+#define PF_MAGIC_F 12582912.0f
 #define PF_W_BYTES (PF_ROWS * 32)      // one stage: 32 bytes (64 int4 columns) per weight row
 #define PF_X_BYTES (PF_TOKS * 256)     //            4 parts x 64 bytes per activation row
 #define PF_M_BYTES (PF_TOKS * 48)      //            12 words of metadata per activation row
@@ -108,7 +102,7 @@ __device__ inline void pf_split64(float v0, float v1, int lane, u8 *q, int *m) {
     int e;
     frexpf(mx, &e);                       // mx = f 2^e, f in [0.5, 1): 2^(e-1) <= mx < 2^e
     const int E = mx > 0.f ? e - 1 : 0;
-    float u[2] = {finite ? ldexpf(v0, 4 - E) : 0.f, finite ? ldexpf(v1, 4 - E) : 0.f};   // |u| < 32, exact
+    float u[2] = {finite ? ldexpf(v0, 5 - E) : 0.f, finite ? ldexpf(v1, 5 - E) : 0.f};   // |u| < 64, exact
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         int b[2];
@@ -116,7 +110,7 @@ __device__ inline void pf_split64(float v0, float v1, int lane, u8 *q, int *m) {
         for (int c = 0; c < 2; c++) {
             const float r = rintf(u[c]);
             b[c] = (int)r;
-            u[c] = (u[c] - r) * (p == 1 ? 64.f : 128.f);    // exact: |u - r| <= 1/2
+            u[c] = (u[c] - r) * 128.f;    // exact: |u - r| <= 1/2
             const int col = 2 * lane + c, t = col >> 4, cc = col & 15, w = cc & 7;
             q[p * 64 + t * 16 + 8 * (cc >> 3) + 4 * (w & 1) + (w >> 1)] = (u8)(signed char)b[c];
         }
@@ -124,11 +118,10 @@ __device__ inline void pf_split64(float v0, float v1, int lane, u8 *q, int *m) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         // the MMA accumulator starts of parts (0, 1) and (2, 3) as D lays them out: c = (p0, p1, p0, p1), (p2, p3, ..)
-        const int magic = p == 1 ? PF_MAGIC : p == 3 ? PF_MAGIC2 : 0;
-        if (lane == 0) m[4 * (p >> 1) + (p & 1)] = m[4 * (p >> 1) + (p & 1) + 2] = magic - 8 * s;
+        if (lane == 0) m[4 * (p >> 1) + (p & 1)] = m[4 * (p >> 1) + (p & 1) + 2] = PF_MAGIC - 8 * s;
     }
     if (lane == 0) {
-        m[8] = __float_as_int(finite ? ldexpf(1.f, E - 11) : __int_as_float(0x7fc00000));
+        m[8] = __float_as_int(finite ? ldexpf(1.f, E - 5) : __int_as_float(0x7fc00000));
         m[9] = m[10] = m[11] = 0;
     }
 }
@@ -158,38 +151,25 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
     const int wr = warp % PF_RW, wt = warp / PF_RW;
     __half *scs = reinterpret_cast<__half *>(smem + PF_STAGES * PF_STAGE_BYTES);     // [128][ng]
 
-    // this thread's copy sources, found once (row tables, activation rows): a stage only adds G times a stride
-    constexpr int NW = PF_ROWS * 2 / PF_THREADS, NX = PF_TOKS * 16 / PF_THREADS;
-    const u8 *wsrc[NW];
-    const u8 *xsrc[NX];
-    int xsz[NX];
-#pragma unroll
-    for (int k = 0; k < NW; k++) {           // weights: 2 pieces per row
-        const int idx = tid + PF_THREADS * k;
-        wsrc[k] = rowd[idx >> 1] + 16 * (idx & 1);
-    }
-#pragma unroll
-    for (int k = 0; k < NX; k++) {           // split x: 16 pieces per activation row
-        const int idx = tid + PF_THREADS * k, r = act[idx >> 4];
-        xsrc[k] = xq + (r >= 0 ? (long long)r * nG * 256 + 16 * (idx & 15) : 0);
-        xsz[k] = r >= 0 ? 16 : 0;
-    }
-    const int ma = tid / 3, mr = tid < 3 * PF_TOKS ? act[ma] : -1;   // metadata: 3 pieces per activation row
-    const int *msrc = xm + (mr >= 0 ? (long long)mr * nG * 12 + 4 * (tid - 3 * ma) : 0);
-    const int msz = mr >= 0 ? 16 : 0;
-
     auto issue = [&](int G) {
         if (G < nG) {
             u8 *st = smem + (G % PF_STAGES) * PF_STAGE_BYTES;
 #pragma unroll
-            for (int k = 0; k < NW; k++) {
-                const int idx = tid + PF_THREADS * k;
-                pf_cp16(st + 16 * idx, wsrc[k] + 32 * G, 16);           // row idx / 2, piece idx % 2
+            for (int k = 0; k < PF_ROWS * 2 / PF_THREADS; k++) {   // weights: 2 pieces per row
+                const int idx = tid + PF_THREADS * k, row = idx >> 1, pc = idx & 1;
+                pf_cp16(st + row * 32 + 16 * pc, rowd[row] + 32 * G + 16 * pc, 16);
             }
 #pragma unroll
-            for (int k = 0; k < NX; k++)
-                pf_cp16(st + PF_W_BYTES + 16 * (tid + PF_THREADS * k), xsrc[k] + (xsz[k] ? 256 * G : 0), xsz[k]);
-            if (tid < 3 * PF_TOKS) pf_cp16(st + PF_W_BYTES + PF_X_BYTES + 16 * tid, msrc + (msz ? 12 * G : 0), msz);
+            for (int k = 0; k < PF_TOKS * 16 / PF_THREADS; k++) {  // split x: 16 pieces per activation row
+                const int idx = tid + PF_THREADS * k, a = idx >> 4, pc = idx & 15, r = act[a];
+                const u8 *src = r >= 0 ? xq + ((long long)r * nG + G) * 256 + 16 * pc : xq;
+                pf_cp16(st + PF_W_BYTES + a * 256 + 16 * pc, src, r >= 0 ? 16 : 0);
+            }
+            if (tid < 3 * PF_TOKS) {        // metadata: 3 pieces per activation row
+                const int a = tid / 3, pc = tid - 3 * a, r = act[a];
+                const int *src = r >= 0 ? xm + ((long long)r * nG + G) * 12 + 4 * pc : xm;
+                pf_cp16(st + PF_W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, src, r >= 0 ? 16 : 0);
+            }
         }
         pf_commit();                         // an empty group past the end keeps the wait counts uniform
     };
@@ -249,9 +229,12 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
                 }
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    // parts (0, 1) and (2, 3) paired in integers (exact), read as floats, then the block's one rounding
-                    const int i01 = d[0][2 * r] * 128 + d[0][2 * r + 1], i23 = d[1][2 * r] * 128 + d[1][2 * r + 1];
-                    const float h = (__int_as_float(i01) - PF_MAGICS_F) + __int_as_float(i23);
+                    const float f0 = __int_as_float(d[0][2 * r]) - PF_MAGIC_F;
+                    const float f1 = __int_as_float(d[0][2 * r + 1]) - PF_MAGIC_F;
+                    const float f2 = __int_as_float(d[1][2 * r]) - PF_MAGIC_F;
+                    const float f3 = __int_as_float(d[1][2 * r + 1]) - PF_MAGIC_F;
+                    // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
+                    const float h = fmaf(fmaf(f3, 0.0078125f, f2), 6.103515625e-05f, fmaf(f1, 0.0078125f, f0));
                     acc[i][q][r] = fmaf(sc[i][r] * fe, h, acc[i][q][r]);
                 }
             }

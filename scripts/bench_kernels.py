@@ -617,17 +617,15 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
         got[ver] = gb.to_host(gb.moe(xs_, ids, wp, ((e, recs[e]) for e in range(E))))
     out["moe_rel_diff_mma_v1"] = float(rel_err(got["mma"], got["v1"]))
     if variants:
-        prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add, got["mma"])
+        prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add)
     gb.prefill_kernels = saved
     print("prefill: " + json.dumps(out), flush=True)
     del pool
 
 
-def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add, want) -> None:
+def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
     """The tensor-core prefill rebuilt with other block shapes and register / pipeline settings (PF_ROWS x PF_TOKS,
-    PF_MINB, PF_STAGES): the MoE row (its result against the default build's, `want`) and the dense 2048 x 6144 GEMM
-    at S = 2,048."""
-    from tests.gpu_helpers import rel_err
+    PF_MINB, PF_STAGES): the MoE row and the dense 2048 x 6144 GEMM at S = 2,048."""
     import coli.gpu.cuda_backend as cb
     from pycuda.compiler import SourceModule
     from coli.gpu.cuda_runtime import kernels_dir
@@ -656,8 +654,7 @@ def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add, want) -> None:
                 cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = rows_, toks, stages
                 us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in recs)), 2, reps=3,
                                     warmup=1, spin_us=150000)
-                diff = rel_err(gb.to_host(gb.moe(xs_, ids, wp, ((e, recs[e]) for e in recs))), want)
-                add(f"moe prefill S=2048 [mma {tag}]", us, None, f"{flops / us / 1e6:.2f} TFLOP/s, rel diff {diff:.1e}")
+                add(f"moe prefill S=2048 [mma {tag}]", us, None, f"{flops / us / 1e6:.2f} TFLOP/s")
                 out[f"moe_variant_{tag}_TFLOPs"] = round(flops / us / 1e6, 2)
                 us = tm.per_call_us(lambda i: gb.linear(xd, w), 3, spin_us=20000)
                 add(f"gemm prefill S=2048 2048x6144 [mma {tag}]", us, None, f"{2 * 2048 * 2048 * H / us / 1e6:.2f} TFLOP/s")

@@ -2,12 +2,11 @@
 kernels themselves are checked against numpy on a GPU by tests/gpu/test_gpu_prefill.py):
 
 - pf_split64: the four int8 parts of a 64-column block land at the byte positions the B fragments read, their
-  accumulator starts are -8 sum(b_p) (+ MAGIC for part 1, MAGIC2 for part 3), and the parts rebuild x to 2^-25 of
-  the block's largest value;
+  accumulator starts are MAGIC - 8 sum(b_p), and the parts rebuild x to 2^-27 of the block's largest value;
 - pf_mainloop's fragments for one warp: weight words from the staged rows (low nibbles k = 4t.., high k = 16 + 4t..),
-  the split x as N = 4 tokens x 2 parts, the parts paired in integers (128 D0 + D1, 128 D2 + D3) so that read as
-  floats they are 1.5 * 2^23 + an exact integer and 1536 + an exact multiple of 2^-13, and the fp32 flush -- against
-  float64 -- with the MMA emulated in PTX's fragment layout (tests/test_kernel_formulas.py);
+  the split x as N = 4 tokens x 2 parts, the accumulator started at MAGIC - 8 sum(b) so that the MMA's integer
+  result read as a float is 1.5 * 2^23 + the exact dot product, and the fp32 flush -- against float64 -- with the
+  MMA emulated in PTX's fragment layout (tests/test_kernel_formulas.py);
 - the host's layout check (pf_layout_ok) and shared-memory size (pf_smem).
 """
 
@@ -20,9 +19,8 @@ from coli.container.format import MatrixLayout
 from test_kernel_formulas import _mma_m16n8k32
 
 F32 = np.float32
-MAGIC, MAGIC2 = 0x4B400000, 0x44C00000
-MAGICS_F = F32(12584448.0)
-PART_SCALE = (1.0, 2.0 ** -7, 2.0 ** -13, 2.0 ** -20)     # x = 2^(E-4) sum_p b_p PART_SCALE[p]
+MAGIC = 0x4B400000
+MAGIC_F = F32(12582912.0)
 
 
 def pf_split64(v: np.ndarray):
@@ -34,17 +32,16 @@ def pf_split64(v: np.ndarray):
     finite = bool(np.isfinite(v).all())
     m = F32(np.max(np.abs(v))) if finite else F32(0)
     E = int(np.frexp(m)[1]) - 1 if m > 0 else 0
-    u = np.ldexp(v, 4 - E).astype(F32) if finite else np.zeros(64, F32)
+    u = np.ldexp(v, 5 - E).astype(F32) if finite else np.zeros(64, F32)
     for p in range(4):
         b = np.rint(u)
-        u = ((u - b) * F32(64 if p == 1 else 128)).astype(F32)
+        u = ((u - b) * F32(128)).astype(F32)
         for col in range(64):
             t, cc = col >> 4, col & 15
             w = cc & 7
             q[p * 64 + t * 16 + 8 * (cc >> 3) + 4 * (w & 1) + (w >> 1)] = int(b[col])
-        magic = MAGIC if p == 1 else MAGIC2 if p == 3 else 0
-        meta[4 * (p >> 1) + (p & 1)] = meta[4 * (p >> 1) + (p & 1) + 2] = magic - 8 * int(b.sum())
-    meta[8] = np.array([np.ldexp(F32(1), E - 11) if finite else np.nan], F32).view(np.int32)[0]
+        meta[4 * (p >> 1) + (p & 1)] = meta[4 * (p >> 1) + (p & 1) + 2] = MAGIC - 8 * int(b.sum())
+    meta[8] = np.array([np.ldexp(F32(1), E - 5) if finite else np.nan], F32).view(np.int32)[0]
     return q, meta.astype(np.int32)
 
 
@@ -56,7 +53,7 @@ def _block(rng, wide=False):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_split_bytes_rebuild_the_block_to_2_pow_minus_25(seed):
+def test_split_bytes_rebuild_the_block_to_2_pow_minus_27(seed):
     rng = np.random.default_rng(seed)
     v = _block(rng, wide=seed % 2 == 1)
     q, meta = pf_split64(v)
@@ -68,12 +65,12 @@ def test_split_bytes_rebuild_the_block_to_2_pow_minus_25(seed):
             # the reader's view (pf_mainloop): piece t, MMA m, low/high nibble side odd, byte j -> column
             t, m, odd, j = col >> 4, (col >> 3) & 1, col & 1, (col & 7) >> 1
             byte = int(q[p * 64 + 16 * t + 8 * m + 4 * odd + j])
-            assert abs(byte) <= (32 if p % 2 == 0 else 64)        # what keeps the integer pairs under 2^22
-            back[col] += fe * 2.0 ** 7 * PART_SCALE[p] * byte      # fe = 2^(E-11) = 2^(E-4) / 2^7
+            assert abs(byte) <= 64
+            back[col] += fe * 2.0 ** (-7 * p) * byte
             bsum[p] += byte
-    c = -8 * bsum + np.array([0, MAGIC, 0, MAGIC2])
+    c = MAGIC - 8 * bsum
     np.testing.assert_array_equal(meta[:8], [c[0], c[1], c[0], c[1], c[2], c[3], c[2], c[3]])
-    assert np.abs(back - v.astype(np.float64)).max() <= np.abs(v).max() * 2.0 ** -25
+    assert np.abs(back - v.astype(np.float64)).max() <= np.abs(v).max() * 2.0 ** -27
 
 
 def test_split_of_a_non_finite_block_gives_nan_factor_and_zero_parts():
@@ -125,23 +122,18 @@ def _warp_tile(wq, scales, group, xsplit, ntok_quads=1):
                     d[ab, lane] = ms[td, 4 * ab:4 * ab + 4]          # the MMA's c operand, as loaded
                 for m in range(2):
                     d[ab] += np.array(_mma_m16n8k32(a_frags[m], b_frags[m]), np.int64)
+            assert (d >= 0).all() and (d < 2 ** 31).all()
             for lane in range(32):
                 t = lane & 3
                 fe = ms[4 * q + t, 8:9].view(F32)[0]
                 for r in range(2):
-                    v = [int(d[ab, lane, 2 * r + c]) - (0, MAGIC, 0, MAGIC2)[2 * ab + c] for ab in range(2)
-                         for c in range(2)]
-                    assert all(abs(x) <= (2 ** 14 if p % 2 == 0 else 2 ** 15) for p, x in enumerate(v))
-                    i01 = int(d[0, lane, 2 * r]) * 128 + int(d[0, lane, 2 * r + 1])      # the kernel's IMADs (int32)
-                    i23 = int(d[1, lane, 2 * r]) * 128 + int(d[1, lane, 2 * r + 1])
-                    f01 = np.array([i01], np.int64).astype(np.int32).view(F32)[0]
-                    f23 = np.array([i23], np.int64).astype(np.int32).view(F32)[0]
-                    # read as floats: exactly 1.5 * 2^23 + (128 v0 + v1) and 1536 + (128 v2 + v3) / 2^13
-                    assert np.float64(f01) == 1.5 * 2 ** 23 + 128 * v[0] + v[1]
-                    assert np.float64(f23) == 1536 + (128 * v[2] + v[3]) / 2 ** 13
-                    g = F32(f01 - MAGICS_F)
-                    assert np.float64(g) == 128 * v[0] + v[1] - 1536
-                    h = F32(np.float64(g) + np.float64(f23))
+                    f = [np.array([d[ab, lane, 2 * r + c]], np.int64).astype(np.int32).view(F32)[0] - MAGIC_F
+                         for ab in range(2) for c in range(2)]
+                    assert all(float(x).is_integer() and abs(x) <= 2 ** 15 for x in f)    # exact integer dots
+                    g01 = F32(np.float64(f[1]) * 0.0078125 + np.float64(f[0]))
+                    g23 = F32(np.float64(f[3]) * 0.0078125 + np.float64(f[2]))
+                    assert g01 == np.float64(f[1]) / 128 + np.float64(f[0])               # the pair sums are exact
+                    h = F32(np.float64(g23) * 2.0 ** -14 + np.float64(g01))
                     acc[lane, q, r] = F32(np.float64(sc[lane, r] * fe) * np.float64(h) + np.float64(acc[lane, q, r]))
     return acc
 
@@ -159,12 +151,12 @@ def test_mainloop_fragments_give_the_dot_products(group, wide):
     W = (nib - 8) * np.repeat(scales.astype(np.float64), group, axis=1)    # [16, C]
     want = W @ x.astype(np.float64).T                                    # [16 rows, tokens]
     companion = np.abs(W) @ np.abs(x.astype(np.float64)).T
-    # the split's 2^-25 of each block's largest x against that block's |w|, plus two fp32 roundings per block (the
+    # the split's 2^-27 of each block's largest x against that block's |w|, plus two fp32 roundings per block (the
     # parts' combination and the accumulating FFMA), each at most 2^-24 of the companion
     nG = C // 64
     blkmax = np.abs(x.astype(np.float64)).reshape(len(x), nG, 64).max(axis=2)          # [tokens, nG]
     wblk = np.abs(W).reshape(16, nG, 64).sum(axis=2)                                   # [16, nG]
-    bound = 2.0 ** -25 * wblk @ blkmax.T + 2.5 * nG * 2.0 ** -24 * companion
+    bound = 2.0 ** -27 * wblk @ blkmax.T + 2.5 * nG * 2.0 ** -24 * companion
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for q in range(ntq):
