@@ -243,3 +243,32 @@ def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
     tiles = int(sum(-(-c // 32) for c in counts))
     assert gb.rt.launches[2][1] == (2048 // 128, tiles)
     assert gb.rt.launches[3][1] == (6144 // 256, tiles)
+
+
+def _pair_tiles_loop(idx, members, tile):
+    """The grouped MoE's work list written as the plain loop it replaces (the reference)."""
+    g_of = {e: g for g, e in enumerate(members)}
+    tok, slot = np.nonzero(np.isin(idx, members))
+    gid = np.array([g_of[int(idx[t, k])] for t, k in zip(tok, slot)], np.int64)
+    order = np.argsort(gid, kind="stable")
+    tok, slot, gid = tok[order], slot[order], gid[order]
+    bounds = np.searchsorted(gid, np.arange(len(members) + 1))
+    tiles = [(g, p0, min(tile, int(bounds[g + 1]) - p0)) for g in range(len(members))
+             for p0 in range(int(bounds[g]), int(bounds[g + 1]), tile)]
+    return tok, slot, gid, np.array(tiles, np.int32).reshape(-1, 3)
+
+
+@pytest.mark.parametrize("seed,tile", [(0, 32), (1, 64), (2, 32), (3, 1)])
+def test_moe_pair_tiles_match_the_plain_loop(seed, tile):
+    """Pruned slots (-1), experts of other launches (not members), members nobody routes to, members out of order."""
+    from coli.gpu.cuda_backend import moe_pair_tiles
+    rng = np.random.default_rng(seed)
+    S, K, E = int(rng.integers(1, 300)), int(rng.integers(1, 9)), 40
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    idx[rng.random((S, K)) < 0.1] = -1
+    members = [int(e) for e in rng.permutation(E + 5)[:25]]          # some ids beyond any routed expert
+    got, want = moe_pair_tiles(idx, members, tile), _pair_tiles_loop(idx, members, tile)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    tiles = got[3]
+    assert (tiles[:, 2] >= 1).all() and (tiles[:, 2] <= tile).all() and tiles[:, 2].sum() == got[0].size

@@ -935,20 +935,11 @@ class CudaBackend:
         """The (token, slot) pairs routed to `members`, sorted by expert (stable: token order inside an expert), on
         the device: (record table, tiles [(member, first pair, count <= tile)], pair token, pair slot, pair weight,
         number of tiles, number of pairs); None when no pair routes there."""
-        g_of = {e: g for g, e in enumerate(members)}
-        tok, slot = np.nonzero(np.isin(idx, members))
+        tok, slot, gid, tiles = moe_pair_tiles(idx, members, tile)
         if tok.size == 0:
             return None
-        gid = np.array([g_of[int(idx[t, k])] for t, k in zip(tok, slot)], np.int64)
-        order = np.argsort(gid, kind="stable")
-        tok, slot, gid = tok[order], slot[order], gid[order]
         pw = weights[tok, slot].astype(F32)
-        tiles = []
-        bounds = np.searchsorted(gid, np.arange(len(members) + 1))
-        for g in range(len(members)):
-            for p0 in range(int(bounds[g]), int(bounds[g + 1]), tile):
-                tiles.append((g, p0, min(tile, int(bounds[g + 1]) - p0)))
-        packed = [np.array([recs[e].ptr for e in members], np.uint64), np.array(tiles, np.int32).reshape(-1),
+        packed = [np.array([recs[e].ptr for e in members], np.uint64), tiles.reshape(-1),
                   tok.astype(np.int32), slot.astype(np.int32), pw]
         return (*(self.rt.to_device_async(a) for a in packed), len(tiles), tok.size)
 
@@ -1054,6 +1045,31 @@ def mma_layout_ok(lay, K: int) -> bool:
             and d.rows == g.cols and d.cols == g.rows
             and u.rows == g.rows and u.cols == g.cols and u.group == g.group
             and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
+
+
+def moe_pair_tiles(idx: np.ndarray, members, tile: int):
+    """The grouped MoE's work list, vectorised (a 2,048-token GLM-5 prompt has 16,384 pairs a layer: a Python loop
+    over them cost ~30 ms of host time per layer, twice the kernels' GPU time). idx [S, K] expert ids (-1: pruned);
+    members: the expert ids of this launch, in table order. -> (token [P], slot [P], member index [P]) of the pairs
+    routed to members, sorted by member (stable: (token, slot) order inside a member), and tiles [T, 3] int32 of
+    (member index, first pair, count <= tile), every member's pairs cut into consecutive tiles."""
+    members = np.asarray(members, np.int64)
+    K = idx.shape[1]
+    lut = np.full(int(max(members.max(), idx.max(initial=0))) + 1, -1, np.int64)
+    lut[members] = np.arange(members.size)
+    flat = idx.reshape(-1)
+    g = np.where(flat >= 0, lut[np.maximum(flat, 0)], -1)
+    sel = np.flatnonzero(g >= 0)                            # row-major: (token, slot) order
+    order = np.argsort(g[sel], kind="stable")
+    sel, gid = sel[order], g[sel][order]
+    counts = np.bincount(gid, minlength=members.size)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    ntile = -(-counts // tile)
+    tg = np.repeat(np.arange(members.size), ntile)
+    k = np.arange(tg.size) - np.repeat(np.cumsum(ntile) - ntile, ntile)   # tile number inside its member
+    p0 = bounds[tg] + k * tile
+    cnt = np.minimum(tile, bounds[tg + 1] - p0)
+    return sel // K, sel % K, gid, np.stack([tg, p0, cnt], axis=1).astype(np.int32)
 
 
 def pf_layout_ok(lay) -> bool:
