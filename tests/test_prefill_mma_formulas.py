@@ -272,3 +272,11 @@ def test_moe_pair_tiles_match_the_plain_loop(seed, tile):
         np.testing.assert_array_equal(a, b)
     tiles = got[3]
     assert (tiles[:, 2] >= 1).all() and (tiles[:, 2] <= tile).all() and tiles[:, 2].sum() == got[0].size
+
+
+def test_the_prefill_kernel_setting_must_name_a_version():
+    from coli.errors import ColiError
+    from coli.gpu.cuda_backend import PREFILL_VERSIONS, kernel_choice
+    assert kernel_choice("COLI_PREFILL_KERNELS", "v1", PREFILL_VERSIONS) == "v1"
+    with pytest.raises(ColiError, match=r"COLI_PREFILL_KERNELS='fast' is not a kernel version: use one of mma, v1"):
+        kernel_choice("COLI_PREFILL_KERNELS", "fast", PREFILL_VERSIONS)
