@@ -111,3 +111,18 @@ def test_moe_prefill_nan_stays_in_its_token(gb, rng):
     got = _with(gb, "mma", lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in range(E)))))
     assert np.isnan(got[7]).all()
     assert np.isfinite(np.delete(got, 7, axis=0)).all()
+
+
+def test_moe_prefill_in_chunks(gb, rng, monkeypatch):
+    """A prompt longer than one chunk of buffers (PREFILL_CHUNK_BYTES) goes through in chunks, each with its own
+    split x, pair tiles and slot sum written at its rows -- the same result as numpy."""
+    import coli.gpu.cuda_backend as cb
+    H, Im, E, K, S = 256, 128, 6, 3, 70
+    recs, mats = _experts(gb, H, Im, "int4", 64, E, rng)
+    x = rand(rng, S, H)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
+    per_token = K * H * 4 + K * Im * 9 // 2 + H * 9 // 2
+    monkeypatch.setattr(cb, "PREFILL_CHUNK_BYTES", 17 * per_token)        # chunks of ~17 tokens: 5 of them
+    got = _with(gb, "mma", lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in range(E)))))
+    assert rel_err(got, moe_reference(x, idx, w, mats)) < TOL
