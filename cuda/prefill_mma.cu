@@ -22,7 +22,7 @@
 // Layouts (dimension legend: R activation rows, C columns, nG = C / 64 blocks):
 //   split x  xq [R][nG][4 parts][4 pieces][16 B] int8: piece t of part p holds the block's columns 16 t + (0 2 4 6
 //            1 3 5 7 8 10 12 14 9 11 13 15) -- the order one lane's B fragments need (see the MMA mapping below);
-//            xm [R][nG][12] int32: c_A = (ci0, ci1, ci0, ci1), c_B = (ci2, ci3, ci2, ci3) with ci_p = MAGIC - 8 sum(b_p)
+//            xm [R][nG][12] int32: c_A = (ci0, ci1, ci0, ci1), c_B = (ci2, ci3, ci2, ci3), ci_p = MAGIC - 8 sum(b_p)
 //            (the MMA accumulators' starts, in D's register order), fe = 2^(E-5) as float bits (NaN if the block holds
 //            a non-finite value, so NaN/inf propagate as in the reference), 3 zero words.
 //   MMA      one 64-column block = 2 MMAs (m = 0, 1); lane (g, t) feeds, for weight row g (and g + 8), the word 2t + m
@@ -37,7 +37,8 @@
 //            cp.async pipeline (weights 4 KiB, split x 16 KiB, its metadata 3 KiB per stage); the block's fp16 group
 //            scales are staged once.
 // Requirements (pf_layout_ok in cuda_backend.py; otherwise gemm.cu runs): int4, group 64 or 128 dividing C, C % 64,
-// rows % PF_ROWS (linear, down) or Im % (PF_ROWS / 2) (gate/up), 16-byte aligned rows, the shared memory within the device's limit.
+// rows % PF_ROWS (linear, down) or Im % (PF_ROWS / 2) (gate/up), 16-byte aligned rows, the shared memory within the
+// device's limit.
 #include "coli_common.cuh"
 
 #ifndef PF_ROWS
@@ -296,7 +297,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
 
 // ---- pf_gateup_int4 ---------------------------------------------------------------------------------------------
 // The grouped MoE's first half. The host sorts the layer's (token, slot) pairs by expert; tiles[3 u .. 3 u + 2] =
-// (expert table index e, first pair p0, count <= PF_TOKS). For pair p (token pair_token[p]), j in [j0, j0 + PF_ROWS / 2):
+// (expert table index e, first pair p0, count <= PF_TOKS). For pair p (token pair_token[p]) and
+// j in [j0, j0 + PF_ROWS / 2):
 //   h[p, j] = silu(x[token] . gate_e[j]) * (x[token] . up_e[j]), written split (hq, hm: rows P, columns Im) for
 //   pf_down_int4. x arrives split (xq, xm over [S, H]). Block rows: gate j0 .. + PF_ROWS / 2 - 1, then up the same.
 //   grid (Im / (PF_ROWS / 2), n_tiles), block 256, dynamic smem = pf_smem(H, group).

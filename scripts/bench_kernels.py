@@ -250,7 +250,8 @@ def main() -> int:
     ap.add_argument("--dense-only", action="store_true",
                     help="only the copy, the dense GEMVs and the attention rows (skip the MoE and the other kernels)")
     ap.add_argument("--prefill-only", action="store_true",
-                    help="only the copy and the prefill rows (int4 GEMM and grouped MoE, fp32 v1 against the tensor cores)")
+                    help="only the copy and the prefill rows (int4 GEMM and grouped MoE, fp32 v1 against the "
+                         "tensor cores)")
     ap.add_argument("--pf-variants", action="store_true",
                     help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
     ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
@@ -657,7 +658,8 @@ def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
                 add(f"moe prefill S=2048 [mma {tag}]", us, None, f"{flops / us / 1e6:.2f} TFLOP/s")
                 out[f"moe_variant_{tag}_TFLOPs"] = round(flops / us / 1e6, 2)
                 us = tm.per_call_us(lambda i: gb.linear(xd, w), 3, spin_us=20000)
-                add(f"gemm prefill S=2048 2048x6144 [mma {tag}]", us, None, f"{2 * 2048 * 2048 * H / us / 1e6:.2f} TFLOP/s")
+                add(f"gemm prefill S=2048 2048x6144 [mma {tag}]", us, None,
+                    f"{2 * 2048 * 2048 * H / us / 1e6:.2f} TFLOP/s")
                 out[f"gemm_variant_{tag}_TFLOPs"] = round(2 * 2048 * 2048 * H / us / 1e6, 2)
             except Exception as e:      # a variant that does not fit or build is a row, not the end of the run
                 out[f"variant_{tag}_error"] = str(e)[:200]

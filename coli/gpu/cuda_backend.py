@@ -121,7 +121,7 @@ GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs 
 PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
 PREFILL_VERSIONS = ("mma", "v1")
 # The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
-# chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the 64-pair
+# chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
 PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
@@ -313,13 +313,13 @@ class CudaBackend:
                                                        "GEMMs: %s", str(e)[:300])
         return self._pf_usable
 
-    def _pf_split(self, x: int, R: int, C: int, ldx: int | None = None) -> tuple[DeviceArray, DeviceArray]:
+    def _pf_split(self, x: int, R: int, C: int) -> tuple[DeviceArray, DeviceArray]:
         """x [R, C] fp32 at device address x -> its int8 parts and metadata (prefill_mma.cu's split layout)."""
         nblk = R * (C // 64)
         xq = self.rt.empty((nblk * 256,), np.uint8)
         xm = self.rt.empty((nblk * 12,), np.int32)
         fn = self._fn("prefill_mma", "pf_split_rows")
-        self.rt.launch(fn, (-(-nblk // 8),), 256, x, R, C, C if ldx is None else ldx, xq.ptr, xm.ptr)
+        self.rt.launch(fn, (-(-nblk // 8),), 256, x, R, C, C, xq.ptr, xm.ptr)
         return xq, xm
 
     def split_cols(self, x: DeviceArray, n: int) -> tuple[DeviceArray, DeviceArray]:
@@ -920,9 +920,9 @@ class CudaBackend:
                 f_gu = self._fn("prefill_mma", "pf_gateup_int4")
                 smem = pf_smem(g.cols, g.group)
                 self.rt.allow_smem(f_gu, smem)
-                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), 256, table.ptr, g.offset, lay.up.offset, g.rows, g.cols,
-                               g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr, tok_d.ptr, xq.ptr, xm.ptr, hq.ptr,
-                               hm.ptr, smem=smem)
+                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), 256, table.ptr, g.offset, lay.up.offset,
+                               g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr, tok_d.ptr, xq.ptr,
+                               xm.ptr, hq.ptr, hm.ptr, smem=smem)
                 f_dn = self._fn("prefill_mma", "pf_down_int4")
                 smem = pf_smem(d.cols, d.group)
                 self.rt.allow_smem(f_dn, smem)

@@ -40,7 +40,8 @@ def test_linear_tensor_cores_as_exact_as_fp32(gb, rng, rows, cols, group, S, xki
         x[:, :64] = 0
     want = x.astype(np.float64) @ ref.T.astype(np.float64)
     errs = {v: rel_err(_with(gb, v, lambda: gb.to_host(gb.linear(gb.upload(x), w))), want) for v in ("v1", "mma")}
-    report("prefill_linear", shape=[rows, cols], group=group, S=S, x=xkind, **{f"rel_err_{k}": e for k, e in errs.items()})
+    report("prefill_linear", shape=[rows, cols], group=group, S=S, x=xkind,
+           **{f"rel_err_{k}": e for k, e in errs.items()})
     assert errs["mma"] < TOL
     assert errs["mma"] <= 4 * errs["v1"] + 1e-7, errs
 
