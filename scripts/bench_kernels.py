@@ -13,8 +13,10 @@ Measures, in one run:
      weights; the target is >= 60 % of the copy bandwidth;
   3. the other main kernels at GLM-5 shapes (dense GEMV, lm_head, MLA attention, indexer, router, norms, rope,
      prefill GEMMs) with their times and, for weight-streaming ones, bandwidth; the dense GEMVs in both versions
-     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), the
-     first version against the split-context one, with the new one's parts and its chunk sweep.
+     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), every
+     version (COLI_ATTN_KERNELS) in one run, the default's parts (q_abs, context, o; the GEMVs split2 uses for
+     q_abs and o), every split version's context alone, and both tile kernels' chunk sweeps. --attn-only: the
+     copy and these rows.
 Prints a table and, last, one JSON line.
 """
 
@@ -36,6 +38,7 @@ F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
 VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
 MOE_K_MAX = 8                      # experts per fused decode launch (cuda_backend.MOE_MAXK)
+ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "auto")   # cuda_backend.ATTN_VERSIONS, oldest first
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -254,6 +257,7 @@ def main() -> int:
                          "tensor cores)")
     ap.add_argument("--pf-variants", action="store_true",
                     help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
+    ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
     ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
     a = ap.parse_args()
     if a.moe_compare:
@@ -293,7 +297,7 @@ def main() -> int:
     if a.prefill_only:
         prefill_bench(gb, tm, rng, res, add, variants=a.pf_variants)
 
-    if not a.dense_only and not a.prefill_only:    # --dense-only: the copy, then the GEMV and attention rows
+    if not (a.dense_only or a.attn_only or a.prefill_only):    # --dense-only: the copy, the GEMVs, attention
         # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
         # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
         # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
@@ -402,7 +406,7 @@ def main() -> int:
     # matrix rotates over copies totalling > 120 MB so that L2 (60 MB) never holds the previous call's weights
     gemv_res = res["gemv"] = {}
     from coli.gpu.cuda_backend import gemv2_split
-    for name, (r_, c_, fmt) in {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
+    for name, (r_, c_, fmt) in {} if a.attn_only else {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
                                 "q_b_proj": (16384, 2048, "int4"), "o_proj": (H, 16384, "int4"),
                                 "shared gate (int4)": (2048, H, "int4"), "router (f32)": (256, H, "f32")}.items():
         w = qw(r_, c_, fmt)
@@ -419,7 +423,7 @@ def main() -> int:
             row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
         gb.gemv_kernels = "v2"
         del ws_
-    if not a.dense_only:
+    if not (a.dense_only or a.attn_only):
         lm = qw(V, H, "int4")
         us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
         add(f"lm_head gemv {V}x{H} int4", us, lm.nbytes)
@@ -434,7 +438,7 @@ def main() -> int:
     nh, dn, dr, dv, L = 64, 192, 64, 256, 512
     kvb = qw(nh * (dn + dv), L, "int8")
     w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
-    attn = res["mla_attend"] = {}     # per case: v1 / new whole-op us, the new one's parts, the chunk sweep
+    attn = res["mla_attend"] = {}     # per case: every version's whole-op us, the parts, the chunk sweeps
     # kv_b and the cache rotate over copies (> 120 MB each) so that every call reads them from HBM, as a decode step
     # does after the other layers' weights went through L2
     NKV = 9
@@ -459,37 +463,70 @@ def main() -> int:
                 continue
             c = attn[f"T={T} {cname}"] = {}
             nb = kvb.nbytes + 4 * nkeys * (L + dr)
-            for ver in ("v1", "split1", "auto"):
+            for ver in ATTN_BENCH_VERSIONS:
                 gb.attn_kernels = ver
                 us = tm.per_call_us(lambda i: gb.mla_attend(q, lats[i % ncache], kpes[i % ncache], *heads[i % NKV],
                                                             mask, 1 / 16), a.iters, spin_us=400)
-                add(f"mla_attend decode T={T} {cname} [{'split' if ver == 'auto' else ver}]", us, nb)
+                add(f"mla_attend decode T={T} {cname} [{'tile2' if ver == 'auto' else ver}]", us, nb)
                 c[ver] = round(us, 2)
-            gb.attn_kernels = "split1"
-            c["core_split1_us"] = round(tm.per_call_us(lambda i: gb.attend_core(
-                gb.empty((1, nh, L)), q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+            # the context alone (part + combine) of every split version, and each one's result against split2's
+            qa_in = gb.upload(rng.standard_normal((1, nh, L)).astype(F32) * 0.05)
+            core_v, err_v = c["core_us_by_version"], c["ctx_rel_err_vs_split2"] = {}, {}
+            ref = None
+            for ver in ("split2",) + tuple(v for v in ATTN_BENCH_VERSIONS if v not in ("v1", "split2")):
+                gb.attn_kernels = ver
+                core_v[ver] = round(tm.per_call_us(lambda i: gb.attend_core(
+                    qa_in, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+                got = gb.to_host(gb.attend_core(qa_in, q, dn, lat, kpe, mask, 1 / 16)).astype(np.float64)
+                ref = got if ref is None else ref
+                err_v[ver] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            c["core_split1_us"] = core_v["split1"]
             gb.attn_kernels = "auto"
-            # the new op's three parts: q_abs (gemv_t), the split context (part + combine), o (gemv over heads)
+            # the default op's three parts: q_abs (mla_qabs), the split context (tile2 + combine4), o (mla_o); and the
+            # projections as split2 runs them (gemv_t, gemv over heads)
             q_abs, ctx, o = gb.empty((1, nh, L)), gb.empty((1, nh, L)), gb.empty((1, nh * dv))
-            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._mla_qabs(
                 kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
-            c["o_us"] = round(tm.per_call_us(lambda i: gb._gemv(
+            c["o_us"] = round(tm.per_call_us(lambda i: gb._mla_o(
+                kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
+            c["q_abs_gemv_t_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+                kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
+            c["o_gemv_us"] = round(tm.per_call_us(lambda i: gb._gemv(
                 kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
 
             def core(i):
                 gb.attend_core(q_abs, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16)
             c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
             c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
-            sweep = c["core_us_by_chunk"] = {}
-            for ch in (16, 32, 64, 128, 256, 512):
-                gb.attn_chunk = ch
-                sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
-            gb.attn_chunk = None
+            try:    # the default context's two launches apart (part into fixed partials; the combine over them)
+                AS = attention_split
+                ch, nchk = c["chunk"]
+                fp, thr, smem, comb_name, cthr = gb._split_kernels(L, dr, 16)
+                pm_, pl_, pc_ = gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk, L))
+                idx_ = mask.idx.ptr if mask.idx is not None else 0
+                cnt_ = mask.cnt.ptr if mask.cnt is not None else 0
+                c["part_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                    fp, (nchk, AS.head_groups(nh), 1), thr, q_abs.ptr, q.ptr, dn + dr, dn, lats[i % ncache].ptr,
+                    kpes[i % ncache].ptr, idx_, cnt_, mask.kmax, mask.start, 0, 1, nh, L, dr, F32(1 / 16), ch, nchk,
+                    pm_.ptr, pl_.ptr, pc_.ptr, smem=smem), a.iters, spin_us=200), 2)
+                fc = gb._fn("attention", comb_name)
+                c["combine_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                    fc, (nh, 1), cthr, pm_.ptr, pl_.ptr, pc_.ptr, idx_, cnt_, mask.start, 0, 1, nh, L, ch, nchk,
+                    ctx.ptr), a.iters, spin_us=200), 2)
+            except Exception as e:   # a diagnostic row: never the rest of the benchmark
+                c["parts_error"] = repr(e)[:300]
+            for ver in ("auto", "tile1"):            # the chunk sweep of both tile kernels
+                gb.attn_kernels = ver
+                sweep = c["core_us_by_chunk" if ver == "auto" else f"core_us_by_chunk_{ver}"] = {}
+                for ch in (16, 32, 64, 128, 256, 512):
+                    gb.attn_chunk = ch
+                    sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
+            gb.attn_chunk, gb.attn_kernels = None, "auto"
             print(f"mla_attend T={T} {cname}: {json.dumps(c)}", flush=True)
         gb.attn_kernels = "auto"
         del lat, kpe, kid, lats, kpes
     del kvbs, heads
-    if not a.dense_only:
+    if not (a.dense_only or a.attn_only):
         rw = qw(256, H, "f32")
         bias = gb.upload(rng.standard_normal(256).astype(F32) * 0.01)
         t0 = time.perf_counter()
@@ -549,9 +586,15 @@ def report(a, res: dict, rows: list[dict]) -> int:
     if att:
         print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
         for k, c in att.items():
-            print(f"  {k}: v1 {c['v1']:.1f} us -> split1 {c['split1']:.1f} -> split {c['auto']:.1f} us "
-                  f"({c['v1'] / c['auto']:.1f}x); parts: q_abs {c['q_abs_us']:.1f}, context {c['core_us']:.1f} "
-                  f"(split1's {c['core_split1_us']:.1f}), o {c['o_us']:.1f}; context by chunk {c['core_us_by_chunk']}")
+            print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
+                  + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2); parts: q_abs "
+                  f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, "
+                  f"o {c['o_us']:.1f} (gemv {c['o_gemv_us']:.1f})")
+            print(f"    context's launches apart: part {c.get('part_only_us')} us, combine "
+                  f"{c.get('combine_only_us')} us{' ' + c['parts_error'] if 'parts_error' in c else ''}")
+            print(f"    context by version {c['core_us_by_version']} (rel err vs split2 "
+                  f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
+                  f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}")
     gv = res.get("gemv", {})
     if gv:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")

@@ -60,6 +60,8 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("attention", f"mla_attend_part_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
         s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
     s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
+    s[("attention", "mla_attend_tile2")] = s[("attention", "mla_attend_tile1")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_combine4")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
         s[("elementwise", f"dequant_{f}")] = QM + "iP"
@@ -70,6 +72,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
         s[("gemm", f"gemm_nn_{f}")] = "Pqqi" + QM + "iiiiPqq"
+        s[("attention", f"mla_qabs_{f}")] = s[("attention", f"mla_o_{f}")] = QM + "iiiPqPq"
         s[("gemm", f"moe_gateup_gemm_{f}")] = "PqqiiiiqPPPP"
         s[("gemm", f"moe_down_gemm_{f}")] = "PqiiiiqPPPPPiP"
     # the first version of the fused MoE decode, kept for scripts/bench_kernels.py's old-vs-new comparison
@@ -106,10 +109,13 @@ MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts pe
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
-# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks (cuda/attention.cu
-# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "split1" the same with the first split kernel
-# (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
-# row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
+# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks as two register-tiled
+# products per tile (cuda/attention.cu mla_attend_tile2 + mla_attend_combine4; mla_attend_tile1 where the device's
+# shared memory per block cannot take tile2's two buffers) where the shapes allow; "tile1" always the one-buffer tile
+# kernel; "split2" the previous split kernel (mla_attend_part_<NJ> + mla_attend_combine: a warp per 2 heads,
+# shuffle-summed dots); "split1" the same with the first split kernel (mla_attend_part1_<NJ>: a tile staged in
+# dependent load steps); "v1" the first version (one block per head and row, the projections as tiled GEMMs). The
+# older ones stay for scripts/bench_kernels.py's comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
 # staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
@@ -125,7 +131,8 @@ PREFILL_VERSIONS = ("mma", "v1")
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
 PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
-ATTN_VERSIONS = ("auto", "split1", "v1")
+ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
+MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu); "auto" and "tile1" decode with them
 GEMV_VERSIONS = ("v2", "v1")
 
 
@@ -186,8 +193,17 @@ class CudaBackend:
 
     def graph_decoder(self, model):
         """The replayed decode step for `model` (coli.gpu.graphs.GraphDecoder), or None with COLI_GRAPHS=0."""
+        from coli.gpu.batch_graphs import batch_graphs_enabled
         from coli.gpu.graphs import GraphDecoder, graphs_enabled
+        batch_graphs_enabled()           # a bad COLI_BATCH_GRAPHS fails here, at model load, like COLI_GRAPHS
         return GraphDecoder(model, self) if graphs_enabled() else None
+
+    def batch_graph_decoder(self, model):
+        """The replayed batched decode steps for `model` (coli.gpu.batch_graphs.BatchGraphDecoder), or None unless
+        COLI_BATCH_GRAPHS=1 (and COLI_GRAPHS is not 0)."""
+        from coli.gpu.batch_graphs import BatchGraphDecoder, batch_graphs_enabled
+        from coli.gpu.graphs import graphs_enabled
+        return BatchGraphDecoder(model, self) if batch_graphs_enabled() and graphs_enabled() else None
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -222,6 +238,19 @@ class CudaBackend:
 
     def rows(self, x: DeviceArray, n: int) -> DeviceArray:
         return x.row_view(0, n)
+
+    def row_range(self, x: DeviceArray, start: int, n: int) -> DeviceArray:
+        if start < 0 or n < 0 or start + n > x.shape[0]:
+            raise ValueError(f"rows {start}..{start + n} of an array of {x.shape[0]}")
+        return x.row_view(start, n)
+
+    def place_rows(self, dst: DeviceArray, start: int, src: DeviceArray) -> None:
+        """dst[start:start+n] = src on the compute stream -- also inside a captured step (a batch's own arrays; the
+        cache write is write_rows)."""
+        row = dst.nbytes // dst.shape[0]
+        if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
+            raise ValueError(f"cannot place rows {src.shape} into {dst.shape} at {start}")
+        self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
 
     # weights in their stored format ------------------------------------------------------------------------
     def weight(self, src: Any, name: str) -> QWeight:
@@ -394,7 +423,9 @@ class CudaBackend:
         decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
-        if not (decode and self._gemv_t(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh, q.ptr, dq, q_abs.ptr, Lkv)):
+        proj = self.attn_kernels in ("auto", "tile1")     # the projections' own kernels (else the GEMVs)
+        if not (decode and (self._mla_qabs if proj else self._gemv_t)(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh,
+                                                                       q.ptr, dq, q_abs.ptr, Lkv)):
             self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
                        q_abs.ptr, nh * Lkv, Lkv, nh)
         # a captured step (coli/gpu/graphs.py) sizes the split by attn_span: the same chunks as the eager step at this T
@@ -402,7 +433,8 @@ class CudaBackend:
         ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max)
         # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
         o = self.empty((S, nh * dv))
-        if not (decode and self._gemv(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh, ctx.ptr, Lkv, o.ptr, dv)):
+        if not (decode and (self._mla_o if proj else self._gemv)(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh,
+                                                                 ctx.ptr, Lkv, o.ptr, dv)):
             self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
                        o.ptr, nh * dv, dv, nh)
         return o
@@ -431,23 +463,60 @@ class CudaBackend:
         if n_max is None:
             n_max = mask.kmax if mask.idx is not None else mask.start + S
         chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
-        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
-        smem = attention_split.smem_bytes(Lkv, dr)
-        if not self.rt.allow_smem(fn, smem):
-            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        fn, threads, smem, combine, combine_threads = self._split_kernels(Lkv, dr, nj)
         grid = (nchunk, attention_split.head_groups(nh), S)
         args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,
                 dr, F32(scale), chunk, nchunk)
         if nchunk == 1:                   # one chunk per row: the block normalises and writes ctx itself
-            self.rt.launch(fn, grid, attention_split.THREADS, *args, 0, 0, ctx.ptr, smem=smem)
+            self.rt.launch(fn, grid, threads, *args, 0, 0, ctx.ptr, smem=smem)
             return ctx
         pm, pl = self.empty((S, nh, nchunk)), self.empty((S, nh, nchunk))
         pc = self.empty((S, nh, nchunk, Lkv))
-        self.rt.launch(fn, grid, attention_split.THREADS, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
-        fc = self._fn("attention", "mla_attend_combine")
-        self.rt.launch(fc, (nh, S), attention_split.COMBINE_THREADS, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
+        self.rt.launch(fn, grid, threads, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
+        fc = self._fn("attention", combine)
+        self.rt.launch(fc, (nh, S), combine_threads, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
                        T_dev, S, nh, Lkv, chunk, nchunk, ctx.ptr)
         return ctx
+
+    def _split_kernels(self, Lkv: int, dr: int, nj: int) -> tuple[Any, int, int, str, int]:
+        """(part kernel, its threads, its dynamic shared memory, combine kernel name, its threads) of the split
+        context under attn_kernels. "auto" takes mla_attend_tile2 (two key buffers) where the device lets a block
+        have its shared memory, else mla_attend_tile1 (one buffer: 92 KB at GLM-5's shape, within sm_86/89's 99 KB),
+        else the part kernel; the choice depends only on the device, so a captured step and the eager one agree."""
+        AS = attention_split
+        tiles = {"auto": (2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
+        for nbuf in tiles:
+            fn = self._fn("attention", f"mla_attend_tile{nbuf}")
+            smem = AS.tile_smem_bytes(Lkv, dr, nbuf)
+            if self.rt.allow_smem(fn, smem):
+                return fn, AS.TILE2_THREADS, smem, "mla_attend_combine4", AS.COMBINE4_THREADS
+        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
+        smem = AS.smem_bytes(Lkv, dr)
+        if not self.rt.allow_smem(fn, smem):
+            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        return fn, AS.THREADS, smem, "mla_attend_combine", AS.COMBINE_THREADS
+
+    def _mla_qabs(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """As _gemv_t, with cuda/attention.cu's mla_qabs_<fmt>: a block per 128 columns of a head (4 per head at
+        GLM-5's int8 kv_b), not one per head. False when it does not apply."""
+        if not w.vec_ok:
+            return False
+        nchunks, cpb = w.layout.row_data_bytes // 16, 128 // _chunk_vals(w.fmt)
+        fn = self._fn("attention", f"mla_qabs_{w.fmt}")
+        self.rt.launch(fn, (-(-nchunks // cpb), Z), MLA_PROJ_THREADS, *w.args(), wrow0, wz, K, x, x_z, y, y_z)
+        return True
+
+    def _mla_o(self, w: QWeight, wrow0: int, wz: int, N: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """As _gemv, with cuda/attention.cu's mla_o_<fmt>: a block per 32 rows of a head (8 per head at GLM-5's
+        v_head_dim 256). False when it does not apply."""
+        if not w.vec_ok:
+            return False
+        smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        fn = self._fn("attention", f"mla_o_{w.fmt}")
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        self.rt.launch(fn, (-(-N // 32), Z), MLA_PROJ_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, smem=smem)
+        return True
 
     def _gemv_t(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
         """y[z][n] = x[z] @ W[wrow0 + z*wz : + K] (n < W.cols); False when gemv_t does not apply (use _gemm)."""
@@ -566,27 +635,32 @@ class CudaBackend:
         return idx, w
 
     def moe_step(self, layer: int, x: DeviceArray, route: "DeviceRoute") -> DeviceArray:
-        """The routed sum [1, H] of a captured decode step: the experts `route` chose (or the step's forced routing
+        """The routed sum [S, H] of a captured decode step: the experts `route` chose (or the step's forced routing
         for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
-        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch)."""
+        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch). S > 1: a
+        batched decode step (coli/gpu/batch_graphs.py), each row its own fused decode of its K experts, row after
+        row (route, or the step's forced routing, [S, K])."""
         st = self.step.check_rows(x.shape[0], "moe_step")
+        S, H = x.shape
+        out = self.empty((S, H))
         if st.mode == "dropped":             # every slot dropped: the eager step's routed sum is zeros too
-            out = self.empty((1, x.shape[1]))
             self.rt.zero(out.ptr, out.nbytes)
             return out
         idx_ptr, w_ptr = st.route_ptrs(layer, route)
         slots, lay = st.slots_row(layer), st.rec_layout
-        out = self.empty((1, x.shape[1]))
         f_tab = self._fn("graph", "expert_table")
-        for c0 in range(0, route.K, MOE_MAXK):
-            k = min(MOE_MAXK, route.K - c0)
-            table = self.rt.empty((k,), np.uint64)
-            self.rt.launch(f_tab, (1,), 32, idx_ptr + 4 * c0, k, slots, table.ptr)
-            sc = self.moe_scratch(lay, k)
-            st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
-            if not (self.moe_gateup(sc, table.ptr, x.ptr) and self.moe_down(sc, table.ptr, w_ptr + 4 * c0, out.ptr,
-                                                                            c0 > 0)):
-                raise CudaError("MoE decode kernels do not fit this device's shared memory")
+        for r in range(S):
+            ri, rw = idx_ptr + 4 * route.K * r, w_ptr + 4 * route.K * r       # row r of [S, K]
+            xr, yr = x.ptr + 4 * H * r, out.ptr + 4 * H * r
+            for c0 in range(0, route.K, MOE_MAXK):
+                k = min(MOE_MAXK, route.K - c0)
+                table = self.rt.empty((k,), np.uint64)
+                self.rt.launch(f_tab, (1,), 32, ri + 4 * c0, k, slots, table.ptr)
+                sc = self.moe_scratch(lay, k)
+                st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
+                if not (self.moe_gateup(sc, table.ptr, xr) and self.moe_down(sc, table.ptr, rw + 4 * c0, yr,
+                                                                             c0 > 0)):
+                    raise CudaError("MoE decode kernels do not fit this device's shared memory")
         return out
 
     def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:

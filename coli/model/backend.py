@@ -27,6 +27,9 @@ class Backend(Protocol):
     def empty(self, shape: tuple[int, ...]) -> Array: ...          # float32, contents undefined
     def write_rows(self, dst: Array, start: int, src: Array) -> None: ...  # dst[start:start+n] = src
     def rows(self, x: Array, n: int) -> Array: ...                  # view of x[:n]
+    def row_range(self, x: Array, start: int, n: int) -> Array: ... # view of x[start:start+n] (a batch's segment)
+    def place_rows(self, dst: Array, start: int, src: Array) -> None: ...  # dst[start:start+n] = src, a step's own
+    # arrays (write_rows is the KV-cache write, which a captured decode step redirects to the step's position)
     # weights: a backend may keep matrices in the source's stored format (the CUDA backend keeps the
     # container's quantised tiles); `linear`, `embed`, `swiglu`, `route` and `mla_attend` accept them
     def weight(self, src: Any, name: str) -> Array: ...            # matrix `name` of a WeightSource

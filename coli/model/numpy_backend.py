@@ -72,6 +72,12 @@ class NumpyBackend:
     def rows(self, x: np.ndarray, n: int) -> np.ndarray:
         return x[:n]
 
+    def row_range(self, x: np.ndarray, start: int, n: int) -> np.ndarray:
+        return x[start:start + n]
+
+    def place_rows(self, dst: np.ndarray, start: int, src: np.ndarray) -> None:
+        dst[start:start + src.shape[0]] = src
+
     def weight(self, src, name: str) -> np.ndarray:
         return self.upload(src.dense(name))
 
