@@ -244,6 +244,189 @@ def moe_compare(a, path: Path) -> int:
     return 0
 
 
+class LaunchLog:
+    """Records, while installed on a backend, every kernel launch (function, grid, block, arguments, shared memory),
+    labelled with the outermost backend op that issued it and, on that op's first launch, the bytes of the stored
+    weights it reads; keeps every buffer allocated meanwhile alive, so the launches can be issued again for timing."""
+
+    OPS = ("rms_norm", "layer_norm", "linear", "linear_many", "rope", "split_cols", "write_rows", "indexer_select",
+           "mla_attend", "swiglu", "route", "moe_step", "add")
+
+    def __init__(self, gb):
+        self.gb, self.launches, self.keep, self._op, self._bytes = gb, [], [], None, 0
+        rt = gb.rt
+        self._saved = {"launch": rt.launch, "empty": rt.empty}
+
+        def launch(fn, grid, block, *args, smem=0):
+            self.launches.append({"op": self._op or "?", "fn": fn, "grid": tuple(grid), "block": block, "args": args,
+                                  "smem": smem, "kernel": getattr(fn, "coli_name", "?"), "bytes": self._bytes})
+            self._bytes = 0
+            return self._saved["launch"](fn, grid, block, *args, smem=smem)
+
+        def empty(*a, **kw):
+            out = self._saved["empty"](*a, **kw)
+            self.keep.append(out)
+            return out
+        rt.launch, rt.empty = launch, empty
+        for name in self.OPS:
+            setattr(gb, name, self._wrap(name, getattr(gb, name)))
+
+    def _wrap(self, name, fn):
+        def op(*args, **kw):
+            if self._op is not None:                  # an op inside another (route's linear): the outer one's label
+                return fn(*args, **kw)
+            self._op, self._bytes = name, _weight_bytes(args)
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._op, self._bytes = None, 0
+        return op
+
+    def remove(self) -> None:
+        rt = self.gb.rt
+        del rt.launch, rt.empty
+        for name in self.OPS:
+            delattr(self.gb, name)
+
+
+def _weight_bytes(args) -> int:
+    from coli.gpu.cuda_weights import HeadView, QWeight
+    seen, n = set(), 0
+    for a in args:
+        for w in (a if isinstance(a, (list, tuple)) else [a]):
+            w = w.w if isinstance(w, HeadView) else w
+            if isinstance(w, QWeight) and id(w) not in seen:
+                seen.add(id(w))
+                n += w.nbytes
+    return n
+
+
+def ks_sweep(gb, tm, fn, iters: int) -> dict:
+    """GPU time of fn (a gemv2 / gemv2x call) with every column split forced (gb.gemv_ks = 1, 2, 4, 8), GEMV v3."""
+    before = gb.gemv_kernels
+    gb.gemv_kernels, out = "v3", {}
+    try:
+        for ks in (1, 2, 4, 8):
+            gb.gemv_ks = ks
+            out[ks] = round(tm.per_call_us(fn, iters, spin_us=300), 2)
+    finally:
+        gb.gemv_ks, gb.gemv_kernels = None, before
+    return out
+
+
+def time_launches(rt, tm, launches, reps: int = 7) -> list[float]:
+    """GPU time of each recorded launch in its place in the sequence: the whole sequence issued behind bench_spin with
+    an event after every launch, median over reps of each gap (us)."""
+    evs = [rt.event() for _ in range(len(launches) + 1)]
+    per = []
+    for _ in range(reps):
+        tm.spin.prepared_async_call((1, 1, 1), (1, 1, 1), rt.stream, int(len(launches) * 40 * 1000))
+        evs[0].record(rt.stream)
+        for j, L in enumerate(launches):
+            rt.launch(L["fn"], L["grid"], L["block"], *L["args"], smem=L["smem"])
+            evs[j + 1].record(rt.stream)
+        evs[-1].synchronize()
+        per.append([evs[j + 1].time_since(evs[j]) * 1e3 for j in range(len(launches))])
+    return [float(v) for v in np.median(np.array(per), axis=0)]
+
+
+def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2", "v1"), layers: int = 2) -> dict:
+    """The dense part of GLM-5 decode layers (coli.bench.dense_layer: attention + indexer + router + shared expert, the
+    routed sum dropped) with a `fmt` dense core at cache length T, captured as ONE CUDA graph of `layers` layers (their
+    weights together > 2x L2, so a replay reads them from HBM) per GEMV version, replayed: GPU time per layer. Also
+    the default version's kernels one by one (op, kernel, grid, us, weight bytes) and the replay's output against the
+    eager step's (the same kernels: identical) and against the other versions'."""
+    from coli.bench.dense_layer import RandomDense, dense_config, layer_body
+    from coli.config import PRESETS
+    from coli.gpu.graphs import DeviceStep, StepLayout, attn_span
+    from coli.model.backend import cos_sin_table
+    from coli.model.forward import GlmMoeDsaModel
+    rt = gb.rt
+    cfg = dense_config(PRESETS["glm5"], layers=layers)
+    model = GlmMoeDsaModel(cfg, RandomDense(cfg, fmt), gb)
+    rng = np.random.default_rng(1)
+    cache = model.new_cache(T)
+    for lc in cache.layers:                          # a filled cache: the attention reads real numbers
+        for buf in (lc.lat, lc.k_pe, lc.k_idx):
+            rt.upload_bytes(rng.standard_normal(buf.shape).astype(F32), buf.ptr)
+    cache.length = pos = T - 1
+    positions = np.array([pos])
+    cos, sin = cos_sin_table(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    layout = StepLayout(cfg.qk_rope_head_dim // 2, tuple(cfg.moe_layers), cfg.num_experts_per_tok)
+    st = DeviceStep(rt, layout, None, cfg.n_routed_experts, None)
+    layout.pack(st.pinned_in, 0, pos, cos, sin)
+    rt.upload_bytes(st.pinned_in, st.dyn.ptr)
+    st.pos, st.capacity, st.mode, st.keep = pos, cache.capacity, "dropped", []
+    st.attn_n_max = attn_span(T, cfg.index_topk, cfg.num_attention_heads, cfg.kv_lora_rank, rt.sm_count,
+                              gb.attn_chunk)
+    h0 = gb.upload(rng.standard_normal((1, cfg.hidden_size)).astype(F32))
+
+    def body():
+        h, allowed = h0, None
+        for i in range(layers):
+            h, allowed = layer_body(model, i, h, positions, cos, sin, cache, pos, allowed)
+        return h
+
+    out: dict = {"fmt": fmt, "T": T, "layers": layers,
+                 "weight_bytes_per_layer": sum(w.nbytes for w in _layer_weights(model.layers[0]))}
+    results = {}
+    before = gb.gemv_kernels
+    try:
+        for ver in versions:
+            gb.gemv_kernels = ver
+            gb.step = st
+            try:
+                eager = rt.to_host(body())                                    # compiles, sizes scratch; reference
+                rt.begin_capture()
+                try:
+                    y = body()
+                    g = rt.end_capture()
+                except BaseException:
+                    rt.abort_capture()
+                    raise
+            finally:
+                gb.step = None
+            g.launch(rt)
+            replay = rt.to_host(y)
+            results[ver] = replay
+            us = tm.per_call_us(lambda i: g.launch(rt), iters) / layers
+            us2 = tm.per_call_us(lambda i: g.launch(rt), iters) / layers
+            out[ver] = {"us_per_layer": round(us, 2), "us_per_layer_repeat": round(us2, 2), "graph_nodes": g.nodes,
+                        "replay_equals_eager": bool(np.array_equal(replay, eager)),
+                        "finite": bool(np.isfinite(replay).all())}
+            g.close()
+        ref = results[versions[-1]].astype(np.float64)
+        for ver in versions:
+            out[ver]["rel_diff_vs_" + versions[-1]] = float(np.linalg.norm(results[ver] - ref) / np.linalg.norm(ref))
+        # the default version's kernels one by one, in their place in the sequence
+        gb.gemv_kernels = versions[0]
+        log = LaunchLog(gb)
+        gb.step = st
+        try:
+            body()
+        finally:
+            gb.step = None
+            log.remove()
+        rt.synchronize()
+        first = [L for L in log.launches]
+        times = time_launches(rt, tm, first)
+        nl = len(first) // layers
+        out["kernels"] = [{"op": L["op"], "kernel": L["kernel"], "grid": list(L["grid"]), "us": round(t, 2),
+                           "bytes": L["bytes"]} for L, t in zip(first[:nl], times[:nl])]
+        out["kernels_us_sum_per_layer"] = round(sum(times) / layers, 2)
+    finally:
+        gb.gemv_kernels = before
+    return out
+
+
+def _layer_weights(lw) -> list:
+    from coli.gpu.cuda_weights import QWeight
+    a = lw.attn
+    ws = [a.q_a, a.q_b, a.kv_a, a.w_kb.w, a.o, a.idx_wq_b, a.idx_wk, a.idx_weights, lw.router, lw.shared_gate,
+          lw.shared_up, lw.shared_down]
+    return [w for w in ws if isinstance(w, QWeight)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20)
@@ -258,6 +441,9 @@ def main() -> int:
     ap.add_argument("--pf-variants", action="store_true",
                     help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
     ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
+    ap.add_argument("--dense-layer-only", action="store_true",
+                    help="only the copy, the dense GEMVs and the whole dense layer replayed as a CUDA graph")
+    ap.add_argument("--layer-T", type=int, default=2048, help="cache length of the dense layer row")
     ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
     a = ap.parse_args()
     if a.moe_compare:
@@ -297,6 +483,8 @@ def main() -> int:
     if a.prefill_only:
         prefill_bench(gb, tm, rng, res, add, variants=a.pf_variants)
 
+    if a.dense_layer_only:
+        a.dense_only = True
     if not (a.dense_only or a.attn_only or a.prefill_only):    # --dense-only: the copy, the GEMVs, attention
         # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
         # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
@@ -379,7 +567,7 @@ def main() -> int:
 
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
     if a.prefill_only:
-        return report(a, res, rows)
+        return _report(a, res, rows, copy_bw, rt)
 
     def qw(rows_, cols_, fmt, group=64):
         b, l = random_matrix_bytes(rows_, cols_, fmt, group, rng)
@@ -414,15 +602,50 @@ def main() -> int:
         ws_ = [w] + [dev_copy(w) for _ in range(ncopy - 1)]
         xin = gb.upload(rng.standard_normal((1, c_)).astype(F32))
         nb = w.nbytes + 4 * (c_ + r_)
-        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, rt.sm_count)}
+        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, 2 * rt.sm_count)}
         for ver in ("v1", "v2"):
             gb.gemv_kernels = ver
             us = tm.per_call_us(lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)
             r = add(f"gemv {name} {r_}x{c_} {fmt} [{ver}]", us, nb)
             r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
             row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
+        row["us_by_ks"] = ks_sweep(gb, tm, lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)
         gb.gemv_kernels = "v2"
         del ws_
+    # the projections of a decode layer that read one input, int8 and int4 dense cores: each in its own gemv2 launch
+    # (v2) against one gemv2x launch (v3), same run; the sets rotate over copies > 120 MB as above
+    fused_res = res["gemv_fused"] = {}
+    for fmt in () if a.attn_only else ("int8", "int4"):
+        for name, cols, shapes in (("q_a|kv_a|wk", H, (2048, 576, 128)), ("q_b|wq_b", 2048, (16384, 4096))):
+            ws0 = [qw(r_, cols, fmt) for r_ in shapes]
+            nb = sum(w.nbytes for w in ws0) + 4 * (cols + sum(shapes))
+            ncopy = max(2, -(-(120 << 20) // nb))
+            sets = [ws0] + [[dev_copy(w) for w in ws0] for _ in range(ncopy - 1)]
+            xin = gb.upload(rng.standard_normal((1, cols)).astype(F32))
+            row = fused_res[f"{name} {fmt}"] = {"bytes": nb}
+            for ver in ("v2", "v3"):
+                gb.gemv_kernels = ver
+                # spin 300 us per call: v2's three launches and allocations take the host ~60 us (the first run's
+                # 50 us timed the host, 62 us for q_a | kv_a | wk)
+                us = tm.per_call_us(lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters, spin_us=300)
+                r = add(f"gemv {name} {fmt} ({len(shapes)} matrices) [{ver}]", us, nb)
+                r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
+                row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
+            row["us_by_ks"] = ks_sweep(gb, tm, lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters)
+            del sets
+    # the whole dense part of a decode layer replayed as a CUDA graph, int8 and int4 dense cores, T = --layer-T
+    layer_res = res["dense_layer"] = {}
+    for fmt in () if a.attn_only else ("int8", "int4"):
+        try:
+            layer_res[fmt] = dense_layer_bench(gb, tm, fmt, a.layer_T, a.iters)
+        except Exception as e:      # noqa: BLE001 -- report and keep what was measured
+            import traceback
+            traceback.print_exc()
+            layer_res[fmt] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        print(f"dense layer {fmt}: {json.dumps({k: v for k, v in layer_res[fmt].items() if k != 'kernels'})}",
+              flush=True)
+    if a.dense_layer_only:
+        return _report(a, res, rows, copy_bw, rt)
     if not (a.dense_only or a.attn_only):
         lm = qw(V, H, "int4")
         us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
@@ -542,10 +765,11 @@ def main() -> int:
         add("rope q 64 heads", us)
         prefill_bench(gb, tm, rng, res, add)
 
-    return report(a, res, rows)
+    return _report(a, res, rows, copy_bw, rt)
 
 
-def report(a, res: dict, rows: list[dict]) -> int:
+def _report(a, res, rows, copy_bw, rt) -> int:
+    # ---- report ------------------------------------------------------------------------------------------------
     res["kernels"] = rows
     w = max(len(r["kernel"]) for r in rows)
     print(f"\nGPU kernels on {res['device']} (sm_{res['sm']}, {res['sms']} SMs)")
@@ -600,7 +824,32 @@ def report(a, res: dict, rows: list[dict]) -> int:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")
         for k, g in gv.items():
             print(f"  {k}: {g['v1']['us']:.1f} us ({100 * g['v1']['frac']:.0f}%) -> {g['v2']['us']:.1f} us "
-                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}")
+                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}; us by ks {g.get('us_by_ks')}")
+    fz = res.get("gemv_fused", {})
+    if fz:
+        print("dense GEMVs that read one input, separate launches (v2) -> one gemv2x launch (v3), fraction of the copy:")
+        for k, g in fz.items():
+            print(f"  {k}: {g['v2']['us']:.1f} us ({100 * g['v2']['frac']:.0f}%) -> {g['v3']['us']:.1f} us "
+                  f"({100 * g['v3']['frac']:.0f}%); us by ks {g.get('us_by_ks')}")
+    dl = res.get("dense_layer", {})
+    for fmt, d in dl.items():
+        if "error" in d:
+            print(f"dense layer {fmt}: FAILED {d['error']}")
+            continue
+        print(f"\ndense part of a decode layer, {fmt} core, T = {d['T']}, replayed as a CUDA graph ({d['layers']} layers "
+              f"per graph), GPU time per layer (target <= 120 us); weights {d['weight_bytes_per_layer'] / 1e6:.1f} MB "
+              f"= {d['weight_bytes_per_layer'] / copy_bw / 1e3:.1f} us at the copy rate:")
+        for ver in ("v3", "v2", "v1"):
+            v = d.get(ver)
+            if v:
+                print(f"  gemv {ver}: {v['us_per_layer']:.1f} us (repeat {v['us_per_layer_repeat']:.1f}), "
+                      f"{v['graph_nodes']} nodes, replay == eager {v['replay_equals_eager']}, "
+                      f"rel diff vs v1 {v.get('rel_diff_vs_v1', float('nan')):.1e}")
+        print(f"  its kernels one by one (v3, events between them; sum {d['kernels_us_sum_per_layer']:.1f} us per layer):")
+        for k in d["kernels"]:
+            bw = f"{k['bytes'] / k['us'] / 1e3 / copy_bw * 100:.0f}% of copy" if k["bytes"] and k["us"] > 0 else ""
+            print(f"    {k['op']:<15} {k['kernel']:<24} grid {str(k['grid']):<16} {k['us']:7.2f} us  "
+                  f"{k['bytes'] / 1e6:7.2f} MB  {bw}")
     line = json.dumps(res)
     if a.json_out:
         a.json_out.write_text(line + "\n")

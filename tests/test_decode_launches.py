@@ -48,8 +48,9 @@ def _backend(attn="auto", gemv="v2"):
     from coli.gpu.cuda_backend import CudaBackend
     gb = CudaBackend.__new__(CudaBackend)
     gb.rt, gb.busy = _RecordingRuntime(), None
-    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels = attn, None, gemv
+    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels, gb.gemv_ks = attn, None, gemv, None
     gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
+    gb.prefill_kernels, gb._pf_usable = "mma", True    # S > 1: int4 on the tensor cores (no module to compile here)
     return gb
 
 
@@ -152,3 +153,42 @@ def test_a_kernel_version_setting_must_name_a_version():
         kernel_choice("COLI_ATTN_KERNELS", "v2", ATTN_VERSIONS)
     with pytest.raises(ColiError, match="COLI_GEMV_KERNELS='fast'"):
         kernel_choice("COLI_GEMV_KERNELS", "fast", GEMV_VERSIONS)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
+    """linear_many at one token (COLI_GEMV_KERNELS=v3): q_a | kv_a | indexer wk of the dense core's format in one
+    gemv2x launch, the f32 weights_proj alone; q_b | wq_b in one. v2 launches each matrix alone; a prefill (S > 1)
+    takes a GEMM per matrix (int4 on the tensor cores where its rows fill their blocks: q_a, not kv_a's 576); a group
+    gemv2 cannot find by a shift leaves them apart."""
+    H, Lq = 6144, 2048
+    for gemv, want_x, want_q in (("v3", [f"gemv2x_{fmt}", "gemv2_f32"], [f"gemv2x_{fmt}"]),
+                                 ("v2", [f"gemv2_{fmt}"] * 3 + ["gemv2_f32"], [f"gemv2_{fmt}"] * 2)):
+        gb = _backend(gemv=gemv)
+        of_x = [_weight(gb, 2048, H, fmt), _weight(gb, 576, H, fmt), _weight(gb, 128, H, fmt), _weight(gb, 32, H, "f32")]
+        outs = gb.linear_many(gb.rt.empty((1, H)), of_x)
+        assert [o.shape for o in outs] == [(1, 2048), (1, 576), (1, 128), (1, 32)]
+        assert len({o.ptr for o in outs}) == 4
+        assert [x[0] for x in gb.rt.launches] == want_x
+        if gemv == "v3":
+            name, grid, block, smem = gb.rt.launches[0]
+            # 1,376 row pairs at ks 1 (8 pairs per block, gemv2_split): 172 groups, one round on 264 resident blocks
+            assert grid == (172,) and block == 256 and smem == 6144 * 4
+        gb.rt.launches.clear()
+        gb.linear_many(gb.rt.empty((1, Lq)), [_weight(gb, 16384, Lq, fmt), _weight(gb, 4096, Lq, fmt)])
+        assert [x[0] for x in gb.rt.launches] == want_q
+    gb = _backend(gemv="v3")
+    gb.linear_many(gb.rt.empty((5, H)), [_weight(gb, 2048, H, fmt), _weight(gb, 576, H, fmt)])
+    want_s5 = ["pf_split_rows", "pf_linear_int4", "gemm_nt_int4"] if fmt == "int4" else [f"gemm_nt_{fmt}"] * 2
+    assert [x[0] for x in gb.rt.launches] == want_s5
+    if fmt == "int4":
+        gb = _backend(gemv="v3")
+        gb.linear_many(gb.rt.empty((1, H)), [_weight(gb, 2048, H, fmt, 256), _weight(gb, 576, H, fmt, 256)])
+        assert [x[0] for x in gb.rt.launches] == ["gemv_int4"] * 2
+
+
+def test_linear_many_checks_every_width():
+    gb = _backend(gemv="v3")
+    with pytest.raises(ValueError, match=r"linear_many: input of width 6144 for a weight of shape \[576, 512\]"):
+        gb.linear_many(gb.rt.empty((1, 6144)), [_weight(gb, 2048, 6144, "int8"), _weight(gb, 576, 512, "int8")])
+    assert gb.rt.launches == []

@@ -68,6 +68,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
+        s[("gemv", f"gemv2x_{f}")] = QM * 4 + "iPPPPPi"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
@@ -117,9 +118,10 @@ INDEXER_CHUNK_BYTES = 256 << 20
 # dependent load steps); "v1" the first version (one block per head and row, the projections as tiled GEMMs). The
 # older ones stay for scripts/bench_kernels.py's comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
-# Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
-# staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
-GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
+# Dense decode GEMV: "v3" (default) as v2, and the matrices that read the same input (linear_many) in one gemv2x_<fmt>
+# launch; "v2" gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is staged) where it
+# applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
+GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
 # int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE): "mma" (default) on the tensor cores
 # (cuda/prefill_mma.cu) where pf_layout_ok / pf_moe_layout_ok and the shared memory allow, else the fp32 tiled GEMMs;
@@ -133,7 +135,9 @@ PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
 ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
 MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu); "auto" and "tile1" decode with them
-GEMV_VERSIONS = ("v2", "v1")
+GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
+GEMV2_ROUND_CHUNKS = 64   # gemv2_split's fixed cost of a round of groups, in chunks of a segment (fitted to the sweep)
+GEMV_VERSIONS = ("v3", "v2", "v1")
 
 
 def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -187,6 +191,7 @@ class CudaBackend:
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
         self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
         self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
+        self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
         # (token, position, rope angles, routing) are then read from its device buffer instead of the host
         self.step = None
@@ -309,12 +314,15 @@ class CudaBackend:
         return out
 
     def linear(self, x: DeviceArray, w: QWeight) -> DeviceArray:
+        _check_width(x, w, "linear")
+        out = self.empty((x.shape[0], w.rows))
+        self._linear_into(x, w, out)
+        return out
+
+    def _linear_into(self, x: DeviceArray, w: QWeight, out: DeviceArray) -> None:
         S, K = x.shape
-        if K != w.cols:
-            raise ValueError(f"linear: input of width {K} for a weight of shape [{w.rows}, {w.cols}]")
-        out = self.empty((S, w.rows))
         if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
-            return out
+            return
         if S > 1 and pf_layout_ok(w.layout) and self._pf_ok(pf_smem(K, w.layout.group)):
             xq, xm = self._pf_split(x.ptr, S, K)
             fn = self._fn("prefill_mma", "pf_linear_int4")
@@ -322,9 +330,46 @@ class CudaBackend:
             self.rt.allow_smem(fn, smem)
             self.rt.launch(fn, (w.rows // PF_ROWS, -(-S // PF_TOKS)), 256, *w.args(), S, xq.ptr, xm.ptr, out.ptr,
                            w.rows, smem=smem)
-            return out
+            return
         self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
-        return out
+
+    def linear_many(self, x: DeviceArray, ws) -> list[DeviceArray]:
+        """[linear(x, w) for w in ws], the same values. One token with COLI_GEMV_KERNELS=v3 (the default): the matrices
+        of one format, width and group go through gemv2x_<fmt> together, up to GEMV2X_MAX per launch (a decode layer's
+        q_a | kv_a | indexer wk, then q_b | indexer wq_b); the rest (the f32 weights_proj beside an int8 core) alone."""
+        for w in ws:
+            _check_width(x, w, "linear_many")
+        S = x.shape[0]
+        outs = [self.empty((S, w.rows)) for w in ws]
+        done: set[int] = set()
+        if S == 1 and self.gemv_kernels == "v3":
+            for js in gemv2x_groups(ws, x.ptr):
+                if self._gemv_many([ws[j] for j in js], x.ptr, [outs[j].ptr for j in js]):
+                    done.update(js)
+        for j, w in enumerate(ws):
+            if j not in done:
+                self._linear_into(x, w, outs[j])
+        return outs
+
+    def _gemv_many(self, ws: list[QWeight], x: int, ys: list[int]) -> bool:
+        """ys[m] = W_m x for 2..GEMV2X_MAX matrices of one format, width and group in one gemv2x launch; False when it
+        does not fit (shared memory)."""
+        w0 = ws[0]
+        fn = self._fn("gemv", f"gemv2x_{w0.fmt}")
+        smem = w0.layout.row_data_bytes // 16 * _chunk_vals(w0.fmt) * 4
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        rows = sum(w.rows for w in ws)
+        pairs = sum(-(-w.rows // 2) for w in ws)
+        resident = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem))
+        ks = self.gemv_ks or gemv2_split(rows, w0.layout.row_data_bytes // 16, resident)
+        groups = -(-pairs // (GEMV2_WARPS // ks))
+        blocks = min(groups, resident)
+        unused = (0, 0, w0.cols, w0.layout.group or 32, 1, 0)      # a slot past nm: never read
+        mats = [a for m in range(GEMV2X_MAX) for a in (ws[m].args() if m < len(ws) else unused)]
+        outs = [ys[m] if m < len(ws) else 0 for m in range(GEMV2X_MAX)]
+        self.rt.launch(fn, (blocks,), GEMV_THREADS, *mats, len(ws), x, *outs, ks, smem=smem)
+        return True
 
     # ---- int4 prefill on the tensor cores (cuda/prefill_mma.cu) ------------------------------------------------
     def _pf_ok(self, smem: int) -> bool:
@@ -391,9 +436,10 @@ class CudaBackend:
         if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
             fn = self._fn("gemv", f"gemv2_{w.fmt}")
             if self.rt.allow_smem(fn, smem):
-                ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                per_z = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z)
+                ks = self.gemv_ks or gemv2_split(N, w.layout.row_data_bytes // 16, per_z)
                 groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
-                blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+                blocks = min(groups, per_z)
                 self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
                 return True
         fn = self._fn("gemv", f"gemv_{w.fmt}")
@@ -1176,14 +1222,44 @@ def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
     return x % 16 == 0 and x_z % 4 == 0 and (fmt != "int4" or group in (32, 64, 128))
 
 
-def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
-    """Column segments per row pair (ks) of gemv2: doubled (up to the block's 8 warps) while the matrix has fewer
-    warp tasks than two per-SM blocks' worth of warps and each segment keeps >= 2 chunks per lane -- the router's
-    256 x 6144 f32 gets 8, q_a's 2048 x 6144 int4 2, o_proj's 6144 rows 1."""
-    ks, pairs = 1, -(-N // 2)
-    while ks < GEMV2_WARPS and pairs * ks < 2 * GEMV2_WARPS * sm_count and nchunks // (2 * ks) >= 64:
-        ks *= 2
-    return ks
+def gemv2x_groups(ws, x: int) -> list[list[int]]:
+    """Indices of `ws` that gemv2x can take together: groups of 2..GEMV2X_MAX matrices of one format, width and group
+    (in the order given), each one gemv2 could take alone (16-byte rows, x aligned, an int4 group by a shift)."""
+    by: dict[tuple, list[int]] = {}
+    for j, w in enumerate(ws):
+        if w.vec_ok and gemv2_fits(w.fmt, w.layout.group, x, 0):
+            by.setdefault((w.fmt, w.cols, w.layout.group or 0), []).append(j)
+    out = []
+    for js in by.values():
+        out += [js[c:c + GEMV2X_MAX] for c in range(0, len(js), GEMV2X_MAX) if len(js[c:c + GEMV2X_MAX]) > 1]
+    return out
+
+
+def _check_width(x: DeviceArray, w: QWeight, what: str) -> None:
+    if x.shape[1] != w.cols:
+        raise ValueError(f"{what}: input of width {x.shape[1]} for a weight of shape [{w.rows}, {w.cols}]")
+
+
+def gemv2_split(N: int, nchunks: int, blocks: int) -> int:
+    """Column segments per row pair (ks) of gemv2 / gemv2x over N rows of nchunks 16-byte chunks, on `blocks` resident
+    blocks: of ks = 1, 2, 4, 8 the one with the least work on the busiest block -- ceil(groups / blocks) rounds, each
+    a segment's nchunks / ks chunks plus GEMV2_ROUND_CHUNKS of fixed cost (a round trip, the partial sums),
+    groups = ceil(ceil(N / 2) / (8 / ks)) -- keeping >= 2 chunks per lane per segment (nchunks / ks >= 64) for ks > 1;
+    a tie goes to the smaller ks (fewer partial sums to add). Against the forced-ks
+    sweep on the H200 (scripts/bench_kernels.py, 2026-12-01): o_proj 6144 x 16384 int4 38.3 / 34.5 / 34.2 / 43.0 us at
+    ks 1 / 2 / 4 / 8 -> 2 (at 1, 384 groups on 264 blocks left half the blocks a second round); q_a | kv_a | wk in one
+    launch 13.1 / 13.6 / 14.8 us -> 1; q_b 16384 x 2048 15.2 / 22.6 -> 1; kv_a 7.9 / 6.6 / 6.6 -> 4; the router's
+    256 x 6144 f32 11.4 / 8.1 / 6.5 / 6.5 -> 8."""
+    pairs = -(-N // 2)
+    best, best_cost = 1, None
+    for ks in (1, 2, 4, 8):
+        if ks > GEMV2_WARPS or (ks > 1 and nchunks // ks < 64):
+            break
+        groups = -(-pairs // (GEMV2_WARPS // ks))
+        cost = -(-groups // max(1, blocks)) * (-(-nchunks // ks) + GEMV2_ROUND_CHUNKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = ks, cost
+    return best
 
 
 def _chunk_vals(fmt: str) -> int:

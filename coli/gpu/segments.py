@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-RECORDED = frozenset({"embed", "add", "rms_norm", "layer_norm", "linear", "split_cols", "last_row", "rope",
+RECORDED = frozenset({"embed", "add", "rms_norm", "layer_norm", "linear", "linear_many", "split_cols", "last_row", "rope",
                       "mla_attend", "indexer_select", "swiglu", "silu_mul", "write_rows"})
 
 

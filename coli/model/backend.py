@@ -42,6 +42,8 @@ class Backend(Protocol):
     def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...            # [A, D]
     def layer_norm(self, x: Array, w: Array, b: Array, eps: float) -> Array: ...  # [A, D]
     def linear(self, x: Array, w: Array) -> Array: ...             # [S, in] @ [out, in].T -> [S, out]
+    def linear_many(self, x: Array, ws: Sequence[Array]) -> list[Array]: ...  # [linear(x, w) for w in ws], the same
+    # values; a backend may compute matrices that read the same x together (the CUDA backend: one launch)
     def split_cols(self, x: Array, n: int) -> tuple[Array, Array]: ...  # [S, D] -> [S, n], [S, D-n]
     def last_row(self, x: Array) -> Array: ...                           # [S, D] -> [1, D]
     def rope(self, x: Array, cos: np.ndarray, sin: np.ndarray, offset: int) -> Array: ...

@@ -247,20 +247,23 @@ class GlmMoeDsaModel:
         S = x.shape[0]
         nh, dn, dr, Lkv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
 
-        q_lat = b.rms_norm(b.linear(x, w.q_a), w.q_a_norm, 1e-6)       # [S, Lq]  (also feeds the indexer)
-        q = b.linear(q_lat, w.q_b).reshape(S, nh, dn + dr)             # [S, nh, dn+dr], rope part last
-        q = b.rope(q, cos, sin, dn)                                     # rotate q[..., dn:]
-        lat, k_pe = b.split_cols(b.linear(x, w.kv_a), Lkv)             # [S, Lkv], [S, dr]
+        full = c.indexer_types[i] == "full"
+        # the projections that read the same input are asked for together (the CUDA backend: one launch each)
+        of_x = b.linear_many(x, [w.q_a, w.kv_a] + ([w.idx_wk, w.idx_weights] if full else []))
+        q_lat = b.rms_norm(of_x[0], w.q_a_norm, 1e-6)                  # [S, Lq]  (also feeds the indexer)
+        of_q = b.linear_many(q_lat, [w.q_b] + ([w.idx_wq_b] if full else []))
+        q = b.rope(of_q[0].reshape(S, nh, dn + dr), cos, sin, dn)      # [S, nh, dn+dr], rope part last, rotated
+        lat, k_pe = b.split_cols(of_x[1], Lkv)                          # [S, Lkv], [S, dr]
         lat = b.rms_norm(lat, w.kv_a_norm, 1e-6)                        # normalised latent
         k_pe = b.rope(k_pe.reshape(S, 1, dr), cos, sin, 0).reshape(S, dr)  # one rope key for all heads
 
         p = AttentionInputs(q, lat, k_pe)
-        if c.indexer_types[i] == "full":
+        if full:
             ih, ihd = c.index_n_heads, c.index_head_dim
-            p.iq = b.rope(b.linear(q_lat, w.idx_wq_b).reshape(S, ih, ihd), cos, sin, 0)  # [S, ih, ihd], rope first
-            ik = b.layer_norm(b.linear(x, w.idx_wk), w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
+            p.iq = b.rope(of_q[1].reshape(S, ih, ihd), cos, sin, 0)    # [S, ih, ihd], rope first
+            ik = b.layer_norm(of_x[2], w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
             p.k_idx = b.rope(ik.reshape(S, 1, ihd), cos, sin, 0).reshape(S, ihd)
-            p.head_w = b.linear(x, w.idx_weights)                       # [S, ih] (scaled by ih^-0.5 inside)
+            p.head_w = of_x[3]                                          # [S, ih] (scaled by ih^-0.5 inside)
         return p
 
     def _attention_segment(self, i, w: AttentionWeights, p: "AttentionInputs", positions, cache: KVCache, start,

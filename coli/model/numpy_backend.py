@@ -108,6 +108,9 @@ class NumpyBackend:
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x @ w.T
 
+    def linear_many(self, x: np.ndarray, ws) -> list[np.ndarray]:
+        return [self.linear(x, w) for w in ws]
+
     def split_cols(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return x[:, :n], x[:, n:]
 
