@@ -435,6 +435,11 @@ def main() -> int:
     ap.add_argument("--dense-16k", action="store_true", help="also time attention over all 16,384 keys (no DSA)")
     ap.add_argument("--dense-only", action="store_true",
                     help="only the copy, the dense GEMVs and the attention rows (skip the MoE and the other kernels)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the copy and the prefill rows (int4 GEMM and grouped MoE, fp32 v1 against the "
+                         "tensor cores)")
+    ap.add_argument("--pf-variants", action="store_true",
+                    help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
     ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
     ap.add_argument("--dense-layer-only", action="store_true",
                     help="only the copy, the dense GEMVs and the whole dense layer replayed as a CUDA graph")
@@ -475,10 +480,12 @@ def main() -> int:
     res["d2d_copy_GBps"] = round(copy_bw, 1)
     add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
     del src, dst
+    if a.prefill_only:
+        prefill_bench(gb, tm, rng, res, add, variants=a.pf_variants)
 
     if a.dense_layer_only:
         a.dense_only = True
-    if not (a.dense_only or a.attn_only):    # --dense-only: the copy, then the GEMV and attention rows
+    if not (a.dense_only or a.attn_only or a.prefill_only):    # --dense-only: the copy, the GEMVs, attention
         # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
         # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
         # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
@@ -559,6 +566,9 @@ def main() -> int:
         del pool
 
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
+    if a.prefill_only:
+        return _report(a, res, rows, copy_bw, rt)
+
     def qw(rows_, cols_, fmt, group=64):
         b, l = random_matrix_bytes(rows_, cols_, fmt, group, rng)
         from coli.gpu.cuda_weights import upload_stored
@@ -753,25 +763,7 @@ def main() -> int:
         cos, sin = cos_sin_table([100], dr, 1e6)
         us = tm.per_call_us(lambda i: gb.rope(qq, cos, sin, dn), a.iters)
         add("rope q 64 heads", us)
-        qa = qw(2048, H, "int4")
-        for S in (64, 512):
-            xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
-            us = tm.per_call_us(lambda i: gb.linear(xs_, qa), 5)
-            add(f"gemm prefill S={S} 2048x6144 int4", us, None, f"{2 * S * 2048 * H / us / 1e6:.2f} TFLOP/s")
-        # grouped MoE prefill: 64 tokens over 32 experts
-        E = 32
-        plist = rt.alloc(E * lay.nbytes)
-        for e in range(E):
-            rt.upload_bytes(host_recs[e % len(host_recs)], int(plist) + e * lay.nbytes)
-        precs = {e: DeviceRecord(int(plist) + e * lay.nbytes, lay) for e in range(E)}
-        S = 64
-        xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
-        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
-        wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
-        want = sorted(set(ids.ravel().tolist()))
-        us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, precs[e]) for e in want)), 3)
-        add(f"moe prefill S={S}, {E} experts int4 (grouped GEMM)", us, None,
-            f"{2 * S * K * 3 * IM * H / us / 1e6:.2f} TFLOP/s")
+        prefill_bench(gb, tm, rng, res, add)
 
     return _report(a, res, rows, copy_bw, rt)
 
@@ -780,7 +772,7 @@ def _report(a, res, rows, copy_bw, rt) -> int:
     # ---- report ------------------------------------------------------------------------------------------------
     res["kernels"] = rows
     w = max(len(r["kernel"]) for r in rows)
-    print(f"\nGPU kernels on {rt.name} (sm_{res['sm']}, {rt.sm_count} SMs)")
+    print(f"\nGPU kernels on {res['device']} (sm_{res['sm']}, {res['sms']} SMs)")
     print(f"{'kernel':<{w}}  {'us':>10}  {'GB/s':>8}  {'of copy':>7}  note")
     for r in rows:
         print(f"{r['kernel']:<{w}}  {r['us']:>10.2f}  {r.get('GBps', ''):>8}  {r.get('of_copy', ''):>7}  "
@@ -863,6 +855,111 @@ def _report(a, res, rows, copy_bw, rt) -> int:
         a.json_out.write_text(line + "\n")
     print(line)
     return 0
+
+
+def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
+    """The int4 prefill rows, the fp32 tiled GEMMs (v1) against the tensor cores (mma) in the same run: the dense
+    GEMM at GLM-5's q_a (2048 x 6144 g64) and o_proj (6144 x 16384 g128) shapes for S = 512 and 2,048, and the
+    grouped MoE prefill of a 2,048-token prompt over 256 GLM-5 experts (top-8: ~64 pairs per expert; ~1.24 TFLOP).
+    Effective TFLOP/s counts 2 flops per weight x token (not the four int8 parts the tensor cores multiply).
+    The MoE rows time the whole moe() op (host: sorting the pairs; the spin covers it, so the figure is GPU time)."""
+    from coli.container.format import RecordLayout
+    from coli.gpu.cuda_weights import DeviceRecord, upload_stored
+    from tests.gpu_helpers import rel_err
+    out = res.setdefault("prefill", {})
+    saved = gb.prefill_kernels
+    add_row = add
+
+    def add(*args, **kw):          # every row printed as it lands (a run cut short still shows what it measured)
+        r = add_row(*args, **kw)
+        print(f"  {r['kernel']}: {r['us']:.1f} us  {r.get('note', '')}", flush=True)
+        return r
+    for rows_, cols_, group in ((2048, H, 64), (H, 16384, 128)):
+        b, lay_ = random_matrix_bytes(rows_, cols_, "int4", group, rng)
+        w = upload_stored(gb.rt, b, lay_, (rows_, cols_), "bench")
+        for S in (512, 2048):
+            xs_ = gb.upload(rng.standard_normal((S, cols_)).astype(F32))
+            got = {}
+            for ver in ("v1", "mma"):
+                gb.prefill_kernels = ver
+                us = tm.per_call_us(lambda i: gb.linear(xs_, w), 3, spin_us=20000)
+                tf = 2 * S * rows_ * cols_ / us / 1e6
+                add(f"gemm prefill S={S} {rows_}x{cols_} int4 g{group} [{ver}]", us, None, f"{tf:.2f} TFLOP/s")
+                out[f"gemm_{rows_}x{cols_}_S{S}_{ver}_TFLOPs"] = round(tf, 2)
+                got[ver] = gb.to_host(gb.linear(xs_, w))
+            out[f"gemm_{rows_}x{cols_}_S{S}_rel_diff"] = float(rel_err(got["mma"], got["v1"]))
+        del w
+    # grouped MoE: 2,048 tokens, 256 experts (64 distinct records, 1.3 GB: L2 holds none of them between uses)
+    lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    E, S = 256, 2048
+    host_recs, pool, nrec = record_pool(gb.rt, lay, E, rng, n_distinct=8)
+    recs = {e: DeviceRecord(int(pool) + e * lay.nbytes, lay) for e in range(E)}
+    xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
+    flops = 2 * S * K * 3 * IM * H
+    got = {}
+    for ver in ("v1", "mma"):
+        gb.prefill_kernels = ver
+        us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in range(E))), 2, reps=3, warmup=1,
+                            spin_us=150000)
+        tf = flops / us / 1e6
+        add(f"moe prefill S={S}, {E} experts top-{K} int4 g64 [{ver}]", us, None, f"{tf:.2f} TFLOP/s effective")
+        out[f"moe_S{S}_E{E}_{ver}_TFLOPs"] = round(tf, 2)
+        out[f"moe_S{S}_E{E}_{ver}_ms"] = round(us / 1e3, 2)
+        got[ver] = gb.to_host(gb.moe(xs_, ids, wp, ((e, recs[e]) for e in range(E))))
+    out["moe_rel_diff_mma_v1"] = float(rel_err(got["mma"], got["v1"]))
+    if variants:
+        prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add)
+    gb.prefill_kernels = saved
+    print("prefill: " + json.dumps(out), flush=True)
+    del pool
+
+
+def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
+    """The tensor-core prefill rebuilt with other block shapes and register / pipeline settings (PF_ROWS x PF_TOKS,
+    PF_MINB, PF_STAGES): the MoE row and the dense 2048 x 6144 GEMM at S = 2,048."""
+    import coli.gpu.cuda_backend as cb
+    from pycuda.compiler import SourceModule
+    from coli.gpu.cuda_runtime import kernels_dir
+    from coli.gpu.cuda_weights import upload_stored
+    rt = gb.rt
+    src = (kernels_dir() / "prefill_mma.cu").read_text()
+    base = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, rt._modules.get("prefill_mma"))
+    b, lay_ = random_matrix_bytes(2048, H, "int4", 64, np.random.default_rng(1))
+    w = upload_stored(rt, b, lay_, (2048, H), "bench")
+    xd = gb.upload(np.random.default_rng(2).standard_normal((2048, H)).astype(F32))
+    gb.prefill_kernels = "mma"
+
+    def drop():
+        for k in [k for k in rt._fns if k[0] == "prefill_mma"]:
+            del rt._fns[k]
+    try:
+        for rows_, toks, minb, stages in ((256, 32, 2, 3), (256, 32, 1, 3), (256, 32, 2, 4), (256, 32, 2, 2),
+                                          (128, 64, 2, 3), (128, 64, 1, 3)):
+            tag = f"rows{rows_}_toks{toks}_minb{minb}_stages{stages}"
+            try:
+                rt._modules["prefill_mma"] = SourceModule(src, no_extern_c=True, include_dirs=[str(kernels_dir())],
+                                                          options=["-std=c++17", f"-DPF_MINB={minb}",
+                                                                   f"-DPF_STAGES={stages}", f"-DPF_ROWS={rows_}",
+                                                                   f"-DPF_TOKS={toks}"])
+                drop()
+                cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = rows_, toks, stages
+                us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in recs)), 2, reps=3,
+                                    warmup=1, spin_us=150000)
+                add(f"moe prefill S=2048 [mma {tag}]", us, None, f"{flops / us / 1e6:.2f} TFLOP/s")
+                out[f"moe_variant_{tag}_TFLOPs"] = round(flops / us / 1e6, 2)
+                us = tm.per_call_us(lambda i: gb.linear(xd, w), 3, spin_us=20000)
+                add(f"gemm prefill S=2048 2048x6144 [mma {tag}]", us, None,
+                    f"{2 * 2048 * 2048 * H / us / 1e6:.2f} TFLOP/s")
+                out[f"gemm_variant_{tag}_TFLOPs"] = round(2 * 2048 * 2048 * H / us / 1e6, 2)
+            except Exception as e:      # a variant that does not fit or build is a row, not the end of the run
+                out[f"variant_{tag}_error"] = str(e)[:200]
+                print(f"  variant {tag}: {str(e)[:200]}", flush=True)
+    finally:
+        cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = base[:3]
+        rt._modules["prefill_mma"] = base[3]
+        drop()
 
 
 if __name__ == "__main__":

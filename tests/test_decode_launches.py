@@ -50,6 +50,7 @@ def _backend(attn="auto", gemv="v2"):
     gb.rt, gb.busy = _RecordingRuntime(), None
     gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels, gb.gemv_ks = attn, None, gemv, None
     gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
+    gb.prefill_kernels, gb._pf_usable = "mma", True    # S > 1: int4 on the tensor cores (no module to compile here)
     return gb
 
 
@@ -158,7 +159,8 @@ def test_a_kernel_version_setting_must_name_a_version():
 def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
     """linear_many at one token (COLI_GEMV_KERNELS=v3): q_a | kv_a | indexer wk of the dense core's format in one
     gemv2x launch, the f32 weights_proj alone; q_b | wq_b in one. v2 launches each matrix alone; a prefill (S > 1)
-    takes the tiled GEMM per matrix; a group gemv2 cannot find by a shift leaves them apart."""
+    takes a GEMM per matrix (int4 on the tensor cores where its rows fill their blocks: q_a, not kv_a's 576); a group
+    gemv2 cannot find by a shift leaves them apart."""
     H, Lq = 6144, 2048
     for gemv, want_x, want_q in (("v3", [f"gemv2x_{fmt}", "gemv2_f32"], [f"gemv2x_{fmt}"]),
                                  ("v2", [f"gemv2_{fmt}"] * 3 + ["gemv2_f32"], [f"gemv2_{fmt}"] * 2)):
@@ -177,7 +179,8 @@ def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
         assert [x[0] for x in gb.rt.launches] == want_q
     gb = _backend(gemv="v3")
     gb.linear_many(gb.rt.empty((5, H)), [_weight(gb, 2048, H, fmt), _weight(gb, 576, H, fmt)])
-    assert [x[0] for x in gb.rt.launches] == [f"gemm_nt_{fmt}"] * 2
+    want_s5 = ["pf_split_rows", "pf_linear_int4", "gemm_nt_int4"] if fmt == "int4" else [f"gemm_nt_{fmt}"] * 2
+    assert [x[0] for x in gb.rt.launches] == want_s5
     if fmt == "int4":
         gb = _backend(gemv="v3")
         gb.linear_many(gb.rt.empty((1, H)), [_weight(gb, 2048, H, fmt, 256), _weight(gb, 576, H, fmt, 256)])

@@ -83,6 +83,11 @@ def _signatures() -> dict[tuple[str, str], str]:
     s[("moe_mma", "moe_split_x4")] = "PiiPPP"
     s[("moe_mma", "moe_gateup_mma_int4")] = "PqqiiiiqiPPPPPPP"
     s[("moe_mma", "moe_down_mma_int4")] = "PqiiiiqiPPPPPi"
+    # int4 prefill (S > 1) on the tensor cores (cuda/prefill_mma.cu)
+    s[("prefill_mma", "pf_split_rows")] = "PiiqPP"
+    s[("prefill_mma", "pf_linear_int4")] = QM + "iPPPq"
+    s[("prefill_mma", "pf_gateup_int4")] = "PqqiiiiqPPPPPP"
+    s[("prefill_mma", "pf_down_int4")] = "PqiiiiqPPPPPPiP"
     return s
 
 
@@ -118,6 +123,16 @@ ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
+# int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE): "mma" (default) on the tensor cores
+# (cuda/prefill_mma.cu) where pf_layout_ok / pf_moe_layout_ok and the shared memory allow, else the fp32 tiled GEMMs;
+# "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
+PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
+PREFILL_VERSIONS = ("mma", "v1")
+# The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
+# chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
+# tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
+PREFILL_CHUNK_BYTES = 1 << 30
+PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
 ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
 MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu); "auto" and "tile1" decode with them
 GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
@@ -174,6 +189,8 @@ class CudaBackend:
         self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
+        self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
+        self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
         self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
         # (token, position, rope angles, routing) are then read from its device buffer instead of the host
@@ -306,6 +323,14 @@ class CudaBackend:
         S, K = x.shape
         if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
             return
+        if S > 1 and pf_layout_ok(w.layout) and self._pf_ok(pf_smem(K, w.layout.group)):
+            xq, xm = self._pf_split(x.ptr, S, K)
+            fn = self._fn("prefill_mma", "pf_linear_int4")
+            smem = pf_smem(K, w.layout.group)
+            self.rt.allow_smem(fn, smem)
+            self.rt.launch(fn, (w.rows // PF_ROWS, -(-S // PF_TOKS)), 256, *w.args(), S, xq.ptr, xm.ptr, out.ptr,
+                           w.rows, smem=smem)
+            return
         self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
 
     def linear_many(self, x: DeviceArray, ws) -> list[DeviceArray]:
@@ -345,6 +370,31 @@ class CudaBackend:
         outs = [ys[m] if m < len(ws) else 0 for m in range(GEMV2X_MAX)]
         self.rt.launch(fn, (blocks,), GEMV_THREADS, *mats, len(ws), x, *outs, ks, smem=smem)
         return True
+
+    # ---- int4 prefill on the tensor cores (cuda/prefill_mma.cu) ------------------------------------------------
+    def _pf_ok(self, smem: int) -> bool:
+        """The tensor-core prefill applies: chosen (prefill_kernels), its shared memory fits this device, and its
+        module compiles here (checked once; a toolkit that rejects it leaves the fp32 GEMMs, not the CPU)."""
+        if self.prefill_kernels != "mma" or smem > self.rt.smem_optin:
+            return False
+        if self._pf_usable is None:
+            try:
+                self.rt.module("prefill_mma")
+                self._pf_usable = True
+            except CudaError as e:
+                self._pf_usable = False
+                logging.getLogger("coli.cuda").warning("tensor-core prefill kernels unavailable, using the fp32 "
+                                                       "GEMMs: %s", str(e)[:300])
+        return self._pf_usable
+
+    def _pf_split(self, x: int, R: int, C: int) -> tuple[DeviceArray, DeviceArray]:
+        """x [R, C] fp32 at device address x -> its int8 parts and metadata (prefill_mma.cu's split layout)."""
+        nblk = R * (C // 64)
+        xq = self.rt.empty((nblk * 256,), np.uint8)
+        xm = self.rt.empty((nblk * 12,), np.int32)
+        fn = self._fn("prefill_mma", "pf_split_rows")
+        self.rt.launch(fn, (-(-nblk // 8),), 256, x, R, C, C, xq.ptr, xm.ptr)
+        return xq, xm
 
     def split_cols(self, x: DeviceArray, n: int) -> tuple[DeviceArray, DeviceArray]:
         S, D = x.shape
@@ -932,7 +982,18 @@ class CudaBackend:
     def _moe_prefill(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
         S, H = x.shape
         K = idx.shape[1]
+        # record layouts the tensor-core kernels take run there; the rest (other formats, host experts uploaded as
+        # f32 records) through the fp32 GEMMs below, accumulating into the same output
+        mma = {lay: m for lay, m in groups.items() if pf_moe_layout_ok(lay)
+               and self._pf_ok(max(pf_smem(lay.gate.cols, lay.gate.group), pf_smem(lay.down.cols, lay.down.group)))}
+        if mma:
+            self._moe_prefill_mma(x, idx, weights, recs, mma, out, accumulate)
+            accumulate = True
+            groups = {lay: m for lay, m in groups.items() if lay not in mma}
+            if not groups:
+                return
         lay0 = next(iter(groups))
+        handled = {e for m in groups.values() for e in m}
         Im = lay0.gate.rows
         per_token = K * max(H, Im) * 4 * 2
         chunk = max(1, MOE_CHUNK_BYTES // per_token)
@@ -943,42 +1004,80 @@ class CudaBackend:
             ii = idx[s0:s0 + n]
             wi = np.asarray(weights[s0:s0 + n], F32)
             Y = self.empty((n, K, H))
-            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= recs.keys():
-                # pruned slots (expert top-p), or experts of another batch: their rows of Y stay zero
+            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= handled:
+                # pruned slots (expert top-p), or experts of another batch or layout: their rows of Y stay zero
                 self.rt.zero(Y.ptr, Y.nbytes)
             for lay, members in groups.items():
                 self._moe_prefill_group(xi, ii, wi, recs, lay, members, Y)
             self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
+    def _moe_prefill_mma(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
+        """The grouped MoE prefill on the tensor cores: x split once per chunk, then per record layout one gate/up
+        launch and one down launch over every expert's pair tiles, the (token, slot) rows summed in slot order."""
+        S, H = x.shape
+        K = idx.shape[1]
+        Im = max(lay.gate.rows for lay in groups)
+        per_token = K * H * 4 + K * Im * 19 // 4 + H * 19 // 4      # Y [K, H] + split h + split x
+        chunk = max(1, PREFILL_CHUNK_BYTES // per_token)
+        handled = {e for m in groups.values() for e in m}
+        f_red = self._fn("gemm", "moe_reduce")
+        for s0 in range(0, S, chunk):
+            n = min(chunk, S - s0)
+            ii = idx[s0:s0 + n]
+            wi = np.asarray(weights[s0:s0 + n], F32)
+            xq, xm = self._pf_split(x.ptr + s0 * H * 4, n, H)
+            Y = self.empty((n, K, H))
+            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= handled:
+                self.rt.zero(Y.ptr, Y.nbytes)      # pruned slots, another batch's or layout's experts: rows stay zero
+            for lay, members in groups.items():
+                pairs = self._moe_pairs(ii, wi, recs, members, PF_TOKS)
+                if pairs is None:
+                    continue
+                table, tiles_d, tok_d, slot_d, pw_d, n_tiles, P = pairs
+                g, d = lay.gate, lay.down
+                hq = self.rt.empty((P * g.rows * 4,), np.uint8)
+                hm = self.rt.empty((P * (g.rows // 64) * 12,), np.int32)
+                f_gu = self._fn("prefill_mma", "pf_gateup_int4")
+                smem = pf_smem(g.cols, g.group)
+                self.rt.allow_smem(f_gu, smem)
+                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), 256, table.ptr, g.offset, lay.up.offset,
+                               g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr, tok_d.ptr, xq.ptr,
+                               xm.ptr, hq.ptr, hm.ptr, smem=smem)
+                f_dn = self._fn("prefill_mma", "pf_down_int4")
+                smem = pf_smem(d.cols, d.group)
+                self.rt.allow_smem(f_dn, smem)
+                self.rt.launch(f_dn, (d.rows // PF_ROWS, n_tiles), 256, table.ptr, d.offset, d.rows, d.cols, d.group,
+                               d.rows_per_tile, d.tile_bytes, tiles_d.ptr, tok_d.ptr, slot_d.ptr, pw_d.ptr, hq.ptr,
+                               hm.ptr, K, Y.ptr, smem=smem)
+            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
+
+    def _moe_pairs(self, idx, weights, recs, members, tile: int = 64):
+        """The (token, slot) pairs routed to `members`, sorted by expert (stable: token order inside an expert), on
+        the device: (record table, tiles [(member, first pair, count <= tile)], pair token, pair slot, pair weight,
+        number of tiles, number of pairs); None when no pair routes there."""
+        tok, slot, gid, tiles = moe_pair_tiles(idx, members, tile)
+        if tok.size == 0:
+            return None
+        pw = weights[tok, slot].astype(F32)
+        packed = [np.array([recs[e].ptr for e in members], np.uint64), tiles.reshape(-1),
+                  tok.astype(np.int32), slot.astype(np.int32), pw]
+        return (*(self.rt.to_device_async(a) for a in packed), len(tiles), tok.size)
+
     def _moe_prefill_group(self, x, idx, weights, recs, lay, members, Y) -> None:
         n, K = idx.shape
         H, Im = lay.down.rows, lay.gate.rows
-        g_of = {e: g for g, e in enumerate(members)}
-        tok, slot = np.nonzero(np.isin(idx, members))
-        if tok.size == 0:
+        pairs = self._moe_pairs(idx, weights, recs, members)
+        if pairs is None:
             return
-        gid = np.array([g_of[int(idx[t, k])] for t, k in zip(tok, slot)], np.int64)
-        order = np.argsort(gid, kind="stable")
-        tok, slot, gid = tok[order], slot[order], gid[order]
-        pw = weights[tok, slot].astype(F32)
-        tiles = []
-        bounds = np.searchsorted(gid, np.arange(len(members) + 1))
-        for g in range(len(members)):
-            for p0 in range(int(bounds[g]), int(bounds[g + 1]), 64):
-                tiles.append((g, p0, min(64, int(bounds[g + 1]) - p0)))
-        tiles_a = np.array(tiles, np.int32).reshape(-1)
-        P = tok.size
-        packed = [np.array([recs[e].ptr for e in members], np.uint64), tiles_a, tok.astype(np.int32),
-                  slot.astype(np.int32), pw]
-        table, tiles_d, tok_d, slot_d, pw_d = (self.rt.to_device_async(a) for a in packed)
+        table, tiles_d, tok_d, slot_d, pw_d, n_tiles, P = pairs
         hb = self.empty((P, Im))
         fmt = lay.gate.fmt
         f_gu = self._fn("gemm", f"moe_gateup_gemm_{fmt}")
-        self.rt.launch(f_gu, (len(tiles), -(-Im // 64)), 256, table.ptr, lay.gate.offset, lay.up.offset, Im, H,
+        self.rt.launch(f_gu, (n_tiles, -(-Im // 64)), 256, table.ptr, lay.gate.offset, lay.up.offset, Im, H,
                        lay.gate.group or 32, lay.gate.rows_per_tile, lay.gate.tile_bytes, tiles_d.ptr, tok_d.ptr,
                        x.ptr, hb.ptr)
         f_dn = self._fn("gemm", f"moe_down_gemm_{lay.down.fmt}")
-        self.rt.launch(f_dn, (len(tiles), -(-H // 64)), 256, table.ptr, lay.down.offset, H, Im,
+        self.rt.launch(f_dn, (n_tiles, -(-H // 64)), 256, table.ptr, lay.down.offset, H, Im,
                        lay.down.group or 32, lay.down.rows_per_tile, lay.down.tile_bytes, tiles_d.ptr, tok_d.ptr,
                        slot_d.ptr, pw_d.ptr, hb.ptr, K, Y.ptr)
 
@@ -1066,6 +1165,56 @@ def mma_layout_ok(lay, K: int) -> bool:
             and d.rows == g.cols and d.cols == g.rows
             and u.rows == g.rows and u.cols == g.cols and u.group == g.group
             and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
+
+
+def moe_pair_tiles(idx: np.ndarray, members, tile: int):
+    """The grouped MoE's work list, vectorised (a 2,048-token GLM-5 prompt has 16,384 pairs a layer: a Python loop
+    over them cost ~30 ms of host time per layer, twice the kernels' GPU time). idx [S, K] expert ids (-1: pruned);
+    members: the expert ids of this launch, in table order. -> (token [P], slot [P], member index [P]) of the pairs
+    routed to members, sorted by member (stable: (token, slot) order inside a member), and tiles [T, 3] int32 of
+    (member index, first pair, count <= tile), every member's pairs cut into consecutive tiles."""
+    members = np.asarray(members, np.int64)
+    K = idx.shape[1]
+    lut = np.full(int(max(members.max(), idx.max(initial=0))) + 1, -1, np.int64)
+    lut[members] = np.arange(members.size)
+    flat = idx.reshape(-1)
+    g = np.where(flat >= 0, lut[np.maximum(flat, 0)], -1)
+    sel = np.flatnonzero(g >= 0)                            # row-major: (token, slot) order
+    order = np.argsort(g[sel], kind="stable")
+    sel, gid = sel[order], g[sel][order]
+    counts = np.bincount(gid, minlength=members.size)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    ntile = -(-counts // tile)
+    tg = np.repeat(np.arange(members.size), ntile)
+    k = np.arange(tg.size) - np.repeat(np.cumsum(ntile) - ntile, ntile)   # tile number inside its member
+    p0 = bounds[tg] + k * tile
+    cnt = np.minimum(tile, bounds[tg + 1] - p0)
+    return sel // K, sel % K, gid, np.stack([tg, p0, cnt], axis=1).astype(np.int32)
+
+
+def pf_layout_ok(lay) -> bool:
+    """Whether the tensor-core prefill GEMM (pf_linear_int4) takes this stored matrix: int4 in groups of 64 or 128
+    that divide the columns (whole 64-column blocks), rows in whole blocks of PF_ROWS, 16-byte aligned rows."""
+    return (lay.fmt == "int4" and lay.group in (64, 128) and lay.cols % lay.group == 0 and lay.rows % PF_ROWS == 0
+            and vec_ok(lay))
+
+
+def pf_moe_layout_ok(lay) -> bool:
+    """Whether the tensor-core grouped MoE prefill takes this record layout: gate and up alike ([Im, H], Im in whole
+    blocks of PF_ROWS / 2: a block holds that many gate and the same up rows) and down [H, Im] as pf_layout_ok wants."""
+    g, u, d = lay.gate, lay.up, lay.down
+    return (all(m.fmt == "int4" and m.group in (64, 128) and m.cols % m.group == 0 and vec_ok(m) for m in (g, u, d))
+            and g.rows % (PF_ROWS // 2) == 0 and d.rows % PF_ROWS == 0 and d.rows == g.cols and d.cols == g.rows
+            and (u.rows, u.cols, u.group, u.rows_per_tile, u.tile_bytes)
+            == (g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes))
+
+
+def pf_smem(cols: int, group: int) -> int:
+    """Dynamic shared memory of the prefill_mma.cu GEMMs over `cols` columns: PF_STAGES stages (weights, split x,
+    metadata), the block's fp16 group scales, its row-address and activation-row tables."""
+    stage = PF_ROWS * 32 + PF_TOKS * 256 + PF_TOKS * 48
+    scales = -(-(PF_ROWS * (cols // group) * 2) // 16) * 16
+    return PF_STAGES * stage + scales + PF_ROWS * 16 + PF_TOKS * 4
 
 
 def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
