@@ -29,7 +29,7 @@ EXTRAPOLATION_NOTE = (
     "batched rows: a step of B rows is timed as one forward over the B sequences; it splits as a token does, against "
     "the same B-row step with every routed expert dropped and the lm_head over B rows: GLM-5 aggregate tokens/s = B / "
     "(75 x moe_layer_s(B) + 78 x dense_layer_s(B) + head_s_full(B)); per-sequence tokens/s = aggregate / B; "
-    "x B=1 = aggregate over the B=1 row's of the same scenario in the same run")
+    "x B=1 = the aggregate over the same scenario's B=1 aggregate, same run")
 
 
 def parse_batches(text: str) -> list[int]:
@@ -267,8 +267,8 @@ def _f(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-BATCH_HEADERS = ["scenario", "B", "GLM-5 agg tok/s*", "x B=1", "GLM-5 tok/s/seq", "slice agg tok/s", "x B=1 (slice)",
-                 "ms/step", "experts/layer/step", "GLM-5 MB/token", "copied MB/token (slice)", "seq 0 = B=1"]
+BATCH_HEADERS = ["scenario", "B", "GLM-5 tok/s*", "xB1", "GLM-5 /seq", "slice tok/s", "xB1 slice", "ms/step",
+                 "experts /layer", "GLM-5 MB/tok", "copied MB/tok", "seq0 =B1"]
 
 
 def batch_table_rows(rows: list[dict]) -> list[list[str]]:

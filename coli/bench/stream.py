@@ -724,6 +724,11 @@ def _batched(r: "_Runner", res: dict, batches: list[int] | None, tokens: int):
         f"sequence b of B starts at trace token b x {T} // B (starts for B={max(batches)}: "
         f"{sequence_starts(max(batches), T)}) with first token 1 + b; sequence 0 routes what the scenario's own "
         f"row routes, so 'seq 0 = B=1' checks its tokens against the B=1 row's"]}
+    if T // max(batches) < WARMUP_TOKENS + tokens:
+        res["batch"]["notes"].append(
+            f"at B={max(batches)} the sequences' trace stretches ({T} // B = {T // max(batches)} tokens apart, "
+            f"{WARMUP_TOKENS + tokens} steps each) overlap: a sequence's last steps route what the next one routed "
+            f"earlier, never in the same step (a longer trace: make-slice --tokens)")
 
     def run(name: str, snapshot) -> None:
         try:
