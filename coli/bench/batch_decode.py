@@ -195,7 +195,9 @@ class BatchBench:
                "distinct": routes.distinct, "starts": sequence_starts(B, self.routing.n_tokens)}
         if snapshot is not None:
             from coli.bench.stream import delta
-            raw["counters"] = delta(snapshot(), marks["snap"])
+            after = snapshot()
+            raw["counters"] = delta(after, marks["snap"])
+            raw["vram_slots"] = after.get("vram_slots")         # a size, not a counter
         return raw
 
     def rows(self, scenario: str, batches: list[int], snapshot=None, record_bytes: int = 0,
@@ -248,7 +250,7 @@ def batch_figures(raw: dict, *, L: int, nomoe_step_s: float | None, head_s: floa
         out["copied_bytes_per_token"] = c.get("copy_bytes", 0) / (B * N) if N else None
         out["copies_per_step"] = c.get("copies", 0) / N if N else None
         out["cpu_fallbacks"] = c.get("cpu_fallbacks")
-        out["vram_slots"] = c.get("vram_slots")
+        out["vram_slots"] = raw.get("vram_slots")
     out["row0_tokens_equal_b1"] = raw["tokens"][0] == ref_tokens if ref_tokens is not None else None
     return out
 

@@ -152,7 +152,8 @@ def test_rows_for_every_batch_with_figures_and_ratios(sliced):
 def test_batch_figures_from_known_times():
     # 2 MoE layers, B = 4: step 10 ms, the same step without routed experts 4 ms, lm_head over 4 rows 0.5 ms
     raw = {"scenario": "cold-ram", "batch": 4, "step_s": [0.010, 0.010], "tokens": [[1, 2]] * 4,
-           "distinct": [[20, 24], [22, 26]], "counters": {"copy_bytes": 8 * 92, "copies": 92, "cpu_fallbacks": 0}}
+           "distinct": [[20, 24], [22, 26]], "counters": {"copy_bytes": 8 * 92, "copies": 92, "cpu_fallbacks": 0},
+           "vram_slots": 16}
     f = bd.batch_figures(raw, L=2, nomoe_step_s=0.004, head_s=0.0005, vocab=154880, record_bytes=1000,
                          ref_tokens=[1, 2])
     assert f["moe_layer_ms"] == pytest.approx(3.0) and f["dense_layer_ms"] == pytest.approx(1.75)
@@ -161,7 +162,7 @@ def test_batch_figures_from_known_times():
     assert f["distinct_experts_per_layer_step"] == {"mean": 23.0, "max": 26, "per_layer_mean": [21.0, 25.0]}
     assert f["expert_bytes_per_token"] == pytest.approx(23.0 * 2 * 1000 / 4)
     assert f["copied_bytes_per_token"] == pytest.approx(8 * 92 / 8) and f["copies_per_step"] == 46
-    assert f["row0_tokens_equal_b1"] is True
+    assert f["row0_tokens_equal_b1"] is True and f["vram_slots"] == 16 and f["cpu_fallbacks"] == 0
     assert bd.batch_figures({**raw, "tokens": [[1, 3]] * 4}, L=2, nomoe_step_s=None, head_s=0.0, vocab=1,
                             record_bytes=0, ref_tokens=[1, 2])["row0_tokens_equal_b1"] is False
 
@@ -172,3 +173,19 @@ def test_a_batch_step_of_the_wrong_row_count_is_refused(sliced):
     with pytest.raises(ColiError, match="routes 3 rows; a batched decode step has one row per sequence \\(2\\)"):
         routes(model.config.moe_layers[0], 3)
     assert np.array_equal(routes(0, 2)[0], routing.idx[[0, 5], 0])
+
+
+def test_engine_counters_cover_the_timed_steps_only(sliced):
+    """The snapshot window: a counter of the expert ids the engine was asked for (what a cache-less engine copies),
+    taken around the timed steps, gives exactly the union bytes of those steps -- the warm-up steps are out."""
+    model, routing, src, _ = sliced
+    nbytes = 1000
+
+    def snapshot():
+        asked = sum(len(ids) for _, ids in src.asked)
+        return {"copy_bytes": asked * nbytes, "copies": asked, "vram_slots": 7}
+    raw = bd.BatchBench(model, routing, N, WARM).run("cold-ram", 4, snapshot=snapshot)
+    assert raw["counters"]["copies"] == sum(map(sum, raw["distinct"])) and raw["vram_slots"] == 7
+    f = bd.batch_figures(raw, L=len(model.config.moe_layers), nomoe_step_s=None, head_s=0.0,
+                         vocab=model.config.vocab_size, record_bytes=nbytes)
+    assert f["copied_bytes_per_token"] == pytest.approx(f["expert_bytes_per_token"])
