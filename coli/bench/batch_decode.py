@@ -249,6 +249,8 @@ def batch_figures(raw: dict, *, L: int, nomoe_step_s: float | None, head_s: floa
     if c is not None:                                                   # a streaming engine's counters
         out["copied_bytes_per_token"] = c.get("copy_bytes", 0) / (B * N) if N else None
         out["copies_per_step"] = c.get("copies", 0) / N if N else None
+        # retain off: every expert of a step's union crosses once, none twice, none skipped (a CPU fallback, a hit)
+        out["union_copied_once"] = c.get("copies") == int(d.sum())
         out["cpu_fallbacks"] = c.get("cpu_fallbacks")
         out["vram_slots"] = raw.get("vram_slots")
     out["row0_tokens_equal_b1"] = raw["tokens"][0] == ref_tokens if ref_tokens is not None else None

@@ -97,6 +97,8 @@ STREAM_HELP = """Decode N tokens over a slice (routing replayed from its stored 
 Scenarios: warm (every expert in VRAM), cold-ram (every expert in pinned RAM, VRAM retention off), disk (O_DIRECT reads, no RAM cache), budget (--vram-gb/--ram-gb scaled to the full model's per-layer capacities; run with an oracle pilot and without), sync (baseline: whole-record synchronous copies, then compute), peer (baseline: coli.bench.peer_accelerate in a subprocess), or all.
 
 tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache capacities scaled to what the full model would have under the same budgets. Needs a CUDA GPU.
+
+--batch 1,4,8,16: warm and cold-ram also decode B sequences together (one batched step over their rows, the union of their experts asked once per layer), each its own stretch of the trace; rows of aggregate and per-sequence tokens/s and expert bytes per token, against B = 1 of the same run.
 """
 
 

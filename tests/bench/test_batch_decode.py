@@ -162,6 +162,9 @@ def test_batch_figures_from_known_times():
     assert f["distinct_experts_per_layer_step"] == {"mean": 23.0, "max": 26, "per_layer_mean": [21.0, 25.0]}
     assert f["expert_bytes_per_token"] == pytest.approx(23.0 * 2 * 1000 / 4)
     assert f["copied_bytes_per_token"] == pytest.approx(8 * 92 / 8) and f["copies_per_step"] == 46
+    assert f["union_copied_once"] is True                       # 92 copies = 20 + 24 + 22 + 26 distinct
+    assert bd.batch_figures({**raw, "counters": {"copies": 91}}, L=2, nomoe_step_s=None, head_s=0.0, vocab=1,
+                            record_bytes=0)["union_copied_once"] is False
     assert f["row0_tokens_equal_b1"] is True and f["vram_slots"] == 16 and f["cpu_fallbacks"] == 0
     assert bd.batch_figures({**raw, "tokens": [[1, 3]] * 4}, L=2, nomoe_step_s=None, head_s=0.0, vocab=1,
                             record_bytes=0, ref_tokens=[1, 2])["row0_tokens_equal_b1"] is False
@@ -188,4 +191,4 @@ def test_engine_counters_cover_the_timed_steps_only(sliced):
     assert raw["counters"]["copies"] == sum(map(sum, raw["distinct"])) and raw["vram_slots"] == 7
     f = bd.batch_figures(raw, L=len(model.config.moe_layers), nomoe_step_s=None, head_s=0.0,
                          vocab=model.config.vocab_size, record_bytes=nbytes)
-    assert f["copied_bytes_per_token"] == pytest.approx(f["expert_bytes_per_token"])
+    assert f["copied_bytes_per_token"] == pytest.approx(f["expert_bytes_per_token"]) and f["union_copied_once"]
