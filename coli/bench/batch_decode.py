@@ -56,8 +56,9 @@ def check_batches(batches: list[int], scenarios: list[str], trace_tokens: int) -
     if batches == [1]:
         return
     if not set(BATCH_SCENARIOS) & set(scenarios):
-        raise ColiError(f"--batch {','.join(map(str, batches))}: batched rows run in the {' and '.join(BATCH_SCENARIOS)} "
-                        f"scenarios; --scenario asks for neither")
+        listed = ",".join(map(str, batches))
+        raise ColiError(f"--batch {listed}: batched rows run in the {' and '.join(BATCH_SCENARIOS)} scenarios; "
+                        f"--scenario asks for neither")
     if max(batches) > trace_tokens:
         raise ColiError(f"--batch {max(batches)}: the slice's routing trace has {trace_tokens} tokens and each "
                         f"sequence needs its own start in it (make the slice with --tokens {max(batches)} or more)")

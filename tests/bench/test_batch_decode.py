@@ -192,3 +192,35 @@ def test_engine_counters_cover_the_timed_steps_only(sliced):
     f = bd.batch_figures(raw, L=len(model.config.moe_layers), nomoe_step_s=None, head_s=0.0,
                          vocab=model.config.vocab_size, record_bytes=nbytes)
     assert f["copied_bytes_per_token"] == pytest.approx(f["expert_bytes_per_token"]) and f["union_copied_once"]
+
+
+def test_the_scenarios_batched_rows_land_in_the_result_and_a_failure_costs_only_them(sliced):
+    """coli.bench.stream's hook (run inside warm and cold-ram with their engine installed), over the real model,
+    routing and record layout the GPU runner holds: --batch 1 adds nothing; otherwise every B's row, the notes
+    (with the overlap of short trace stretches), JSON-serialisable; an engine that fails gives a not-run row."""
+    import json
+    from types import SimpleNamespace
+
+    from coli.bench import stream as st
+    model, routing, _, _ = sliced
+    rec = ContainerReader(routing.path.parent)
+    rt = SimpleNamespace(synchronize=lambda: None)          # the numpy path has nothing to wait for
+    runner = SimpleNamespace(model=model, routing=routing, b=SimpleNamespace(rt=rt), layout=rec.record_layout,
+                             report=lambda s: None)
+    res: dict = {}
+    assert st._batched(runner, res, [1], N)("warm", None) is None and res == {}
+    hook = st._batched(runner, res, [2, 16], N)
+    hook("warm", None)
+
+    def broken():
+        raise RuntimeError("the engine broke")
+    hook("cold-ram", broken)
+    rec.close()
+    rows = res["batch"]["rows"]
+    assert [(r["scenario"], r.get("batch")) for r in rows] == [("warm", 1), ("warm", 2), ("warm", 16),
+                                                               ("cold-ram", None)]
+    assert rows[-1]["run"] is False and "RuntimeError: the engine broke" in rows[-1]["reason"]
+    assert res["batch"]["batches"] == [1, 2, 16]
+    assert any("overlap" in n for n in res["batch"]["notes"])           # 40 trace tokens // 16 < 2 + 3 steps
+    json.dumps(res, default=st._json_default)
+    assert len(bd.batch_table_rows(rows)) == 4
