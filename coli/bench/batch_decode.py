@@ -190,10 +190,15 @@ class BatchBench:
         around the timed steps."""
         routes = SequenceRoutes(self.routing, sequence_starts(B, self.routing.n_tokens))
         marks: dict[str, Any] = {}
-        before = (lambda: marks.__setitem__("snap", snapshot())) if snapshot is not None else None
+
+        def before():
+            marks["graphs"] = graph_counters(self.model)
+            if snapshot is not None:
+                marks["snap"] = snapshot()
         d = decode_batch(self.model, routes, first_tokens(B, self.V), self.N, self.warmup, self.sync, before)
         raw = {"scenario": scenario, "batch": B, "step_s": d["step_s"], "tokens": d["tokens"],
-               "distinct": routes.distinct, "starts": sequence_starts(B, self.routing.n_tokens)}
+               "distinct": routes.distinct, "starts": sequence_starts(B, self.routing.n_tokens),
+               "graphs": graph_counters(self.model, since=marks["graphs"])}
         if snapshot is not None:
             from coli.bench.stream import delta
             after = snapshot()
@@ -216,6 +221,20 @@ class BatchBench:
                                      vocab=self.V, record_bytes=record_bytes, ref_tokens=raws[0]["tokens"][0]))
         add_ratios(out)
         return out
+
+
+def graph_counters(model, since: dict | None = None) -> dict:
+    """Replayed steps so far (since `since`): the single-sequence decode graphs (B = 1 takes model.greedy) and
+    the batched ones (COLI_BATCH_GRAPHS=1), with why the last step ran eagerly; None where the backend has none."""
+    from coli.model.batch import batch_graphs
+    out: dict[str, Any] = {}
+    for name, g in (("step", model.step_graphs), ("batch", batch_graphs(model))):
+        if g is None:
+            out[f"{name}_replays"] = out[f"{name}_eager_reason"] = None
+            continue
+        out[f"{name}_replays"] = g.replays - ((since or {}).get(f"{name}_replays") or 0)
+        out[f"{name}_eager_reason"] = g.last_reason
+    return out
 
 
 def batch_figures(raw: dict, *, L: int, nomoe_step_s: float | None, head_s: float, vocab: int, record_bytes: int,
@@ -255,6 +274,8 @@ def batch_figures(raw: dict, *, L: int, nomoe_step_s: float | None, head_s: floa
         out["cpu_fallbacks"] = c.get("cpu_fallbacks")
         out["vram_slots"] = raw.get("vram_slots")
     out["row0_tokens_equal_b1"] = raw["tokens"][0] == ref_tokens if ref_tokens is not None else None
+    if "graphs" in raw:
+        out["graphs"] = raw["graphs"]
     return out
 
 

@@ -143,6 +143,8 @@ def test_rows_for_every_batch_with_figures_and_ratios(sliced):
         assert r["expert_bytes_per_token"] == pytest.approx(d * L * nbytes / r["batch"])
         assert r["glm5_expert_bytes_per_token"] == pytest.approx(d * 75 * nbytes / r["batch"])
         assert "copied_bytes_per_token" not in r                # no streaming engine: no copy counters
+        assert r["graphs"] == {"step_replays": None, "step_eager_reason": None, "batch_replays": None,
+                               "batch_eager_reason": None}            # the numpy path replays nothing
     assert rows[0]["x_b1_slice"] == pytest.approx(1.0) and rows[0]["x_b1_glm5"] == pytest.approx(1.0)
     assert rows[2]["x_b1_slice"] == pytest.approx(rows[2]["agg_tokens_per_s_slice"] / rows[0]["agg_tokens_per_s_slice"])
     cells = bd.batch_table_rows(rows)
