@@ -289,6 +289,19 @@ def add_ratios(rows: list[dict]) -> None:
             r[name] = a / b if a and b else None
 
 
+ACCEPTANCE = {"warm": 5.0, "cold-ram": 2.0}     # issue 15: aggregate decode at 8 sequences over one sequence
+
+
+def acceptance(rows: list[dict], at: int = 8) -> dict:
+    """Per scenario: the GLM-5 aggregate at B = `at` over B = 1, against issue 15's target (None: not run)."""
+    out = {}
+    for name, target in ACCEPTANCE.items():
+        r = next((r for r in rows if r.get("scenario") == name and r.get("batch") == at), None)
+        x = None if r is None else r.get("x_b1_glm5")
+        out[name] = {"batch": at, "x_b1_glm5": x, "target": target, "met": None if x is None else x >= target}
+    return out
+
+
 def _f(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -328,3 +341,7 @@ def print_batch_table(res: dict, report: Callable[[str], None] = print) -> None:
         t.add_row(*cells)
     Console(stderr=False).print(t)
     report("* " + EXTRAPOLATION_NOTE)
+    for name, a in acceptance(rows).items():
+        if a["x_b1_glm5"] is not None:
+            report(f"{name}: aggregate at B={a['batch']} is {a['x_b1_glm5']:.2f} x B=1 (issue 15 target >= "
+                   f"{a['target']:g}: {'met' if a['met'] else 'NOT met'})")

@@ -699,6 +699,9 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         res["rows"].append({"scenario": "peer", "label": "peer: accelerate (subprocess)", **peer_row})
     res["notes"].append("GLM-5's 3 dense layers are counted at the slice's dense_layer time (attention + router + "
                         "shared expert); their larger dense MLP is not modelled")
+    if "batch" in res:
+        from coli.bench.batch_decode import acceptance
+        res["batch"]["acceptance"] = acceptance(res["batch"]["rows"])
     _plots(res, plots_dir, ceil, report)
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)

@@ -172,6 +172,15 @@ def test_batch_figures_from_known_times():
                             record_bytes=0, ref_tokens=[1, 2])["row0_tokens_equal_b1"] is False
 
 
+def test_acceptance_against_issue_15s_targets():
+    rows = [{"scenario": "warm", "batch": 8, "x_b1_glm5": 5.5}, {"scenario": "cold-ram", "batch": 8, "x_b1_glm5": 1.5},
+            {"scenario": "cold-ram", "batch": 4, "x_b1_glm5": 3.0}]
+    a = bd.acceptance(rows)
+    assert a["warm"] == {"batch": 8, "x_b1_glm5": 5.5, "target": 5.0, "met": True}
+    assert a["cold-ram"]["met"] is False                        # the B = 8 row counts, not B = 4
+    assert bd.acceptance(rows[:1])["cold-ram"] == {"batch": 8, "x_b1_glm5": None, "target": 2.0, "met": None}
+
+
 def test_a_batch_step_of_the_wrong_row_count_is_refused(sliced):
     model, routing, _, _ = sliced
     routes = bd.SequenceRoutes(routing, [0, 5])
