@@ -737,9 +737,8 @@ def _batched(r: "_Runner", res: dict, batches: list[int] | None, tokens: int):
         try:
             res["batch"]["rows"] += bb.rows(name, batches, snapshot=snapshot, record_bytes=r.layout.nbytes,
                                             report=r.report)
-        except ColiError:
-            raise
-        except Exception as e:   # noqa: BLE001 -- the batched rows failing must not cost the scenario's row
+        except Exception as e:   # noqa: BLE001 -- the batched rows failing (ColiError too: --batch was checked
+            # before the GPU, so one here is the step's) must not cost the scenario's row nor the other scenarios
             import traceback
             res["batch"]["rows"].append({"scenario": name, "run": False, "reason": f"{type(e).__name__}: {e}",
                                          "traceback": traceback.format_exc()[-3000:]})

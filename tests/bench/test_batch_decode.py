@@ -226,12 +226,17 @@ def test_the_scenarios_batched_rows_land_in_the_result_and_a_failure_costs_only_
     def broken():
         raise RuntimeError("the engine broke")
     hook("cold-ram", broken)
+
+    def refused():
+        raise ColiError("a step the engine refused")
+    hook("cold-ram", refused)                                  # a ColiError mid-run costs its rows, not the run
     rec.close()
     rows = res["batch"]["rows"]
     assert [(r["scenario"], r.get("batch")) for r in rows] == [("warm", 1), ("warm", 2), ("warm", 16),
-                                                               ("cold-ram", None)]
-    assert rows[-1]["run"] is False and "RuntimeError: the engine broke" in rows[-1]["reason"]
+                                                               ("cold-ram", None), ("cold-ram", None)]
+    assert rows[-2]["run"] is False and "RuntimeError: the engine broke" in rows[-2]["reason"]
+    assert rows[-1]["run"] is False and "ColiError: a step the engine refused" in rows[-1]["reason"]
     assert res["batch"]["batches"] == [1, 2, 16]
     assert any("overlap" in n for n in res["batch"]["notes"])           # 40 trace tokens // 16 < 2 + 3 steps
     json.dumps(res, default=st._json_default)
-    assert len(bd.batch_table_rows(rows)) == 4
+    assert len(bd.batch_table_rows(rows)) == 5
