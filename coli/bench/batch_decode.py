@@ -208,17 +208,28 @@ class BatchBench:
 
     def rows(self, scenario: str, batches: list[int], snapshot=None, record_bytes: int = 0,
              report: Callable[[str], None] = lambda s: None) -> list[dict]:
-        """Every B of `batches` (1 first: the reference) on the current engine -> figure rows (batch_figures)."""
+        """Every B of `batches` (1 first: the reference) on the current engine -> figure rows (batch_figures); a B
+        that fails is a not-run row and the others still run (a B = 16 out of memory keeps B = 1..8)."""
         want = sorted(set(batches) | {1})
         raws = []
         for B in want:
             report(f"{scenario} batch {B} ...")
-            raws.append(self.run(scenario, B, snapshot))
+            try:
+                raws.append(self.run(scenario, B, snapshot))
+            except Exception as e:   # noqa: BLE001 -- one batch size failing must not cost the others
+                import traceback
+                raws.append({"scenario": scenario, "batch": B, "run": False, "reason": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()[-3000:]})
+                report(f"{scenario} batch {B} failed: {type(e).__name__}: {e}")
+        ref = raws[0]["tokens"][0] if raws[0].get("run") is not False else None
         out = []
         for raw in raws:
+            if raw.get("run") is False:
+                out.append(raw)
+                continue
             B = raw["batch"]
             out.append(batch_figures(raw, L=self.L, nomoe_step_s=self.nomoe_step_s(B), head_s=self.head_s(B),
-                                     vocab=self.V, record_bytes=record_bytes, ref_tokens=raws[0]["tokens"][0]))
+                                     vocab=self.V, record_bytes=record_bytes, ref_tokens=ref))
         add_ratios(out)
         return out
 

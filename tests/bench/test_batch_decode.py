@@ -181,6 +181,22 @@ def test_acceptance_against_issue_15s_targets():
     assert bd.acceptance(rows[:1])["cold-ram"] == {"batch": 8, "x_b1_glm5": None, "target": 2.0, "met": None}
 
 
+def test_a_failing_batch_size_costs_its_row_only(sliced):
+    """B = 4's engine fails (its third snapshot: B = 1 took two); B = 1 and 8 still give their rows and ratios."""
+    model, routing, _, _ = sliced
+    calls = []
+
+    def snapshot():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (B = 4)")
+        return {"copy_bytes": 0, "copies": 0}
+    rows = bd.BatchBench(model, routing, N, WARM).rows("cold-ram", [4, 8], snapshot=snapshot)
+    assert [(r["batch"], r.get("run", True)) for r in rows] == [(1, True), (4, False), (8, True)]
+    assert "out of memory (B = 4)" in rows[1]["reason"]
+    assert rows[2]["x_b1_slice"] is not None and rows[2]["row0_tokens_equal_b1"] is True
+
+
 def test_a_batch_step_of_the_wrong_row_count_is_refused(sliced):
     model, routing, _, _ = sliced
     routes = bd.SequenceRoutes(routing, [0, 5])
@@ -232,11 +248,11 @@ def test_the_scenarios_batched_rows_land_in_the_result_and_a_failure_costs_only_
     hook("cold-ram", refused)                                  # a ColiError mid-run costs its rows, not the run
     rec.close()
     rows = res["batch"]["rows"]
-    assert [(r["scenario"], r.get("batch")) for r in rows] == [("warm", 1), ("warm", 2), ("warm", 16),
-                                                               ("cold-ram", None), ("cold-ram", None)]
-    assert rows[-2]["run"] is False and "RuntimeError: the engine broke" in rows[-2]["reason"]
-    assert rows[-1]["run"] is False and "ColiError: a step the engine refused" in rows[-1]["reason"]
+    assert [(r["scenario"], r.get("batch")) for r in rows] == [("warm", 1), ("warm", 2), ("warm", 16)] + [
+        ("cold-ram", b) for b in (1, 2, 16)] * 2                      # each B of a failing engine: its own row
+    assert all(r["run"] is False and "RuntimeError: the engine broke" in r["reason"] for r in rows[3:6])
+    assert all(r["run"] is False and "ColiError: a step the engine refused" in r["reason"] for r in rows[6:])
     assert res["batch"]["batches"] == [1, 2, 16]
     assert any("overlap" in n for n in res["batch"]["notes"])           # 40 trace tokens // 16 < 2 + 3 steps
     json.dumps(res, default=st._json_default)
-    assert len(bd.batch_table_rows(rows)) == 5
+    assert len(bd.batch_table_rows(rows)) == 9
