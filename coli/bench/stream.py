@@ -465,10 +465,11 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
 
 def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0, ram_gb: float = 64.0,
                   tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
-                  report: Callable[[str], None] = print) -> dict:
+                  report: Callable[[str], None] = print, batches: list[int] | None = None) -> dict:
     """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md).
     vram_gb: one budget or several ("16,24,32" or a list): the budget scenarios run once per budget (rows
-    budget-16gb, ...), everything else at the first."""
+    budget-16gb, ...), everything else at the first. batches (coli.bench.batch_decode): besides its row, warm
+    and cold-ram run B sequences together on their engine for each B (res["batch"]); None or [1]: not run."""
     from coli.bench.budget import parse_budgets
     budgets = parse_budgets(",".join(f"{v:g}" for v in vram_gb) if isinstance(vram_gb, (list, tuple)) else vram_gb)
     vram_gb = budgets[0]
@@ -540,6 +541,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                             f"no GLM-5 extrapolation")
     raws: dict[str, dict] = {}
     n_cold = max(scal["slice_vram_slots"], 2 * r.K)
+    batched = _batched(r, res, batches, tokens)
 
     def guarded(name, fn):
         report(f"{name} ...")
@@ -561,7 +563,9 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             r.model.experts = res_x
             try:
                 t = r.decode()
-                return {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
+                row = {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
+                batched("warm", None)
+                return row
             finally:
                 r.model.experts = _NoExperts()
                 del res_x
@@ -572,6 +576,14 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         vx = r.vram(host, n_cold, retain=False, sync=sync)
         try:
             row = r.run_vx("sync" if sync else "cold-ram", vx, host, timeline=True)
+            if not sync:
+                vx.finish()
+                vx.timeline = vx.busy.timeline = None     # the row's timeline is taken: the batched steps run without
+                r.model.experts = vx
+                try:
+                    batched("cold-ram", lambda: (vx.finish(), vx.snapshot())[1])
+                finally:
+                    r.model.experts = _NoExperts()
         finally:
             vx.close()
         row["label"] = ("sync baseline (whole-record copy, host waits, then compute; RAM source, no retention)"
@@ -687,12 +699,51 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         res["rows"].append({"scenario": "peer", "label": "peer: accelerate (subprocess)", **peer_row})
     res["notes"].append("GLM-5's 3 dense layers are counted at the slice's dense_layer time (attention + router + "
                         "shared expert); their larger dense MLP is not modelled")
+    if "batch" in res:
+        from coli.bench.batch_decode import acceptance
+        res["batch"]["acceptance"] = acceptance(res["batch"]["rows"])
     _plots(res, plots_dir, ceil, report)
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(res, indent=1, default=_json_default))
     print_table(res, report)
+    if "batch" in res:
+        from coli.bench.batch_decode import print_batch_table
+        print_batch_table(res, report)
     return res
+
+
+def _batched(r: "_Runner", res: dict, batches: list[int] | None, tokens: int):
+    """fn(scenario, snapshot): the batched rows of that scenario on the engine now in r.model.experts, appended to
+    res["batch"]["rows"]; a failure is a "not run" row (the scenario's own row is kept). A no-op without
+    --batch beyond 1."""
+    if not batches or list(batches) == [1]:
+        return lambda name, snapshot: None
+    from coli.bench.batch_decode import EXTRAPOLATION_NOTE, BatchBench, sequence_starts
+    bb = BatchBench(r.model, r.routing, tokens, WARMUP_TOKENS, sync=r.b.rt.synchronize)
+    T = r.routing.n_tokens
+    res["batch"] = {"batches": sorted(set(batches) | {1}), "rows": [], "notes": [
+        EXTRAPOLATION_NOTE,
+        f"sequence b of B starts at trace token b x {T} // B (starts for B={max(batches)}: "
+        f"{sequence_starts(max(batches), T)}) with first token 1 + b; sequence 0 routes what the scenario's own "
+        f"row routes, so 'seq 0 = B=1' checks its tokens against the B=1 row's"]}
+    if T // max(batches) < WARMUP_TOKENS + tokens:
+        res["batch"]["notes"].append(
+            f"at B={max(batches)} the sequences' trace stretches ({T} // B = {T // max(batches)} tokens apart, "
+            f"{WARMUP_TOKENS + tokens} steps each) overlap: a sequence's last steps route what the next one routed "
+            f"earlier, never in the same step (a longer trace: make-slice --tokens)")
+
+    def run(name: str, snapshot) -> None:
+        try:
+            res["batch"]["rows"] += bb.rows(name, batches, snapshot=snapshot, record_bytes=r.layout.nbytes,
+                                            report=r.report)
+        except Exception as e:   # noqa: BLE001 -- the batched rows failing (ColiError too: --batch was checked
+            # before the GPU, so one here is the step's) must not cost the scenario's row nor the other scenarios
+            import traceback
+            res["batch"]["rows"].append({"scenario": name, "run": False, "reason": f"{type(e).__name__}: {e}",
+                                         "traceback": traceback.format_exc()[-3000:]})
+            r.report(f"{name} batched rows failed: {type(e).__name__}: {e}")
+    return run
 
 
 def added_delay(copy_us, nbytes, ref_us_per_byte: float, tile_us: float | None) -> dict:

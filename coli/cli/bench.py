@@ -97,6 +97,8 @@ STREAM_HELP = """Decode N tokens over a slice (routing replayed from its stored 
 Scenarios: warm (every expert in VRAM), cold-ram (every expert in pinned RAM, VRAM retention off), disk (O_DIRECT reads, no RAM cache), budget (--vram-gb/--ram-gb scaled to the full model's per-layer capacities; run with an oracle pilot and without), sync (baseline: whole-record synchronous copies, then compute), peer (baseline: coli.bench.peer_accelerate in a subprocess), or all.
 
 tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache capacities scaled to what the full model would have under the same budgets. Needs a CUDA GPU.
+
+--batch 1,4,8,16: warm and cold-ram also decode B sequences together (one batched step over their rows, the union of their experts asked once per layer), each its own stretch of the trace; rows of aggregate and per-sequence tokens/s and expert bytes per token, against B = 1 of the same run.
 """
 
 
@@ -114,19 +116,28 @@ def stream(
     tile_kb: int = typer.Option(1024, "--tile-kb", min=4, help="H2D copy tile in KiB."),
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full result as JSON here."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Write plots (PNG) into this directory."),
+    batch: str = typer.Option("1", "--batch", help="Concurrent sequences, a comma list (1,4,8,16): warm and "
+                                                   "cold-ram also decode B sequences together on their engine "
+                                                   "for each B (aggregate tok/s, experts per step, bytes per "
+                                                   "token, x B=1); 1: their single-sequence rows only."),
 ) -> None:
-    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots)
+    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch)
 
 
 @clean_errors
-def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
+def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch="1"):
+    from coli.bench.batch_decode import check_batches, parse_batches
     from coli.bench.budget import parse_budgets
     from coli.bench.stream import parse_scenarios, run_scenarios
     from coli.errors import ColiError
     names = parse_scenarios(scenario)
     vram_gb = parse_budgets(vram_gb)          # a bad list is refused before the GPU is touched
+    batches = parse_batches(batch)
     if not Path(dir).is_dir():
         raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
+    if batches != [1]:
+        from coli.bench.trace_router import TraceRouting
+        check_batches(batches, names, TraceRouting(dir).n_tokens)
     try:
         from coli.gpu.cuda_runtime import CudaUnavailable, get_runtime
         get_runtime(0)
@@ -140,7 +151,7 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots):
         if why:   # say it before minutes of benchmark, not after; the numbers are still worth having
             stderr_note(f"--plots {plots}: {why}; the benchmark runs without them")
     run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
-                  plots_dir=plots, peer="peer" in names, report=stderr_note)
+                  plots_dir=plots, peer="peer" in names, report=stderr_note, batches=batches)
 
 
 def register(app: typer.Typer) -> None:
