@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 14/15 acceptance figures on the device machine (an H200) in ONE call, in priority order, each step capped so
+# the whole call stays under ~7 min: the GPU suite (tests + nvcc compile for sm_86/89/90/120), `coli bench stream`
+# on the 2-layer GLM-5 slice with convert's int8 dense core (warm, cold-ram, sync, spec on/off, the 16/24/32 GB
+# budgets; --batch 1,4,8,16 where the bench has it), the batched warm decode with replayed
+# batched graphs (scripts/bench_batch.py, COLI_BATCH_GRAPHS=1), then scripts/bench_kernels.py.
+# The slice is made in the background while the tests run. Everything lands in $OUT/results.tgz (re-packed after each
+# step, so a call cut short still returns what finished) and $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+R=/tmp/h200_results
+mkdir -p "$OUT" "$R"
+SLICE=${SLICE:-/tmp/coli_slice2_int8}
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
+pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuwheels/*.whl >"$R/pip.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site
+( timeout 200 python3 -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
+    --dense-format int8 --threads 6 --no-progress --force >"$R/slice.log" 2>&1; echo "make-slice exit $?" >>"$R/slice.log" ) &
+SLICE_PID=$!
+OUT=$R/suite timeout 180 bash scripts/gpu_suite.sh tests compile >"$R/suite.log" 2>&1
+say "gpu suite exit $?: $(grep -E '[0-9]+ (passed|failed)' "$R/suite/gpu-tests.log" | tail -1)"
+say "compile: $(tail -2 "$R/suite/compile-test.log" 2>/dev/null | tr '\n' ' ')"
+pack
+wait $SLICE_PID
+say "$(tail -1 "$R/slice.log")"
+BATCH=""
+python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -q -- "--batch" && BATCH="--batch ${BATCHES:-1,4,8,16}"
+timeout 210 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,sync,spec,budget --tokens 16 \
+    --vram-gb 16,24,32 --ram-gb 64 --tile-kb 1024 $BATCH --json-out "$R/bench_stream.json" >"$R/bench_stream.log" 2>&1
+say "bench stream exit $?"
+grep -E "^(warm|cold-ram|sync|spec-ram|spec-ram-off|budget)" "$R/bench_stream.log" | head -30 | tee -a "$OUT/summary.txt"
+pack
+COLI_BATCH_GRAPHS=1 timeout 50 python3 scripts/bench_batch.py --model "$SLICE" --device gpu --batch 1,8 --steps 8 \
+    >"$R/bench_batch.jsonl" 2>"$R/bench_batch.err"
+say "bench batch exit $?"
+pack
+timeout 120 python3 scripts/bench_kernels.py --json-out "$R/bench_kernels.json" >"$R/bench_kernels.log" 2>&1
+say "bench kernels exit $?"
+pack
+say "done"
