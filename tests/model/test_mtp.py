@@ -262,3 +262,36 @@ def test_stats_count_acceptance_per_position(mtp_oracle):
     assert s.tokens == s.rounds + sum(s.accepted)
     assert math.isclose(s.tokens_per_step, 19 / s.rounds)
     json.dumps(s.to_dict())
+
+
+def _coli(*args, timeout=180):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "coli.cli.main", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_coli_run_mtp_on_3_auto_give_the_tokens_of_off(mtp_oracle):
+    src, d = mtp_oracle
+    o = load_oracle(src)
+    prompt = ",".join(map(str, o["prompt_ids"]))
+    runs = {}
+    for mode in ("off", "on", "3", "auto"):
+        r = _coli("run", "--model", d, "--prompt-ids", prompt, "-n", "32", "--ignore-eos", "--json", "--mtp", mode)
+        assert r.returncode == 0, r.stderr
+        runs[mode] = json.loads(r.stdout)
+    for mode, j in runs.items():
+        assert j["tokens"] == o["greedy_tokens"], mode
+    assert "mtp" not in runs["off"]["stats"]
+    assert runs["3"]["stats"]["mtp"]["drafts"] == 3 and len(runs["3"]["stats"]["mtp"]["acceptance_per_position"]) == 3
+    human = _coli("run", "--model", d, "--prompt-ids", prompt, "-n", "8", "--mtp", "2")
+    assert human.returncode == 0 and "[MTP 2:" in human.stderr and "tokens per step" in human.stderr
+
+
+def test_coli_run_mtp_without_the_layer_is_a_clear_error(oracle_root):
+    d = oracle_dir(oracle_root, "default")
+    r = _coli("run", "--model", d, "--prompt-ids", "1,2,3", "-n", "4", "--mtp", "on")
+    assert r.returncode == 2 and "--mtp" in r.stderr and "has no MTP layer" in r.stderr and "--mtp off" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _coli("run", "--model", d, "--prompt-ids", "1,2,3", "-n", "4", "--mtp", "7")
+    assert r.returncode == 2 and "--mtp '7' is not off, on, auto or a draft count 1..3" in r.stderr
