@@ -115,11 +115,11 @@ class HFCheckpoint:
         self._check_complete()
         self.mtp_problem: str | None = self._mtp_check() if self._mtp_where else "the checkpoint has no MTP layer"
         self.mtp_layer: int | None = L if self.mtp_problem is None else None
-        if skipped:
-            use = ("complete, kept apart as the draft head" if self.mtp_layer is not None
-                   else f"not usable ({self.mtp_problem})")
-            (report or log.info)(f"tensors of layer(s) {self.skipped_layers} (>= num_hidden_layers {L}: the MTP "
-                                 f"layer) are not read by the forward pass; the MTP layer is {use}")
+        # a complete MTP layer is what GLM-5 checkpoints carry: nothing to say; anything else is said once
+        if skipped and (self.mtp_layer is None or self.skipped_layers != [L]):
+            use = "complete (the draft head of --mtp)" if self.mtp_layer is not None else f"not usable: {self.mtp_problem}"
+            (report or log.info)(f"skipping tensors of layer(s) {[x for x in self.skipped_layers if x != self.mtp_layer]} "
+                                 f"(>= num_hidden_layers {L}: unused by the forward pass); the MTP layer is {use}")
 
     def _mtp_check(self) -> str | None:
         """None when the MTP layer is complete with the shapes the config implies, else what is wrong (the layer
