@@ -295,3 +295,22 @@ def test_coli_run_mtp_without_the_layer_is_a_clear_error(oracle_root):
     assert "Traceback" not in r.stderr
     r = _coli("run", "--model", d, "--prompt-ids", "1,2,3", "-n", "4", "--mtp", "7")
     assert r.returncode == 2 and "--mtp '7' is not off, on, auto or a draft count 1..3" in r.stderr
+
+
+def _auto_choices(t_plain: float, t_draft: float, tokens_draft: int, rounds: int = 64) -> list[int]:
+    from coli.model.mtp import AutoChoice
+    auto, got = AutoChoice(explore=8), []
+    for _ in range(rounds):
+        k = auto.choose()
+        got.append(k)
+        auto.record(k, t_plain if k == 0 else t_draft, 1 if k == 0 else tokens_draft)
+    return got
+
+
+def test_auto_drafts_where_the_measured_round_pays_and_not_where_it_loses():
+    # drafting: 2 tokens a round in 1.3 plain-step times (1.54 per step time): it drafts, re-measuring plain steps
+    pays = _auto_choices(1.0, 1.3, 2)
+    assert pays[:2] == [0, 1] and pays.count(1) >= 50 and pays.count(0) <= 10
+    # the same acceptance at 2.2 step times (the verify step's expert union streams): plain steps, drafting re-measured
+    loses = _auto_choices(1.0, 2.2, 2)
+    assert loses.count(0) >= 50 and 1 <= loses.count(1) <= 10
