@@ -50,6 +50,9 @@ def up(
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
+    mtp: str = typer.Option("off", "--mtp", metavar="off|on|N|auto",
+                            help="Speculative decoding with the model's MTP draft head for requests that do not "
+                                 "choose (HTTP body field \"mtp\"); lossless (docs/mtp.md)."),
     experts: Optional[str] = typer.Option(None, "--experts", help="When --model is a checkpoint: the routed expert "
                                           "format it is converted to once (default as `coli convert`: int4)."),
     dense: Optional[str] = typer.Option(None, "--dense", help="When --model is a checkpoint: the dense core format "
@@ -65,7 +68,7 @@ def up(
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu, stage_timeout, http or http_shown)
+            record_routing, pilot, gpu, stage_timeout, http or http_shown, mtp)
         ok = True
         if gateway is not None and detach:
             _confirm_gateway(gateway, name, http, startup_timeout)
@@ -149,8 +152,9 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None):
+        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None, mtp="off"):
     from coli.cli.common import require_device
+    from coli.model.mtp import mtp_mode
     from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
@@ -161,16 +165,19 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         ahead = parse_pilot(pilot)
     except ValueError as e:
         raise ColiError(str(e)) from None
+    mtp = mtp_mode(mtp)
     if model is not None:
         model = check_model_dir(model, names=True)   # a directory, or a name `coli models` lists
+        if mtp != "off":
+            _require_mtp_layer(model, mtp)
     require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead, gpu, stage_timeout, http)
+                       record_routing, ahead, gpu, stage_timeout, http, mtp)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
-                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http)
+                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http, mtp=mtp)
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -187,8 +194,23 @@ def _say_while_the_terminal_lasts(message: str) -> None:
         pass
 
 
+def _require_mtp_layer(model, mtp: str) -> None:
+    """`--mtp` on a container without the MTP layer: said before any stage starts."""
+    from coli.container.reader import ContainerReader
+    from coli.loader import is_container
+    if not is_container(Path(model)):
+        return                       # a checkpoint is converted first; the executor checks the result
+    r = ContainerReader(model)
+    try:
+        if r.mtp_layer is None:
+            raise ColiError(f"--mtp {mtp}: {model} has no MTP layer (the checkpoint had none, or it was converted "
+                            f"with --no-mtp); run with --mtp off, or convert a checkpoint that has its MTP layer")
+    finally:
+        r.close()
+
+
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None, stage_timeout=5.0, http=None):
+            pilot=0, gpu=None, stage_timeout=5.0, http=None, mtp="off"):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
@@ -200,6 +222,8 @@ def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_
         args += ["--record-routing", str(record_routing.resolve())]
     if pilot:
         args += ["--pilot", str(pilot)]
+    if mtp != "off":
+        args += ["--mtp", mtp]
     if http:
         args += ["--http-shown", http]  # the gateway is ours to start (done above); the run only records it
     for k, v in (gpu or {}).items():

@@ -66,6 +66,17 @@ def parse_mtp(value: str | int | None) -> int | str | None:
     raise ColiError(f"--mtp {value!r} is not off, on, auto or a draft count 1..{MAX_DRAFTS}")
 
 
+def mtp_mode(value: str | int | None) -> str:
+    """`--mtp` checked and spelled canonically for the stages and the wire (protocol MTP_MODES): "off", "on",
+    "auto" or "1".."3"."""
+    k = parse_mtp(value)
+    if k is None:
+        return "off"
+    if k == "auto":
+        return "auto"
+    return "on" if str(value).strip().lower() in ("on", "true", "yes") else str(k)
+
+
 def _matrix(backend, host: np.ndarray) -> Array:
     """A host float32 matrix as a backend weight (the CUDA backend wraps it in its weight type)."""
     make = getattr(backend, "matrix", None)

@@ -478,7 +478,8 @@ class Gateway:
             stream = await lane.submit(prompt_ids, max_tokens, greedy=p.greedy, temperature=p.temperature,
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        session=p.session, new_session=p.new_session, request_id=rid,
-                                       max_backlog=self.cfg.max_stream_backlog if p.stream else None)
+                                       max_backlog=self.cfg.max_stream_backlog if p.stream else None,
+                                       **({"mtp": p.mtp} if getattr(p, "mtp", None) is not None else {}))
         except ApiError as e:
             return self._fail(endpoint, e, t0, fields, shape)
         except (ColiError, OSError) as e:

@@ -14,7 +14,7 @@ import zmq
 
 from coli.container.format import MANIFEST_NAME
 from coli.container.reader import ContainerReader
-from coli.errors import WeightError
+from coli.errors import ColiError, WeightError
 from coli.generate import ContextTooLong, Generation
 from coli.loader import make_backend
 from coli.model.forward import GlmMoeDsaModel
@@ -45,7 +45,7 @@ class StopRequested(Exception):
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
                   record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
-                  control: bytes | None = None) -> None:
+                  control: bytes | None = None, mtp: str = "off") -> None:
     """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
     control messages from any other peer are refused. None accepts any peer."""
     rd = RunDir(run_name, run_base, create=False)
@@ -132,6 +132,17 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
 
     attach_hooks(model)
 
+    def mtp_head():
+        """The current model's MTP draft head (coli.model.mtp), built on first use and again after a demotion. Its
+        experts are read from the container directly (or held on the GPU), not through the RAM tier."""
+        from coli.model.mtp import load_mtp_head
+        if state.get("mtp_head") is None or state["mtp_head"].model is not state["model"]:
+            state["mtp_head"] = load_mtp_head(state["model"])
+        return state["mtp_head"]
+
+    if mtp != "off":   # the run's default: a container without the layer fails the start, naming --mtp
+        mtp_head()
+
     def demote(err: Exception) -> None:
         """The GPU is gone: continue on the CPU (numpy backend over the RAM tier), with a clear log line."""
         log.error("gpu_lost_demoting_to_cpu", error=str(err),
@@ -217,6 +228,16 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             new_ids = sess.reuse(list(req.prompt_ids))
             cache = sess.cache
         reused = len(req.prompt_ids) - len(new_ids)
+        spec = None       # MTP drafts: the request's choice, else the run's --mtp
+        mode = req.mtp if req.mtp is not None else mtp
+        if mode != "off" and not (cache is not None and cache.length > 0):
+            # (a session's earlier turns have no MTP cache: such a turn decodes without drafts, the same tokens)
+            from coli.model.mtp import parse_mtp
+            try:
+                spec = (mtp_head(), parse_mtp(mode))
+            except ColiError as e:
+                send(sock, Error(ERROR_BAD_REQUEST, str(e), rid), peer=peer)
+                return
         if recorder is not None:
             recorder.new_sequence()
         state["current"] = rid
@@ -229,7 +250,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         base, prompt = 0, new_ids       # a retry after demotion continues after the tokens already sent
         while True:
             gen = Generation(state["model"], prompt, req.max_tokens - base, params, eos_ids=cfg.eos_token_ids,
-                             ignore_eos=req.ignore_eos, cache=cache)
+                             ignore_eos=req.ignore_eos, cache=cache, mtp=spec if attempt == 0 else None)
             try:
                 for i, tok in enumerate(gen):
                     send(sock, Token(rid, int(tok), base + i), peer=peer)
@@ -289,6 +310,16 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         timing = {"prefill_s": gen.stats.prefill_s, "decode_s": gen.stats.decode_s, "total_s": dt,
                   "decode_tokens_per_s": gen.stats.decode_tps, "prefill_tokens": len(new_ids),
                   "reused_tokens": reused}
+        if gen.stats.mtp is not None:
+            ms = gen.stats.mtp
+            timing.update(mtp_rounds=ms["rounds"], mtp_tokens_per_step=ms["tokens_per_step"],
+                          **{f"mtp_acceptance_{j + 1}": a for j, a in enumerate(ms["acceptance_per_position"])
+                             if a is not None})
+            for key in ("rounds", "tokens"):
+                counters[f"mtp_{key}"] = counters.get(f"mtp_{key}", 0) + ms[key]
+            for j, (d, a) in enumerate(zip(ms["drafted"], ms["accepted"])):
+                counters[f"mtp_drafted_{j + 1}"] = counters.get(f"mtp_drafted_{j + 1}", 0) + d
+                counters[f"mtp_accepted_{j + 1}"] = counters.get(f"mtp_accepted_{j + 1}", 0) + a
         send(sock, Done(rid, reason, n, timing), peer=peer)
         log.info("request", request_id=rid, prompt_tokens=len(req.prompt_ids), reused_tokens=reused,
                  session=req.session, tokens=n, finish=reason,

@@ -64,6 +64,7 @@ class RunOptions:
     gpu: dict = field(default_factory=dict)  # coli.loader.GpuOptions fields: vram_gb, vram_slots, policy, ...
     stage_timeout: float = 5.0  # a ready stage silent (no heartbeat) this long is unresponsive
     http: str | None = None  # the --http address of the gateway `coli up` started beside the run (for coli ps)
+    mtp: str = "off"  # MTP speculative decoding for requests that do not choose (off | on | 1..3 | auto)
 
 
 @dataclass
@@ -228,7 +229,7 @@ class Supervisor:
                                        o.queue_depth, o.log_level, control)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
                                          str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu),
-                                         control)),
+                                         control, o.mtp)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
