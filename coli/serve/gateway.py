@@ -74,6 +74,13 @@ class GatewayConfig:
     token_timeout: float = 600.0         # seconds without a token (queue wait included) before a 504
     max_lanes: int = 64                  # end-user connections kept open at once
     connect_timeout: float = 10.0
+    mtp: str | None = None               # `coli serve --mtp`: for requests without "mtp" (None: the run's --mtp)
+
+
+def _mtp_of(p: Any, cfg: GatewayConfig) -> dict:
+    """The request's MTP choice, else `coli serve --mtp`, else nothing (the run's own default applies)."""
+    mtp = getattr(p, "mtp", None) or cfg.mtp
+    return {"mtp": mtp} if mtp is not None else {}
 
 
 class ClientGone(Exception):
@@ -479,7 +486,7 @@ class Gateway:
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        session=p.session, new_session=p.new_session, request_id=rid,
                                        max_backlog=self.cfg.max_stream_backlog if p.stream else None,
-                                       **({"mtp": p.mtp} if getattr(p, "mtp", None) is not None else {}))
+                                       **_mtp_of(p, self.cfg))
         except ApiError as e:
             return self._fail(endpoint, e, t0, fields, shape)
         except (ColiError, OSError) as e:
