@@ -71,7 +71,7 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
             acc = [e.get(f"mtp_accepted_{j}", 0) / e[f"mtp_drafted_{j}"] for j in (1, 2, 3)
                    if e.get(f"mtp_drafted_{j}")]
             out += [("MTP drafts", "tokens per step", f"{e.get('mtp_tokens', 0) / e['mtp_rounds']:8.2f}"),
-                    ("", "acceptance per position", " / ".join(_pct(a) for a in acc) or "-")]
+                    ("", "acceptance per position", " / ".join(_pct(a).strip() for a in acc) or "-")]
     s = snap.get("supervisor")
     if s:
         out += [("requests", "queued / running", f"{s.get('queued', 0)} / {s.get('running', 0)}"),
