@@ -131,10 +131,18 @@ def test_kv_caches_after_rollback_equal_a_plain_run(mtp_oracle):
     gen = Generation(model, o["prompt_ids"], 20, ignore_eos=True, cache=spec, mtp=(load_mtp_head(model), 3))
     assert list(gen) == o["greedy_tokens"][:20]
     assert spec.length == plain.length == len(o["prompt_ids"]) + 19
-    a, b = plain.host_arrays(), spec.host_arrays()
-    assert a.keys() == b.keys()
+    # the same positions computed in another batching (one teacher-forced prefill) set the rounding scale: a stale
+    # row of a rejected draft (another token) would be off by the values' own size, far beyond it
+    from tolerances import reference_error_bound
+    forced = model.new_cache()
+    model.forward(o["prompt_ids"] + o["greedy_tokens"][:19], forced)
+    assert forced.length == plain.length
+    a, b, f = plain.host_arrays(), spec.host_arrays(), forced.host_arrays()
+    assert a.keys() == b.keys() == f.keys()
     for k in a:   # rejected drafts' rows were written, then rolled back and overwritten by the accepted tokens
-        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-5 * max(1.0, float(np.abs(a[k]).max())), err_msg=k)
+        bound = reference_error_bound(f[k], a[k])
+        err = float(np.abs(b[k].astype(np.float64) - a[k]).max())
+        assert err <= bound, f"{k}: the rolled-back cache differs by {err:.3g} (rounding scale {bound:.3g})"
 
 
 def test_greedy_int4_container_with_mtp_equals_without(mtp_oracle, tmp_path):
