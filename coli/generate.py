@@ -68,9 +68,12 @@ class Generation:
     ignore_eos: bool = False
     cache: KVCache | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
-    # speculative decoding with the MTP head (coli.model.mtp): (MtpHead, drafts 1..3 | "auto"); None = off.
-    # The tokens are the same as without it (greedy) or distributed the same (sampling).
+    # speculative decoding with the MTP head (coli.model.mtp): (MtpHead, drafts 1..3 | "auto"[, MtpCarry]); None =
+    # off. The tokens are the same as without it (greedy) or distributed the same (sampling). With a cache that
+    # already holds positions it drafts only given the MtpCarry of the turn before (`mtp_carry` after a turn);
+    # otherwise that turn decodes without drafts, the same tokens.
     mtp: tuple | None = None
+    mtp_carry: object = None      # after a speculative turn: the MtpCarry to continue this cache with
 
     def __iter__(self) -> Iterator[int]:
         if self.max_tokens < 0:
@@ -95,8 +98,11 @@ class Generation:
         if not pending:
             raise ValueError("nothing to continue from: give at least one new prompt token")
         if self.mtp is not None:
-            yield from self._speculative(pending, sampler, eos, t0)
-            return
+            from coli.model.mtp import SpeculativeDecoder
+            carry = self.mtp[2] if len(self.mtp) > 2 else None
+            if SpeculativeDecoder.can_continue(self.cache, carry):
+                yield from self._speculative(pending, sampler, eos, t0, carry)
+                return
         tok = self._next(pending, sampler)
         self.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -112,15 +118,15 @@ class Generation:
             tok = self._next([tok], sampler)
         self.stats.decode_s = time.perf_counter() - t1
 
-    def _speculative(self, prompt: list[int], sampler: Sampler, eos: set[int], t0: float) -> Iterator[int]:
+    def _speculative(self, prompt: list[int], sampler: Sampler, eos: set[int], t0: float, carry) -> Iterator[int]:
         """The decode loop with MTP drafts: each round yields 1..k+1 tokens. Stopping inside a round (eos,
         max_tokens, an abandoned stream) leaves the cache as the one-token loop would: the prompt and every
         yielded token but the last."""
         from coli.model.mtp import SpeculativeDecoder
 
-        head, drafts = self.mtp
+        head, drafts = self.mtp[:2]
         base = self.cache.length
-        dec = SpeculativeDecoder(head, self.cache, sampler, drafts)
+        dec = SpeculativeDecoder(head, self.cache, sampler, drafts, carry)
         out = [dec.prefill(prompt)]
         self.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -142,6 +148,7 @@ class Generation:
         finally:
             self.cache.truncate(min(self.cache.length, base + len(prompt) + n - 1))
             self.stats.mtp = dec.stats.to_dict()
+            self.mtp_carry = dec.carry_out()
 
     def _next(self, ids: Sequence[int], sampler: Sampler) -> int:
         """The token after ids. Greedy takes the argmax on the backend (the same first maximum as the sampler's):

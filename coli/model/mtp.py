@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -267,22 +268,56 @@ class AutoChoice:
         self.tokens[k] += tokens
 
 
+@dataclass
+class MtpCarry:
+    """What the MTP side keeps between the turns of one conversation (one main KV cache): its own cache of positions
+    [0, mtp_cache.length) and the main model's hidden states of the positions after it up to the main cache's end
+    [m, H], with the tokens one ahead of them but the last (that one opens the next turn's prompt)."""
+
+    cache_ref: Any                # weakref.ref to the main KVCache it is in step with
+    mtp_cache: KVCache
+    hidden: np.ndarray            # [m, H] host float32
+    ids: list[int]                # [m - 1] (empty when m = 0)
+
+
 class SpeculativeDecoder:
     """The main model's cache plus the MTP head's, kept in step (see the module docstring for one round)."""
 
-    def __init__(self, head: MtpHead, cache: KVCache, sampler: Sampler, drafts: int | str):
+    def __init__(self, head: MtpHead, cache: KVCache, sampler: Sampler, drafts: int | str,
+                 carry: MtpCarry | None = None):
         self.head, self.model, self.cache, self.sampler = head, head.model, cache, sampler
         self.auto = AutoChoice() if drafts == "auto" else None
         self.k = 1 if drafts == "auto" else int(drafts)
         if not 1 <= self.k <= MAX_DRAFTS:
             raise ColiError(f"MTP drafts must be 1..{MAX_DRAFTS} (got {drafts})")
-        self.mtp_cache = head.new_cache(max(16, cache.capacity))
+        self.carry = carry if carry is not None and self.can_continue(cache, carry) else None
+        self.mtp_cache = self.carry.mtp_cache if self.carry else head.new_cache(max(16, cache.capacity))
         # The MTP cache holds positions [0, mtp_cache.length); the pairs after it wait here: main hidden states of
         # positions mtp_cache.length .. P-1 [m, H] and the tokens one ahead of them (the last one is `last`).
         self.pending_h: Array | None = None
         self.pending_ids: list[int] = []
         self.last: int | None = None
         self.stats = MtpStats(self.k)
+
+    @staticmethod
+    def can_continue(cache: KVCache, carry: MtpCarry | None) -> bool:
+        """Whether drafting can go on over this cache: it is new, or `carry` is in step with it."""
+        # the cache may have been cut back since (a session's shorter common prefix), not grown without MTP
+        return cache.length == 0 or (carry is not None and carry.cache_ref() is cache
+                                     and cache.length <= carry.mtp_cache.length + carry.hidden.shape[0])
+
+    def carry_out(self) -> MtpCarry:
+        """The state to continue with after the main cache was cut back to the positions the turn's tokens cover
+        (Generation does that when it stops): the queued hidden states and tokens are cut to match."""
+        b, R = self.model.backend, self.cache.length
+        M = min(self.mtp_cache.length, R)
+        self.mtp_cache.truncate(M)
+        h = np.zeros((0, self.model.config.hidden_size), np.float32)
+        ids: list[int] = []
+        if R > M and self.pending_h is not None:
+            h = np.array(b.to_host(self.pending_h))[:R - M]
+            ids = self.pending_ids[:R - M - 1]
+        return MtpCarry(weakref.ref(self.cache), self.mtp_cache, h, ids)
 
     @property
     def greedy(self) -> bool:
@@ -297,11 +332,20 @@ class SpeculativeDecoder:
     def prefill(self, ids: Sequence[int]) -> int:
         """Run the prompt (after whatever the caches hold) and return the first new token."""
         b = self.model.backend
-        if self.mtp_cache.length != self.cache.length:
+        R = self.cache.length
+        if not self.can_continue(self.cache, self.carry):
             raise ColiError("the MTP cache is out of step with the model's cache (a session continued without MTP)")
         hn, logits = self.model.forward_hidden(ids, self.cache)                  # [S, H], [S, V]
         tok, _ = self._pick(b.to_host(b.last_row(logits))[0])
-        self.pending_h, self.pending_ids, self.last = hn, list(ids[1:]) + [tok], tok
+        M = min(self.mtp_cache.length, R)
+        self.mtp_cache.truncate(M)              # (the conversation may have been cut back below it)
+        if R > M:   # an earlier turn's queued pairs: hidden states of M..R-1, tokens M+1..R-1, then this prompt's
+            c = self.carry
+            self.pending_h = b.upload(np.concatenate([c.hidden[:R - M], b.to_host(hn)]))
+            self.pending_ids = c.ids[:R - M - 1] + list(ids) + [tok]
+        else:
+            self.pending_h, self.pending_ids = hn, list(ids[1:]) + [tok]
+        self.last = tok
         return tok
 
     def step(self, room: int) -> list[int]:

@@ -85,6 +85,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             if state.get("session") == msg.session:   # in use: dropped once its request ends
                 state.setdefault("drop_after", set()).add(msg.session)
             else:
+                state.get("mtp_carry", {}).pop(msg.session, None)
                 log.info("session_dropped", session=msg.session, found=sessions.drop(msg.session))
         elif isinstance(msg, Shutdown):
             log.info("shutdown", reason=msg.reason)
@@ -230,11 +231,12 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         reused = len(req.prompt_ids) - len(new_ids)
         spec = None       # MTP drafts: the request's choice, else the run's --mtp
         mode = req.mtp if req.mtp is not None else mtp
-        if mode != "off" and not (cache is not None and cache.length > 0):
-            # (a session's earlier turns have no MTP cache: such a turn decodes without drafts, the same tokens)
+        carries = state.setdefault("mtp_carry", {})    # session -> MtpCarry of its last speculative turn
+        if mode != "off":
+            # a session's later turn continues from its last turn's carry; without one it decodes without drafts
             from coli.model.mtp import parse_mtp
             try:
-                spec = (mtp_head(), parse_mtp(mode))
+                spec = (mtp_head(), parse_mtp(mode), carries.pop(req.session, None))   # back only if it ends well
             except ColiError as e:
                 send(sock, Error(ERROR_BAD_REQUEST, str(e), rid), peer=peer)
                 return
@@ -296,6 +298,11 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             finally:
                 finish_vram()
         state["current"] = None
+        if req.session is not None:   # the MTP side of the conversation, for its next turn (memory only)
+            if getattr(gen, "mtp_carry", None) is not None:
+                carries[req.session] = gen.mtp_carry
+            else:
+                carries.pop(req.session, None)
         if sess is not None:  # the tokens the cache now covers: prompt, then what was fed back
             sess.tokens = (list(req.prompt_ids) + out_tokens)[:sess.cache.length]
             err = commit_session(sess, rid)    # saved before Done: a turn the client saw finish survives kill -9
@@ -363,6 +370,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                 finally:
                     state["session"] = None
                     for name in state.pop("drop_after", ()):
+                        state.get("mtp_carry", {}).pop(name, None)
                         log.info("session_dropped", session=name, found=sessions.drop(name))
     finally:
         try:

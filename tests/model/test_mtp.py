@@ -322,3 +322,42 @@ def test_auto_drafts_where_the_measured_round_pays_and_not_where_it_loses():
     # the same acceptance at 2.2 step times (the verify step's expert union streams): plain steps, drafting re-measured
     loses = _auto_choices(1.0, 2.2, 2)
     assert loses.count(0) >= 50 and 1 <= loses.count(1) <= 10
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_a_second_turn_drafts_from_the_first_turns_carry(mtp_oracle, drafts):
+    """Two turns over one cache (a session): the second continues the MTP side from the first's MtpCarry and gives
+    transformers' continuation tokens; without the carry it decodes without drafts, the same tokens."""
+    src, d = mtp_oracle
+    o = load_oracle(src)
+    model, _ = load_model(d)
+    head = load_mtp_head(model)
+    cache = model.new_cache(8)
+    first = Generation(model, o["prompt_ids"], 32, ignore_eos=True, cache=cache, mtp=(head, drafts))
+    assert list(first) == o["greedy_tokens"] and first.mtp_carry is not None
+    extra = o["continuation"]["extra_ids"]
+    second = Generation(model, [o["greedy_tokens"][-1]] + extra, 32, ignore_eos=True, cache=cache,
+                        mtp=(head, drafts, first.mtp_carry))
+    assert list(second) == o["continuation"]["greedy_tokens"]
+    assert second.stats.mtp["rounds"] > 0 and sum(second.stats.mtp["drafted"]) > 0
+    # no carry: the turn runs without drafts (nothing to draft from), the same tokens
+    cache2 = model.new_cache(8)
+    list(Generation(model, o["prompt_ids"], 32, ignore_eos=True, cache=cache2))
+    plain = Generation(model, [o["greedy_tokens"][-1]] + extra, 32, ignore_eos=True, cache=cache2, mtp=(head, drafts))
+    assert list(plain) == o["continuation"]["greedy_tokens"] and plain.stats.mtp is None
+
+
+def test_a_carry_survives_a_turn_stopped_inside_a_round_and_a_cache_cut_back(mtp_oracle):
+    src, d = mtp_oracle
+    o = load_oracle(src)
+    model, _ = load_model(d)
+    head = load_mtp_head(model)
+    seq = o["prompt_ids"] + o["greedy_tokens"]
+    cache = model.new_cache()
+    g = Generation(model, o["prompt_ids"], 7, ignore_eos=True, cache=cache, mtp=(head, 3))   # stops mid-round
+    assert list(g) == o["greedy_tokens"][:7]
+    cache.truncate(len(o["prompt_ids"]) + 3)          # a session cut back to a shorter common prefix
+    n = cache.length
+    g2 = Generation(model, seq[n:n + 1], 20, ignore_eos=True, cache=cache, mtp=(head, 3, g.mtp_carry))
+    assert list(g2) == o["greedy_tokens"][n - len(o["prompt_ids"]) + 1:][:20]
+    assert g2.stats.mtp is not None and sum(g2.stats.mtp["drafted"]) > 0      # it drafted from the carry

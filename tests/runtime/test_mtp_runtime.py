@@ -32,6 +32,20 @@ def test_up_mtp_gives_the_oracle_tokens_by_default_and_per_request(start_run, mt
         assert two.tokens == o["greedy_tokens"] and two.timing["mtp_rounds"] >= 1
 
 
+def test_a_sessions_second_turn_drafts_and_gives_the_oracle_continuation(start_run, mtp_model):
+    src, d = mtp_model
+    o = load_oracle(src)
+    run = start_run(d, args=("--mtp", "2"))
+    with Client(run.name, base=str(run.run_base)) as c:
+        t1 = c.generate(o["prompt_ids"], 32, greedy=True, ignore_eos=True, session="s", new_session=True)
+        assert t1.tokens == o["greedy_tokens"] and t1.timing["mtp_rounds"] >= 1
+        p2 = o["prompt_ids"] + t1.tokens + o["continuation"]["extra_ids"]
+        t2 = c.generate(p2, 32, greedy=True, ignore_eos=True, session="s")
+        assert t2.tokens == o["continuation"]["greedy_tokens"]
+        assert t2.timing["reused_tokens"] == len(o["prompt_ids"]) + 31   # the session's cache, and ...
+        assert t2.timing["mtp_rounds"] >= 1                                # ... drafts from its MTP carry
+
+
 def test_up_mtp_on_a_model_without_the_layer_is_refused_before_it_starts(start_run, oracle_root):
     run = start_run(oracle_dir(oracle_root, "default"), args=("--mtp", "on"), wait=False)
     assert run.proc.wait(timeout=120) == 2
