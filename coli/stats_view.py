@@ -2,7 +2,8 @@
 
 The snapshot is {stage: {counter: value, "t": time, ...}} as the supervisor republishes it; a
 previous snapshot (for rates) is optional. Engines shown: NVMe reader, RAM tier, PCIe copy lanes and
-SMs (from the executor; on the CPU path instead: compute busy and waiting for experts), CPU fallbacks, tokens/s, request latency."""
+SMs (from the executor; on the CPU path instead: compute busy and waiting for experts), CPU fallbacks, tokens/s,
+the batch (running and waiting sequences, tokens per step, prefill vs decode share), request latency."""
 
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                     ("CPU fallbacks", "experts", f"{e.get('cpu_fallbacks', 0)}")]
         else:  # the CPU path has no copy lanes or SMs: what its time goes to is compute and waiting for experts
             pe = prev.get("executor")
-            forward = _rate(e, pe, "prefill_s") + _rate(e, pe, "decode_s")
+            # step_s: wall time in model steps (a batched step serves several requests: their own prefill and
+            # decode times overlap, so their sum would count one second several times)
+            forward = (_rate(e, pe, "step_s") if "step_s" in e
+                       else _rate(e, pe, "prefill_s") + _rate(e, pe, "decode_s"))
             wait = _rate(e, pe, "wait_s")
             out += [("CPU compute (numpy)", "busy", _pct(min(1.0, max(0.0, forward - wait)))),
                     ("", "waiting for experts", _pct(min(1.0, wait))),
@@ -72,12 +76,31 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                    if e.get(f"mtp_drafted_{j}")]
             out += [("MTP drafts", "tokens per step", f"{e.get('mtp_tokens', 0) / e['mtp_rounds']:8.2f}"),
                     ("", "acceptance per position", " / ".join(_pct(a).strip() for a in acc) or "-")]
+    if e and "steps" in e:
+        out += batch_rows(e, prev.get("executor"), snap.get("supervisor"))
     s = snap.get("supervisor")
     if s:
         out += [("requests", "queued / running", f"{s.get('queued', 0)} / {s.get('running', 0)}"),
                 ("", "done / cancelled / failed", f"{s.get('completed', 0)} / {s.get('cancelled', 0)} / {s.get('failed', 0)}"),
                 ("", "last latency", f"{s.get('last_latency_s', 0.0):.3f} s")]
     return out
+
+
+def batch_rows(e: dict, pe: dict | None, sup: dict | None) -> list[tuple[str, str, str]]:
+    """The executor's batch (continuous batching): sequences in it and waiting (at the executor, plus the requests
+    the supervisor holds back), tokens fed per step and the prefill share of them, over the interval since `pe`
+    (since the start without one)."""
+    base = pe if pe and pe.get("steps", 0) <= e.get("steps", 0) else {}
+    steps = e.get("steps", 0) - base.get("steps", 0)
+    pre = e.get("prefill_tokens_fed", 0) - base.get("prefill_tokens_fed", 0)
+    dec = e.get("decode_tokens_fed", 0) - base.get("decode_tokens_fed", 0)
+    rows_ = e.get("rows", 0) - base.get("rows", 0)
+    waiting = e.get("batch_waiting", 0) + (sup or {}).get("queued", 0)
+    share = f"{100 * pre / (pre + dec):.0f} % / {100 * dec / (pre + dec):.0f} %" if pre + dec else "-"
+    return [("batch", "running / waiting", f"{e.get('batch_running', 0)} / {waiting} (max {e.get('max_batch', 1)})"),
+            ("", "tokens per step", f"{(pre + dec) / steps:.1f}" if steps else "-"),
+            ("", "sequences per step", f"{rows_ / steps:.1f}" if steps else "-"),
+            ("", "prefill / decode tokens", share)]
 
 
 def render(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None, title: str = "",

@@ -349,3 +349,389 @@ extern "C" __global__ void mla_attend_combine(const float *pm, const float *pl, 
         out[d] = __fdiv_rn(a, L);
     }
 }
+
+// ==== the context as two small GEMMs per tile: mla_attend_tile<NBUF> + mla_attend_combine4 =====================
+// mla_attend_part_<NJ> keeps one warp per 2 heads: every key costs each warp 2 x 16 dependent shuffle-sums and 34
+// shared-memory reads for ~70 FMAs, ~8 us per 16-key tile on the H200. Absorbed MLA makes the context two
+// GEMM-like products shared by the heads of a block -- scores [HB x TK] = Q [HB x D] . K [D x TK] (D = Lkv + dr),
+// then ctx [HB x Lkv] += P [HB x TK] . V [TK x Lkv] -- so here every thread owns a register tile of outputs:
+//   scores: the D columns are split over AT2_KS half-warps (float4 column f goes to slice f % AT2_KS); a lane owns
+//           4 heads x 4 keys (heads hq + 4i, keys kq + 4j: 8 16-byte reads per 64 FMAs), the slices' partial dots
+//           meet in shared memory and thread (h, t) sums them: no shuffle reductions over the dot;
+//   softmax: thread (h, t) holds one score; the tile's max and sum over a head's 16 keys are 4 shuffle steps of a
+//           half-warp; one rescale factor per head and tile (as the part kernel);
+//   context: thread (hh, d4) owns 8 heads x 4 latent dims (32 accumulators): per key one 16-byte read of the latent
+//           row and two broadcast reads of the 8 probabilities, 32 FMAs.
+// The tiles are staged with cp.async (sm_80+), zero-filled past the chunk's keys. NBUF = 2: the next tile's copy is
+// in flight while the block computes this one (129 KB of shared memory at GLM-5's shape: one block per SM);
+// NBUF = 1: one buffer (92 KB), two blocks per SM overlap each other's copies instead. Same grid, partials,
+// key selection (idx/cnt, T_dev) and arguments as mla_attend_part_<NJ>; the same online softmax per tile of
+// AT2_TK = ATT_TK keys, so the chunks (attention_split.split_chunks) and the combine are the same.
+//   Lkv % 4 == 0, dr % 4 == 0, Lkv <= 4 * 128, lat/kpe 16-byte aligned; grid (nchunk, ceil(nh / AT2_HB), S),
+//   block AT2_THREADS, dynamic smem = at2_smem_floats(Lkv + dr, NBUF) * 4 bytes (attention_split.tile_smem_bytes).
+// mla_attend_combine4: mla_attend_combine with a thread per 4 latent dims (16-byte reads of the partials, the
+//   chunk loop unrolled so several are in flight); grid (nh, S), block 128, Lkv <= 512.
+#define AT2_TK 16        // keys per tile
+#define AT2_HB 16        // heads per block
+#define AT2_KS 16        // slices of the score dot (one half-warp each)
+#define AT2_THREADS 256
+
+__device__ inline int at2_row_stride(int D) { return ((D + 31) & ~31) + 4; }   // rows 16 bytes apart in the banks
+
+__device__ inline void at2_cp16(float *dst, const float *src, bool on) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(src), "r"(on ? 16 : 0));
+}
+
+__device__ inline void at2_cp4(float *dst, const float *src, bool on) {   // any 4-byte aligned float; off: 0
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa), "l"(src), "r"(on ? 4 : 0));
+}
+
+// Pieces of a tile each thread stages: D <= 576 (Lkv <= 512, dr <= 64) is at most 144 float4s per key.
+#define AT2_MAXE ((AT2_TK * 144 + AT2_THREADS - 1) / AT2_THREADS)
+
+__device__ inline void fma4(float4 &c, float p, const float4 &v) {
+    c.x = fmaf(p, v.x, c.x); c.y = fmaf(p, v.y, c.y); c.z = fmaf(p, v.z, c.z); c.w = fmaf(p, v.w, c.w);
+}
+
+template <int NBUF>
+__device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_off, const float *lat,
+                              const float *kpe, const int *idx, const int *cnt, int kmax, int start,
+                              const int *T_dev, int S, int nh, int Lkv, int dr, float scale, int chunk,
+                              int nchunk, float *pm, float *pl, float *pc) {
+    extern __shared__ float4 at2_sh4[];
+    const int D = Lkv + dr, D4 = D >> 2, L4 = Lkv >> 2, DP = at2_row_stride(D);
+    float *qs = reinterpret_cast<float *>(at2_sh4);           // [HB][DP]: q_abs | q_pe of the block's heads
+    float *ks = qs + AT2_HB * DP;                              // [NBUF][TK][DP]: lat | k_pe of a tile's keys
+    float *sp = ks + NBUF * AT2_TK * DP;                       // [KS][HB][TK]: the slices' partial scores
+    float *pt = sp + AT2_KS * AT2_HB * AT2_TK;                 // [TK][HB]: probabilities of the tile
+    float *cs = pt + AT2_TK * AT2_HB;                          // [HB]: this tile's rescale of the old context
+    float *ls = cs + AT2_HB;                                   // [HB]: running sum l
+    const int c = blockIdx.x, s = blockIdx.z, tid = threadIdx.x, h0 = blockIdx.y * AT2_HB;
+    const int n = attend_keys(idx, cnt, start, T_dev, S, s);
+    const int lo = c * chunk;
+    if (lo >= n) return;                                       // uniform over the block
+    const int hi = min(lo + chunk, n), ntiles = (hi - lo + AT2_TK - 1) / AT2_TK;
+
+    // Every copy is asynchronous (cp.async) and every key index a thread needs is loaded before the first copy is
+    // issued: a loop of load-then-store steps would wait one memory round trip per step (the first version of this
+    // kernel staged the queries so: 36 dependent round trips, ~18 us per block on the H200).
+    // NBUF = 2 loads a thread's key indices into registers; NBUF = 1 (128 registers, which that would spill) has
+    // 16 threads put the tile's keys in shared memory first (one round trip and a barrier more per tile).
+    __shared__ int keys_sh[AT2_TK];
+    constexpr int STAGE_UNROLL = NBUF == 2 ? AT2_MAXE : 1;    // tile1: a loop (its unrolled copies spilled)
+    auto stage = [&](int i, int b) {                          // tile i -> buffer b, every 16-byte piece in flight
+        float *dst = ks + b * AT2_TK * DP;
+        int tk[NBUF == 2 ? AT2_MAXE : 1];
+        if (NBUF == 2) {
+#pragma unroll
+            for (int k = 0; k < AT2_MAXE; k++) {
+                const int e = tid + k * AT2_THREADS, jj = lo + i * AT2_TK + e / D4;
+                const bool on = e < AT2_TK * D4 && jj < hi;
+                tk[NBUF == 2 ? k : 0] = on ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
+            }
+        } else {
+            const int jj = lo + i * AT2_TK + tid;
+            if (tid < AT2_TK) keys_sh[tid] = jj < hi ? (idx ? __ldg(idx + (long long)s * kmax + jj) : jj) : -1;
+            __syncthreads();
+        }
+#pragma unroll STAGE_UNROLL
+        for (int k = 0; k < AT2_MAXE; k++) {
+            const int e = tid + k * AT2_THREADS, r = e / D4, f = e - r * D4;
+            if (e < AT2_TK * D4) {
+                const int t = NBUF == 2 ? tk[NBUF == 2 ? k : 0] : keys_sh[r];
+                const float *src = f < L4 ? lat + (long long)max(t, 0) * Lkv + 4 * f
+                                          : kpe + (long long)max(t, 0) * dr + 4 * (f - L4);
+                at2_cp16(dst + r * DP + 4 * f, src, t >= 0);   // absent keys: zero rows (p = 0 must not meet NaN)
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int e = tid; e < AT2_HB * D; e += AT2_THREADS) {    // the queries (heads past nh: zeros), with tile 0
+        const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
+        const long long row = (long long)s * nh + h;
+        const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
+        at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
+    }
+    stage(0, 0);
+    // score-phase ownership: slice sl, heads hq + 4i, keys kq + 4j; softmax: head sh, key st; context: heads
+    // 8 hh + i, latent dims 4 d4 .. 4 d4 + 3
+    const int sl = tid >> 4, hq = tid & 3, kq = (tid >> 2) & 3;
+    const int sh = tid >> 4, st = tid & 15;
+    const int hh = tid >> 7, d4 = tid & 127;
+    float m_r = -INFINITY, l_r = 0.f;                          // head sh's running max and sum
+    float4 cv[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) cv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int it = 0; it < ntiles; it++) {
+        const int b = NBUF == 2 ? it & 1 : 0;
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();                                       // tile it landed; tile it - 1 is consumed
+        if (NBUF == 2 && it + 1 < ntiles) stage(it + 1, b ^ 1);
+        const float *kb = ks + b * AT2_TK * DP;
+        {   // scores, slice sl's part                                                   a [4 heads][4 keys]
+            float a[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) a[i][j] = 0.f;
+#pragma unroll 2
+            for (int f = sl; f < D4; f += AT2_KS) {
+                float4 qv[4], kv[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) qv[i] = *reinterpret_cast<const float4 *>(qs + (hq + 4 * i) * DP + 4 * f);
+#pragma unroll
+                for (int j = 0; j < 4; j++) kv[j] = *reinterpret_cast<const float4 *>(kb + (kq + 4 * j) * DP + 4 * f);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        a[i][j] = fmaf(qv[i].x, kv[j].x, a[i][j]);
+                        a[i][j] = fmaf(qv[i].y, kv[j].y, a[i][j]);
+                        a[i][j] = fmaf(qv[i].z, kv[j].z, a[i][j]);
+                        a[i][j] = fmaf(qv[i].w, kv[j].w, a[i][j]);
+                    }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) sp[(sl * AT2_HB + hq + 4 * i) * AT2_TK + kq + 4 * j] = a[i][j];
+        }
+        __syncthreads();
+        {   // softmax step of head sh over the tile (16 lanes of a half-warp, one key each)
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < AT2_KS; k++) sum += sp[(k * AT2_HB + sh) * AT2_TK + st];
+            const float sc = lo + it * AT2_TK + st < hi ? __fmul_rn(sum, scale) : -INFINITY;
+            float mt = sc;
+#pragma unroll
+            for (int o = 8; o; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            const float mn = fmaxf(m_r, mt);                   // finite: the tile has >= 1 key
+            const float corr = expf(m_r - mn);                 // 0 on the first tile (m = -inf)
+            const float p = expf(sc - mn);                     // 0 for absent keys
+            float ps = p;
+#pragma unroll
+            for (int o = 8; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            l_r = fmaf(l_r, corr, ps);
+            m_r = mn;
+            pt[st * AT2_HB + sh] = p;
+            if (st == 0) { cs[sh] = corr; ls[sh] = l_r; }
+        }
+        __syncthreads();
+        if (d4 < L4) {   // context += P . V over the tile's keys                         cv [8 heads] x 4 dims
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float r = cs[8 * hh + i];
+                cv[i].x *= r; cv[i].y *= r; cv[i].z *= r; cv[i].w *= r;
+            }
+#pragma unroll 4
+            for (int r = 0; r < AT2_TK; r++) {
+                const float4 v = *reinterpret_cast<const float4 *>(kb + r * DP + 4 * d4);
+                const float4 pa = *reinterpret_cast<const float4 *>(pt + r * AT2_HB + 8 * hh);
+                const float4 pb = *reinterpret_cast<const float4 *>(pt + r * AT2_HB + 8 * hh + 4);
+                fma4(cv[0], pa.x, v); fma4(cv[1], pa.y, v); fma4(cv[2], pa.z, v); fma4(cv[3], pa.w, v);
+                fma4(cv[4], pb.x, v); fma4(cv[5], pb.y, v); fma4(cv[6], pb.z, v); fma4(cv[7], pb.w, v);
+            }
+        }
+        if (NBUF == 1 && it + 1 < ntiles) {
+            __syncthreads();                                   // the buffer is consumed
+            stage(it + 1, 0);
+        }
+    }
+    if (pm && st == 0 && h0 + sh < nh) {
+        const long long p = ((long long)s * nh + h0 + sh) * nchunk + c;
+        pm[p] = m_r;
+        pl[p] = l_r;
+    }
+    if (d4 >= L4) return;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int h = h0 + 8 * hh + i;
+        if (h >= nh) continue;
+        const long long p = ((long long)s * nh + h) * nchunk + c;
+        float4 o = cv[i];
+        if (!pm) {                                             // one chunk: normalise here (ls: the last tile's l)
+            const float L = ls[8 * hh + i];
+            o = make_float4(__fdiv_rn(o.x, L), __fdiv_rn(o.y, L), __fdiv_rn(o.z, L), __fdiv_rn(o.w, L));
+        }
+        reinterpret_cast<float4 *>(pc + p * Lkv)[d4] = o;
+    }
+}
+
+#define MLA_TILE_KERNEL(NBUF, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(AT2_THREADS, MINB) mla_attend_tile##NBUF(                    \
+        const float *qa, const float *q, int dq, int pe_off, const float *lat, const float *kpe,              \
+        const int *idx, const int *cnt, int kmax, int start, const int *T_dev, int S, int nh, int Lkv,        \
+        int dr, float scale, int chunk, int nchunk, float *pm, float *pl, float *pc) {                        \
+        mla_tile_body<NBUF>(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, T_dev, S, nh, Lkv, dr, scale, \
+                            chunk, nchunk, pm, pl, pc);                                                       \
+    }
+MLA_TILE_KERNEL(2, 1)
+MLA_TILE_KERNEL(1, 2)
+
+extern "C" __global__ void mla_attend_combine4(const float *pm, const float *pl, const float *pc, const int *idx,
+                                               const int *cnt, int start, const int *T_dev, int S, int nh, int Lkv,
+                                               int chunk, int nchunk, float *ctx) {
+    // M and L as block reductions (each thread one chunk's m, l per step: one round trip for up to 128 chunks, not
+    // one per chunk), the chunks' weights e^(m_c - M) in shared memory, 128 at a time
+    __shared__ float red[4], wsh[128];
+    const int h = blockIdx.x, s = blockIdx.y, d4 = threadIdx.x, lane = d4 & 31, warp = d4 >> 5;
+    const int n = attend_keys(idx, cnt, start, T_dev, S, s);
+    const int nc = min(nchunk, (n + chunk - 1) / chunk);
+    const long long p0 = ((long long)s * nh + h) * nchunk;
+    float M = -INFINITY;
+    for (int c = d4; c < nc; c += 128) M = fmaxf(M, pm[p0 + c]);
+    M = warp_max(M);
+    if (lane == 0) red[warp] = M;
+    __syncthreads();
+    M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
+    float L = 0.f;
+    for (int c = d4; c < nc; c += 128) L = fmaf(pl[p0 + c], expf(pm[p0 + c] - M), L);
+    L = warp_sum(L);
+    if (lane == 0) red[warp] = L;
+    __syncthreads();
+    L = (red[0] + red[1]) + (red[2] + red[3]);
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < nc; c0 += 128) {
+        __syncthreads();                                       // the previous weights are consumed
+        if (c0 + d4 < nc) wsh[d4] = expf(pm[p0 + c0 + d4] - M);
+        __syncthreads();
+        const int m = min(128, nc - c0);
+        if (4 * d4 < Lkv) {
+#pragma unroll 16
+            for (int c = 0; c < m; c++) fma4(a, wsh[c], reinterpret_cast<const float4 *>(pc + (p0 + c0 + c) * Lkv)[d4]);
+        }
+    }
+    if (4 * d4 < Lkv)
+        reinterpret_cast<float4 *>(ctx + ((long long)s * nh + h) * Lkv)[d4] =
+            make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
+}
+
+// ==== the decode projections around the context: mla_qabs_<fmt> (q_abs) and mla_o_<fmt> (o) ===================
+// gemv_t_<fmt> / gemv2_<fmt> ran q_abs (64 heads x 192 rows x 512 cols of kv_b) on 64 blocks, one per head (11 us on
+// the H200 for 6.3 MB of int8), and o took 9.6 us for 8.4 MB. Both are a per-head product with a slice of kv_b that
+// is read once; here each block takes 128 columns (q_abs) or 32 rows (o) of one head, so the grid is 4-8 blocks per
+// head (256-512 blocks) and every weight load of a thread is issued before any is used.
+//
+// mla_qabs_<fmt>(w, wrow0, wz, K, x, x_z, y, y_z):  y[z][n] = sum_k x[z][k] * W[wrow0 + z*wz + k, n], k < K, n < cols
+//   grid (ceil(nchunks / QA_CPB), Z), block 256, no dynamic smem. QA_CPB = 128 / VALS chunks (128 columns) per
+//   block; thread (rl, cc) = (tid / CPB, tid % CPB) reads chunk cc of rows rl, rl + RL, ... (RL = 256 / CPB), up to
+//   QA_U at once, and keeps the chunk's VALS column sums; the RL partial sums of a column are added in order of rl.
+//   Each term is x[k] * (v * s), the stored weight exactly (dequantize()), as in gemv_t.
+// mla_o_<fmt>(w, wrow0, wz, N, x, x_z, y, y_z):  y[z][n] = W[wrow0 + z*wz + n] . x[z], n < N
+//   grid (ceil(N / 32), Z), block 256 (warp w: rows 32 bx + 4 w .. + 3), dynamic smem = nchunks * VALS * 4 bytes;
+//   the rows are prefetched into L2 before x is staged, then warp_rows_dot (the GEMV's inner loop).
+#define QA_U 8
+
+template <int FMT>
+__device__ inline void at_chunk_vals(const uint4 &w, float *v) {   // a chunk's codes as floats, before scales
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
+        else if (FMT == FMT_BF16) {
+            v[2 * i] = __uint_as_float(ws[i] << 16);
+            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
+        } else if (FMT == FMT_INT8) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
+                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
+                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
+            }
+        }
+    }
+}
+
+template <int FMT>
+__device__ void mla_qabs_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
+                              long long y_z) {
+    constexpr int V = Chunk<FMT>::VALS, CPB = 128 / V, RL = 256 / CPB;
+    __shared__ float part[RL][128];                            // [row lane][column of the block]
+    const int z = blockIdx.y, nchunks = W.row_data / 16;
+    const int cc = threadIdx.x % CPB, rl = threadIdx.x / CPB, c = blockIdx.x * CPB + cc;
+    const float *xz = x + z * x_z;
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] = 0.f;
+    if (c < nchunks) {
+        for (int k0 = rl; k0 < K; k0 += QA_U * RL) {
+            uint4 w[QA_U];
+            float s[QA_U], xk[QA_U];
+#pragma unroll
+            for (int u = 0; u < QA_U; u++) {
+                const int k = k0 + u * RL;
+                s[u] = 0.f;
+                xk[u] = 0.f;
+                if (k < K) {
+                    const u8 *d, *m;
+                    qmat_row(W, wrow0 + z * wz + k, d, m);
+                    w[u] = ld_stream(d + 16 * c);
+                    s[u] = chunk_scale<FMT>(m, c, W.group) * row_scale<FMT>(m);
+                    xk[u] = xz[k];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < QA_U; u++) {
+                if (k0 + u * RL < K) {
+                    float v[V];
+                    at_chunk_vals<FMT>(w[u], v);
+#pragma unroll
+                    for (int i = 0; i < V; i++) acc[i] = fmaf(xk[u], v[i] * s[u], acc[i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) part[rl][cc * V + i] = acc[i];
+    __syncthreads();
+    const int n = blockIdx.x * 128 + threadIdx.x;
+    if (threadIdx.x < 128 && n < W.cols) {
+        float a = 0.f;
+        for (int r = 0; r < RL; r++) a += part[r][threadIdx.x];
+        y[z * y_z + n] = a;
+    }
+}
+
+template <int FMT>
+__device__ void mla_o_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z) {
+    extern __shared__ float4 at_xs4[];
+    float *xs = reinterpret_cast<float *>(at_xs4);
+    constexpr int V = Chunk<FMT>::VALS;
+    const int z = blockIdx.y, nchunks = W.row_data / 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = blockIdx.x * 32 + warp * 4;
+    const u8 *d[4], *m[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        qmat_row(W, wrow0 + z * wz + min(n0 + r, N - 1), d[r], m[r]);
+        if (lane == r && n0 + r < N) l2_prefetch(d[r], W.row_data);   // in flight while x is staged
+    }
+    stage_x<FMT>(xs, x + z * x_z, W.cols, nchunks * V);
+    __syncthreads();
+    float out[4];
+    warp_rows_dot<FMT, 4, 2>(d, m, nchunks, W.group, xs, lane, out);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (n0 + r < N) y[z * y_z + n0 + r] = out[r];
+    }
+}
+
+#define MLA_PROJ_KERNELS(NAME, FMT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) mla_qabs_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int K, \
+                                                                      const float *x, long long x_z, float *y, \
+                                                                      long long y_z) {                         \
+        mla_qabs_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, K, x, x_z, y, y_z);                                  \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) mla_o_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int N,    \
+                                                                   const float *x, long long x_z, float *y,    \
+                                                                   long long y_z) {                            \
+        mla_o_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z);                                     \
+    }
+COLI_FOR_FORMATS(MLA_PROJ_KERNELS)

@@ -488,14 +488,47 @@ COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
 #define GEMV2_WARPS 8
 template <int FMT> struct Gemv2Cfg { static constexpr int U = FMT == FMT_INT4 ? 6 : 4; };
 
-template <int FMT>
-__device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y,
-                           long long y_z, int ks) {
+// Which rows a gemv2 launch computes: pair p of the launch is rows (2p, 2p + 1) of one matrix (the second clamped
+// to its last row), written to out(p)[0] and, when has2(p), out(p)[1].
+struct Gemv2One {          // gemv2_<fmt>: one matrix, rows wrow0 + z * wz + n, n < N, for z = blockIdx.y
+    QMat W;
+    int rbase, N;
+    float *y;
+    __device__ int npairs() const { return (N + 1) / 2; }
+    __device__ void row(int p, int r, const u8 *&d, const u8 *&m) const { qmat_row(W, rbase + min(2 * p + r, N - 1), d, m); }
+    __device__ bool has2(int p) const { return 2 * p + 1 < N; }
+    __device__ float *out(int p) const { return y + 2 * p; }
+};
+
+#define GEMV2X_MAX 4
+struct Gemv2Many {         // gemv2x_<fmt>: matrices 0..nm-1 one after another (pairs never straddle two)
+    const QMat *W;         // [nm] in shared memory
+    float *const *y;       // [nm]
+    const int *pend;       // [nm] pairs of matrices 0..m, a running sum
+    int nm;
+    __device__ int npairs() const { return pend[nm - 1]; }
+    __device__ int which(int p, int &lp) const {
+        int m = 0;
+        while (m + 1 < nm && p >= pend[m]) m++;
+        lp = p - (m ? pend[m - 1] : 0);
+        return m;
+    }
+    __device__ void row(int p, int r, const u8 *&d, const u8 *&m) const {
+        int lp, k = which(p, lp);
+        qmat_row(W[k], min(2 * lp + r, W[k].rows - 1), d, m);
+    }
+    __device__ bool has2(int p) const { int lp, k = which(p, lp); return 2 * lp + 1 < W[k].rows; }
+    __device__ float *out(int p) const { int lp, k = which(p, lp); return y[k] + 2 * lp; }
+};
+
+// The loop of gemv2 over the launch's row pairs (R: Gemv2One or Gemv2Many). W gives the shared width, format
+// layout and group; x [W.cols] fp32, 16-byte aligned.
+template <int FMT, class R>
+__device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks) {
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
     __shared__ float red[2][GEMV2_WARPS][2];
     constexpr int V = Chunk<FMT>::VALS, U = Gemv2Cfg<FMT>::U;
-    const int z = blockIdx.y;
     const int nchunks = W.row_data / 16;
     const int gshift = group_shift(W.group);
     const uint32_t M = opaque_magic(gshift);
@@ -503,32 +536,29 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
     const int P = GEMV2_WARPS / ks, pp = warp / ks, seg = warp - pp * ks;
     const int cps = (nchunks + ks - 1) / ks;
     const int c_lo = min(nchunks, seg * cps), c_hi = min(nchunks, c_lo + cps);
-    const int npairs = (N + 1) / 2, ngroups = (npairs + P - 1) / P;
-    const int rbase = wrow0 + z * wz;
-    // lanes 0/1: data segment of row n0/n1, lanes 2/3: their metadata (segment 0 only)
+    const int npairs = rows.npairs(), ngroups = (npairs + P - 1) / P;
+    // lanes 0/1: data segment of the pair's first/second row, lanes 2/3: their metadata (segment 0 only)
     auto prefetch = [&](int g) {
         const int p = g * P + pp;
         if (lane < 4 && g < ngroups && p < npairs && (lane < 2 || seg == 0)) {
-            const int n = min(2 * p + (lane & 1), N - 1);
             const u8 *d, *m;
-            qmat_row(W, rbase + n, d, m);
+            rows.row(p, lane & 1, d, m);
             if (lane < 2) l2_prefetch(d + 16 * c_lo, 16 * (c_hi - c_lo));
             else l2_prefetch(m, W.row_meta);
         }
     };
     prefetch(blockIdx.x);
     {   // stage x: 16-byte loads, swizzled as stage_x does
-        const float4 *x4 = reinterpret_cast<const float4 *>(x + z * x_z);
+        const float4 *x4 = reinterpret_cast<const float4 *>(x);
         const int n4 = nchunks * (V / 4), have4 = W.cols / 4;
         for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             const int c = i / (V / 4), k = i - c * (V / 4);
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (i < have4) v = x4[i];
             else if (4 * i < W.cols) {            // a ragged last float4 (cols % 4 != 0)
-                const float *xr = x + z * x_z;
-                v.x = xr[4 * i];
-                if (4 * i + 1 < W.cols) v.y = xr[4 * i + 1];
-                if (4 * i + 2 < W.cols) v.z = xr[4 * i + 2];
+                v.x = x[4 * i];
+                if (4 * i + 1 < W.cols) v.y = x[4 * i + 1];
+                if (4 * i + 2 < W.cols) v.z = x[4 * i + 2];
             }
             reinterpret_cast<float4 *>(xs)[xs_slot<FMT>(c, k)] = v;
         }
@@ -541,8 +571,8 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
         float acc[2] = {0.f, 0.f};
         const u8 *d[2], *m[2];
         if (p < npairs) {
-            qmat_row(W, rbase + 2 * p, d[0], m[0]);
-            qmat_row(W, rbase + min(2 * p + 1, N - 1), d[1], m[1]);
+            rows.row(p, 0, d[0], m[0]);
+            rows.row(p, 1, d[1], m[1]);
             for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
                 uint4 w[2][U];
                 float sc[2][U];
@@ -573,19 +603,28 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
         }
         if (ks == 1) {
             if (lane == 0 && p < npairs) {
-                y[z * y_z + 2 * p] = acc[0];
-                if (2 * p + 1 < N) y[z * y_z + 2 * p + 1] = acc[1];
+                float *y = rows.out(p);
+                y[0] = acc[0];
+                if (rows.has2(p)) y[1] = acc[1];
             }
             continue;
         }
         if (lane == 0) { red[buf][warp][0] = acc[0]; red[buf][warp][1] = acc[1]; }
         __syncthreads();              // red[buf] is rewritten two groups later, after the next barrier
-        if (seg == 0 && lane < 2 && p < npairs && 2 * p + lane < N) {
+        if (seg == 0 && lane < 2 && p < npairs && (lane == 0 || rows.has2(p))) {
             float a = 0.f;
             for (int j = 0; j < ks; j++) a += red[buf][warp + j][lane];
-            y[z * y_z + 2 * p + lane] = a;
+            rows.out(p)[lane] = a;
         }
     }
+}
+
+template <int FMT>
+__device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, long long x_z, float *y,
+                           long long y_z, int ks) {
+    const int z = blockIdx.y;
+    const Gemv2One rows{W, wrow0 + z * wz, N, y + z * y_z};
+    gemv2_core<FMT>(rows, W, x + z * x_z, ks);
 }
 
 #define GEMV2_KERNEL(NAME, FMT)                                                                              \
@@ -595,6 +634,44 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
         gemv2_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z, ks);                                \
     }
 COLI_FOR_FORMATS(GEMV2_KERNEL)
+
+// ---- gemv2x_<fmt>: up to GEMV2X_MAX matrices that read the same x, in ONE launch --------------------------------
+// y_m[n] = sum_k W_m[n, k] * x[k], n < W_m.rows, m < nm: matrices of one format, width and group (the host checks).
+// A decode layer's small projections read the same vector -- q_a | kv_a | the indexer's wk the normed hidden state,
+// q_b | the indexer's wq_b the normed q_lat -- and each alone is a few MB read in one or two HBM round trips behind a
+// launch's fixed cost (q_a 2048 x 6144 int4 at 19 % of the copy, kv_a 13 %). One launch over their rows fills the
+// device once instead of two or three times and stages x once per block. Row pairs are numbered matrix after matrix
+// (pend: the running sum of each matrix's ceil(rows / 2)), so every pair is rows of one matrix; the work split, the
+// loads and the arithmetic per row are gemv2's (gemv2_core), so a row's result equals gemv2's at the same ks.
+//   grid (<= resident blocks), block 256, dynamic smem = padded cols * 4; unused matrix slots: rows 0.
+template <int FMT>
+__device__ void gemv2x_body(const QMat *Ws, float *const *ys, int nm, const float *x, int ks) {
+    __shared__ QMat mats[GEMV2X_MAX];
+    __shared__ float *outs[GEMV2X_MAX];
+    __shared__ int pend[GEMV2X_MAX];
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int m = 0; m < nm; m++) {
+            mats[m] = Ws[m];
+            outs[m] = ys[m];
+            acc += (Ws[m].rows + 1) / 2;
+            pend[m] = acc;
+        }
+    }
+    __syncthreads();
+    const Gemv2Many rows{mats, outs, pend, nm};
+    gemv2_core<FMT>(rows, mats[0], x, ks);
+}
+
+#define GEMV2X_KERNEL(NAME, FMT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, 2) gemv2x_##NAME(                              \
+        QMAT_PARAMS(a), QMAT_PARAMS(b), QMAT_PARAMS(c), QMAT_PARAMS(d), int nm, const float *x, float *ya,      \
+        float *yb, float *yc, float *yd, int ks) {                                                            \
+        const QMat Ws[GEMV2X_MAX] = {QMAT_MAKE(a, FMT), QMAT_MAKE(b, FMT), QMAT_MAKE(c, FMT), QMAT_MAKE(d, FMT)}; \
+        float *const ys[GEMV2X_MAX] = {ya, yb, yc, yd};                                                       \
+        gemv2x_body<FMT>(Ws, ys, min(max(nm, 1), GEMV2X_MAX), x, ks);                                         \
+    }
+COLI_FOR_FORMATS(GEMV2X_KERNEL)
 
 // ---- read_ceiling: the bandwidth a kernel gets just READING the bytes a MoE launch reads -------------------
 // For the benchmark only: reads K regions of `nbytes` (at table[k] + off) with the same 16-byte streaming loads,

@@ -4,15 +4,39 @@
 
 // rmsnorm(x, w, y, D, eps): y[r, :] = w * (x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps)))
 //   x, y [R, D] fp32 (y may alias x), w [D].  grid R, block 256.
+//   Each thread's NORM_U loads are issued before any is used: a decode row (D = 6144, one block) is 24 values per
+//   thread, and one dependent load after another made it 17 us on the H200 -- as long as a 50 MB GEMV. The sum runs in
+//   the same order as a plain loop (thread t: elements t, t + 256, ... in turn), so the result is the same bits.
+//   12: D = 6144 is two rounds of loads per pass, 2048 one (8 loads in flight: 8 us for 6144 in the layer, 47 registers).
+#define NORM_U 12
 extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int D, float eps) {
     __shared__ float red[32];
     const float *xr = x + (long long)blockIdx.x * D;
     float *yr = y + (long long)blockIdx.x * D;
+    const int B = blockDim.x;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    for (int i0 = threadIdx.x; i0 < D; i0 += NORM_U * B) {
+        float v[NORM_U];
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) v[u] = i0 + u * B < D ? xr[i0 + u * B] : 0.f;
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++)
+            if (i0 + u * B < D) ss = fmaf(v[u], v[u], ss);
+    }
     ss = block_sum(ss, red);
     const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
-    for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], inv));
+    for (int i0 = threadIdx.x; i0 < D; i0 += NORM_U * B) {
+        float v[NORM_U], g[NORM_U];
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++) {
+            const int i = i0 + u * B;
+            v[u] = i < D ? xr[i] : 0.f;
+            g[u] = i < D ? w[i] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_U; u++)
+            if (i0 + u * B < D) yr[i0 + u * B] = __fmul_rn(g[u], __fmul_rn(v[u], inv));
+    }
 }
 
 // layernorm(x, w, b, y, D, eps): xc = x - mean(x); y = xc / sqrt(mean(xc^2) + eps) * w + b

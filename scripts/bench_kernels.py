@@ -13,8 +13,10 @@ Measures, in one run:
      weights; the target is >= 60 % of the copy bandwidth;
   3. the other main kernels at GLM-5 shapes (dense GEMV, lm_head, MLA attention, indexer, router, norms, rope,
      prefill GEMMs) with their times and, for weight-streaming ones, bandwidth; the dense GEMVs in both versions
-     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), the
-     first version against the split-context one, with the new one's parts and its chunk sweep.
+     (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), every
+     version (COLI_ATTN_KERNELS) in one run, the default's parts (q_abs, context, o; the GEMVs split2 uses for
+     q_abs and o), every split version's context alone, and both tile kernels' chunk sweeps. --attn-only: the
+     copy and these rows.
 Prints a table and, last, one JSON line.
 """
 
@@ -36,6 +38,7 @@ F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
 VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
 MOE_K_MAX = 8                      # experts per fused decode launch (cuda_backend.MOE_MAXK)
+ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "auto")   # cuda_backend.ATTN_VERSIONS, oldest first
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -241,6 +244,189 @@ def moe_compare(a, path: Path) -> int:
     return 0
 
 
+class LaunchLog:
+    """Records, while installed on a backend, every kernel launch (function, grid, block, arguments, shared memory),
+    labelled with the outermost backend op that issued it and, on that op's first launch, the bytes of the stored
+    weights it reads; keeps every buffer allocated meanwhile alive, so the launches can be issued again for timing."""
+
+    OPS = ("rms_norm", "layer_norm", "linear", "linear_many", "rope", "split_cols", "write_rows", "indexer_select",
+           "mla_attend", "swiglu", "route", "moe_step", "add")
+
+    def __init__(self, gb):
+        self.gb, self.launches, self.keep, self._op, self._bytes = gb, [], [], None, 0
+        rt = gb.rt
+        self._saved = {"launch": rt.launch, "empty": rt.empty}
+
+        def launch(fn, grid, block, *args, smem=0):
+            self.launches.append({"op": self._op or "?", "fn": fn, "grid": tuple(grid), "block": block, "args": args,
+                                  "smem": smem, "kernel": getattr(fn, "coli_name", "?"), "bytes": self._bytes})
+            self._bytes = 0
+            return self._saved["launch"](fn, grid, block, *args, smem=smem)
+
+        def empty(*a, **kw):
+            out = self._saved["empty"](*a, **kw)
+            self.keep.append(out)
+            return out
+        rt.launch, rt.empty = launch, empty
+        for name in self.OPS:
+            setattr(gb, name, self._wrap(name, getattr(gb, name)))
+
+    def _wrap(self, name, fn):
+        def op(*args, **kw):
+            if self._op is not None:                  # an op inside another (route's linear): the outer one's label
+                return fn(*args, **kw)
+            self._op, self._bytes = name, _weight_bytes(args)
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._op, self._bytes = None, 0
+        return op
+
+    def remove(self) -> None:
+        rt = self.gb.rt
+        del rt.launch, rt.empty
+        for name in self.OPS:
+            delattr(self.gb, name)
+
+
+def _weight_bytes(args) -> int:
+    from coli.gpu.cuda_weights import HeadView, QWeight
+    seen, n = set(), 0
+    for a in args:
+        for w in (a if isinstance(a, (list, tuple)) else [a]):
+            w = w.w if isinstance(w, HeadView) else w
+            if isinstance(w, QWeight) and id(w) not in seen:
+                seen.add(id(w))
+                n += w.nbytes
+    return n
+
+
+def ks_sweep(gb, tm, fn, iters: int) -> dict:
+    """GPU time of fn (a gemv2 / gemv2x call) with every column split forced (gb.gemv_ks = 1, 2, 4, 8), GEMV v3."""
+    before = gb.gemv_kernels
+    gb.gemv_kernels, out = "v3", {}
+    try:
+        for ks in (1, 2, 4, 8):
+            gb.gemv_ks = ks
+            out[ks] = round(tm.per_call_us(fn, iters, spin_us=300), 2)
+    finally:
+        gb.gemv_ks, gb.gemv_kernels = None, before
+    return out
+
+
+def time_launches(rt, tm, launches, reps: int = 7) -> list[float]:
+    """GPU time of each recorded launch in its place in the sequence: the whole sequence issued behind bench_spin with
+    an event after every launch, median over reps of each gap (us)."""
+    evs = [rt.event() for _ in range(len(launches) + 1)]
+    per = []
+    for _ in range(reps):
+        tm.spin.prepared_async_call((1, 1, 1), (1, 1, 1), rt.stream, int(len(launches) * 40 * 1000))
+        evs[0].record(rt.stream)
+        for j, L in enumerate(launches):
+            rt.launch(L["fn"], L["grid"], L["block"], *L["args"], smem=L["smem"])
+            evs[j + 1].record(rt.stream)
+        evs[-1].synchronize()
+        per.append([evs[j + 1].time_since(evs[j]) * 1e3 for j in range(len(launches))])
+    return [float(v) for v in np.median(np.array(per), axis=0)]
+
+
+def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2", "v1"), layers: int = 2) -> dict:
+    """The dense part of GLM-5 decode layers (coli.bench.dense_layer: attention + indexer + router + shared expert, the
+    routed sum dropped) with a `fmt` dense core at cache length T, captured as ONE CUDA graph of `layers` layers (their
+    weights together > 2x L2, so a replay reads them from HBM) per GEMV version, replayed: GPU time per layer. Also
+    the default version's kernels one by one (op, kernel, grid, us, weight bytes) and the replay's output against the
+    eager step's (the same kernels: identical) and against the other versions'."""
+    from coli.bench.dense_layer import RandomDense, dense_config, layer_body
+    from coli.config import PRESETS
+    from coli.gpu.graphs import DeviceStep, StepLayout, attn_span
+    from coli.model.backend import cos_sin_table
+    from coli.model.forward import GlmMoeDsaModel
+    rt = gb.rt
+    cfg = dense_config(PRESETS["glm5"], layers=layers)
+    model = GlmMoeDsaModel(cfg, RandomDense(cfg, fmt), gb)
+    rng = np.random.default_rng(1)
+    cache = model.new_cache(T)
+    for lc in cache.layers:                          # a filled cache: the attention reads real numbers
+        for buf in (lc.lat, lc.k_pe, lc.k_idx):
+            rt.upload_bytes(rng.standard_normal(buf.shape).astype(F32), buf.ptr)
+    cache.length = pos = T - 1
+    positions = np.array([pos])
+    cos, sin = cos_sin_table(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    layout = StepLayout(cfg.qk_rope_head_dim // 2, tuple(cfg.moe_layers), cfg.num_experts_per_tok)
+    st = DeviceStep(rt, layout, None, cfg.n_routed_experts, None)
+    layout.pack(st.pinned_in, 0, pos, cos, sin)
+    rt.upload_bytes(st.pinned_in, st.dyn.ptr)
+    st.pos, st.capacity, st.mode, st.keep = pos, cache.capacity, "dropped", []
+    st.attn_n_max = attn_span(T, cfg.index_topk, cfg.num_attention_heads, cfg.kv_lora_rank, rt.sm_count,
+                              gb.attn_chunk)
+    h0 = gb.upload(rng.standard_normal((1, cfg.hidden_size)).astype(F32))
+
+    def body():
+        h, allowed = h0, None
+        for i in range(layers):
+            h, allowed = layer_body(model, i, h, positions, cos, sin, cache, pos, allowed)
+        return h
+
+    out: dict = {"fmt": fmt, "T": T, "layers": layers,
+                 "weight_bytes_per_layer": sum(w.nbytes for w in _layer_weights(model.layers[0]))}
+    results = {}
+    before = gb.gemv_kernels
+    try:
+        for ver in versions:
+            gb.gemv_kernels = ver
+            gb.step = st
+            try:
+                eager = rt.to_host(body())                                    # compiles, sizes scratch; reference
+                rt.begin_capture()
+                try:
+                    y = body()
+                    g = rt.end_capture()
+                except BaseException:
+                    rt.abort_capture()
+                    raise
+            finally:
+                gb.step = None
+            g.launch(rt)
+            replay = rt.to_host(y)
+            results[ver] = replay
+            us = tm.per_call_us(lambda i: g.launch(rt), iters) / layers
+            us2 = tm.per_call_us(lambda i: g.launch(rt), iters) / layers
+            out[ver] = {"us_per_layer": round(us, 2), "us_per_layer_repeat": round(us2, 2), "graph_nodes": g.nodes,
+                        "replay_equals_eager": bool(np.array_equal(replay, eager)),
+                        "finite": bool(np.isfinite(replay).all())}
+            g.close()
+        ref = results[versions[-1]].astype(np.float64)
+        for ver in versions:
+            out[ver]["rel_diff_vs_" + versions[-1]] = float(np.linalg.norm(results[ver] - ref) / np.linalg.norm(ref))
+        # the default version's kernels one by one, in their place in the sequence
+        gb.gemv_kernels = versions[0]
+        log = LaunchLog(gb)
+        gb.step = st
+        try:
+            body()
+        finally:
+            gb.step = None
+            log.remove()
+        rt.synchronize()
+        first = [L for L in log.launches]
+        times = time_launches(rt, tm, first)
+        nl = len(first) // layers
+        out["kernels"] = [{"op": L["op"], "kernel": L["kernel"], "grid": list(L["grid"]), "us": round(t, 2),
+                           "bytes": L["bytes"]} for L, t in zip(first[:nl], times[:nl])]
+        out["kernels_us_sum_per_layer"] = round(sum(times) / layers, 2)
+    finally:
+        gb.gemv_kernels = before
+    return out
+
+
+def _layer_weights(lw) -> list:
+    from coli.gpu.cuda_weights import QWeight
+    a = lw.attn
+    ws = [a.q_a, a.q_b, a.kv_a, a.w_kb.w, a.o, a.idx_wq_b, a.idx_wk, a.idx_weights, lw.router, lw.shared_gate,
+          lw.shared_up, lw.shared_down]
+    return [w for w in ws if isinstance(w, QWeight)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20)
@@ -249,6 +435,15 @@ def main() -> int:
     ap.add_argument("--dense-16k", action="store_true", help="also time attention over all 16,384 keys (no DSA)")
     ap.add_argument("--dense-only", action="store_true",
                     help="only the copy, the dense GEMVs and the attention rows (skip the MoE and the other kernels)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the copy and the prefill rows (int4 GEMM and grouped MoE, fp32 v1 against the "
+                         "tensor cores)")
+    ap.add_argument("--pf-variants", action="store_true",
+                    help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
+    ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
+    ap.add_argument("--dense-layer-only", action="store_true",
+                    help="only the copy, the dense GEMVs and the whole dense layer replayed as a CUDA graph")
+    ap.add_argument("--layer-T", type=int, default=2048, help="cache length of the dense layer row")
     ap.add_argument("--moe-compare", type=Path, help=argparse.SUPPRESS)   # the child process of section 2
     a = ap.parse_args()
     if a.moe_compare:
@@ -285,8 +480,12 @@ def main() -> int:
     res["d2d_copy_GBps"] = round(copy_bw, 1)
     add("d2d copy 1 GiB (read+write)", copy_us, 2 * n)
     del src, dst
+    if a.prefill_only:
+        prefill_bench(gb, tm, rng, res, add, variants=a.pf_variants)
 
-    if not a.dense_only:    # --dense-only: the copy, then the GEMV and attention rows
+    if a.dense_layer_only:
+        a.dense_only = True
+    if not (a.dense_only or a.attn_only or a.prefill_only):    # --dense-only: the copy, the GEMVs, attention
         # ---- 2. fused MoE decode at GLM-5's expert shape, int4 g64: every kernel version (v1, v2, mma) --------------
         # Measured in a child process (moe_compare below), so that a new kernel that faults or hangs cannot take the
         # rest of this benchmark down with it; if the default fails there, this process uses the newest that passed.
@@ -367,6 +566,9 @@ def main() -> int:
         del pool
 
     # ---- 3. other kernels at GLM-5 shapes ---------------------------------------------------------------------
+    if a.prefill_only:
+        return _report(a, res, rows, copy_bw, rt)
+
     def qw(rows_, cols_, fmt, group=64):
         b, l = random_matrix_bytes(rows_, cols_, fmt, group, rng)
         from coli.gpu.cuda_weights import upload_stored
@@ -392,7 +594,7 @@ def main() -> int:
     # matrix rotates over copies totalling > 120 MB so that L2 (60 MB) never holds the previous call's weights
     gemv_res = res["gemv"] = {}
     from coli.gpu.cuda_backend import gemv2_split
-    for name, (r_, c_, fmt) in {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
+    for name, (r_, c_, fmt) in {} if a.attn_only else {"q_a_proj": (2048, H, "int4"), "kv_a_proj": (576, H, "int8"),
                                 "q_b_proj": (16384, 2048, "int4"), "o_proj": (H, 16384, "int4"),
                                 "shared gate (int4)": (2048, H, "int4"), "router (f32)": (256, H, "f32")}.items():
         w = qw(r_, c_, fmt)
@@ -400,16 +602,51 @@ def main() -> int:
         ws_ = [w] + [dev_copy(w) for _ in range(ncopy - 1)]
         xin = gb.upload(rng.standard_normal((1, c_)).astype(F32))
         nb = w.nbytes + 4 * (c_ + r_)
-        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, rt.sm_count)}
+        row = gemv_res[name] = {"bytes": nb, "ks": gemv2_split(r_, w.layout.row_data_bytes // 16, 2 * rt.sm_count)}
         for ver in ("v1", "v2"):
             gb.gemv_kernels = ver
             us = tm.per_call_us(lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)
             r = add(f"gemv {name} {r_}x{c_} {fmt} [{ver}]", us, nb)
             r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
             row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
+        row["us_by_ks"] = ks_sweep(gb, tm, lambda i: gb.linear(xin, ws_[i % ncopy]), a.iters)
         gb.gemv_kernels = "v2"
         del ws_
-    if not a.dense_only:
+    # the projections of a decode layer that read one input, int8 and int4 dense cores: each in its own gemv2 launch
+    # (v2) against one gemv2x launch (v3), same run; the sets rotate over copies > 120 MB as above
+    fused_res = res["gemv_fused"] = {}
+    for fmt in () if a.attn_only else ("int8", "int4"):
+        for name, cols, shapes in (("q_a|kv_a|wk", H, (2048, 576, 128)), ("q_b|wq_b", 2048, (16384, 4096))):
+            ws0 = [qw(r_, cols, fmt) for r_ in shapes]
+            nb = sum(w.nbytes for w in ws0) + 4 * (cols + sum(shapes))
+            ncopy = max(2, -(-(120 << 20) // nb))
+            sets = [ws0] + [[dev_copy(w) for w in ws0] for _ in range(ncopy - 1)]
+            xin = gb.upload(rng.standard_normal((1, cols)).astype(F32))
+            row = fused_res[f"{name} {fmt}"] = {"bytes": nb}
+            for ver in ("v2", "v3"):
+                gb.gemv_kernels = ver
+                # spin 300 us per call: v2's three launches and allocations take the host ~60 us (the first run's
+                # 50 us timed the host, 62 us for q_a | kv_a | wk)
+                us = tm.per_call_us(lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters, spin_us=300)
+                r = add(f"gemv {name} {fmt} ({len(shapes)} matrices) [{ver}]", us, nb)
+                r["of_copy"] = f"{100 * r['GBps'] / copy_bw:.0f}%"
+                row[ver] = {"us": r["us"], "frac": round(r["GBps"] / copy_bw, 3)}
+            row["us_by_ks"] = ks_sweep(gb, tm, lambda i: gb.linear_many(xin, sets[i % ncopy]), a.iters)
+            del sets
+    # the whole dense part of a decode layer replayed as a CUDA graph, int8 and int4 dense cores, T = --layer-T
+    layer_res = res["dense_layer"] = {}
+    for fmt in () if a.attn_only else ("int8", "int4"):
+        try:
+            layer_res[fmt] = dense_layer_bench(gb, tm, fmt, a.layer_T, a.iters)
+        except Exception as e:      # noqa: BLE001 -- report and keep what was measured
+            import traceback
+            traceback.print_exc()
+            layer_res[fmt] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        print(f"dense layer {fmt}: {json.dumps({k: v for k, v in layer_res[fmt].items() if k != 'kernels'})}",
+              flush=True)
+    if a.dense_layer_only:
+        return _report(a, res, rows, copy_bw, rt)
+    if not (a.dense_only or a.attn_only):
         lm = qw(V, H, "int4")
         us = tm.per_call_us(lambda i: gb.linear(x1, lm), 5)
         add(f"lm_head gemv {V}x{H} int4", us, lm.nbytes)
@@ -424,7 +661,7 @@ def main() -> int:
     nh, dn, dr, dv, L = 64, 192, 64, 256, 512
     kvb = qw(nh * (dn + dv), L, "int8")
     w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
-    attn = res["mla_attend"] = {}     # per case: v1 / new whole-op us, the new one's parts, the chunk sweep
+    attn = res["mla_attend"] = {}     # per case: every version's whole-op us, the parts, the chunk sweeps
     # kv_b and the cache rotate over copies (> 120 MB each) so that every call reads them from HBM, as a decode step
     # does after the other layers' weights went through L2
     NKV = 9
@@ -449,37 +686,70 @@ def main() -> int:
                 continue
             c = attn[f"T={T} {cname}"] = {}
             nb = kvb.nbytes + 4 * nkeys * (L + dr)
-            for ver in ("v1", "split1", "auto"):
+            for ver in ATTN_BENCH_VERSIONS:
                 gb.attn_kernels = ver
                 us = tm.per_call_us(lambda i: gb.mla_attend(q, lats[i % ncache], kpes[i % ncache], *heads[i % NKV],
                                                             mask, 1 / 16), a.iters, spin_us=400)
-                add(f"mla_attend decode T={T} {cname} [{'split' if ver == 'auto' else ver}]", us, nb)
+                add(f"mla_attend decode T={T} {cname} [{'tile2' if ver == 'auto' else ver}]", us, nb)
                 c[ver] = round(us, 2)
-            gb.attn_kernels = "split1"
-            c["core_split1_us"] = round(tm.per_call_us(lambda i: gb.attend_core(
-                gb.empty((1, nh, L)), q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+            # the context alone (part + combine) of every split version, and each one's result against split2's
+            qa_in = gb.upload(rng.standard_normal((1, nh, L)).astype(F32) * 0.05)
+            core_v, err_v = c["core_us_by_version"], c["ctx_rel_err_vs_split2"] = {}, {}
+            ref = None
+            for ver in ("split2",) + tuple(v for v in ATTN_BENCH_VERSIONS if v not in ("v1", "split2")):
+                gb.attn_kernels = ver
+                core_v[ver] = round(tm.per_call_us(lambda i: gb.attend_core(
+                    qa_in, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16), a.iters, spin_us=200), 2)
+                got = gb.to_host(gb.attend_core(qa_in, q, dn, lat, kpe, mask, 1 / 16)).astype(np.float64)
+                ref = got if ref is None else ref
+                err_v[ver] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            c["core_split1_us"] = core_v["split1"]
             gb.attn_kernels = "auto"
-            # the new op's three parts: q_abs (gemv_t), the split context (part + combine), o (gemv over heads)
+            # the default op's three parts: q_abs (mla_qabs), the split context (tile2 + combine4), o (mla_o); and the
+            # projections as split2 runs them (gemv_t, gemv over heads)
             q_abs, ctx, o = gb.empty((1, nh, L)), gb.empty((1, nh, L)), gb.empty((1, nh * dv))
-            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+            c["q_abs_us"] = round(tm.per_call_us(lambda i: gb._mla_qabs(
                 kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
-            c["o_us"] = round(tm.per_call_us(lambda i: gb._gemv(
+            c["o_us"] = round(tm.per_call_us(lambda i: gb._mla_o(
+                kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
+            c["q_abs_gemv_t_us"] = round(tm.per_call_us(lambda i: gb._gemv_t(
+                kvbs[i % NKV], 0, dn + dv, dn, nh, q.ptr, dn + dr, q_abs.ptr, L), a.iters), 2)
+            c["o_gemv_us"] = round(tm.per_call_us(lambda i: gb._gemv(
                 kvbs[i % NKV], dn, dn + dv, dv, nh, ctx.ptr, L, o.ptr, dv), a.iters), 2)
 
             def core(i):
                 gb.attend_core(q_abs, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16)
             c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
             c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
-            sweep = c["core_us_by_chunk"] = {}
-            for ch in (16, 32, 64, 128, 256, 512):
-                gb.attn_chunk = ch
-                sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
-            gb.attn_chunk = None
+            try:    # the default context's two launches apart (part into fixed partials; the combine over them)
+                AS = attention_split
+                ch, nchk = c["chunk"]
+                fp, thr, smem, comb_name, cthr = gb._split_kernels(L, dr, 16)
+                pm_, pl_, pc_ = gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk, L))
+                idx_ = mask.idx.ptr if mask.idx is not None else 0
+                cnt_ = mask.cnt.ptr if mask.cnt is not None else 0
+                c["part_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                    fp, (nchk, AS.head_groups(nh), 1), thr, q_abs.ptr, q.ptr, dn + dr, dn, lats[i % ncache].ptr,
+                    kpes[i % ncache].ptr, idx_, cnt_, mask.kmax, mask.start, 0, 1, nh, L, dr, F32(1 / 16), ch, nchk,
+                    pm_.ptr, pl_.ptr, pc_.ptr, smem=smem), a.iters, spin_us=200), 2)
+                fc = gb._fn("attention", comb_name)
+                c["combine_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                    fc, (nh, 1), cthr, pm_.ptr, pl_.ptr, pc_.ptr, idx_, cnt_, mask.start, 0, 1, nh, L, ch, nchk,
+                    ctx.ptr), a.iters, spin_us=200), 2)
+            except Exception as e:   # a diagnostic row: never the rest of the benchmark
+                c["parts_error"] = repr(e)[:300]
+            for ver in ("auto", "tile1"):            # the chunk sweep of both tile kernels
+                gb.attn_kernels = ver
+                sweep = c["core_us_by_chunk" if ver == "auto" else f"core_us_by_chunk_{ver}"] = {}
+                for ch in (16, 32, 64, 128, 256, 512):
+                    gb.attn_chunk = ch
+                    sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
+            gb.attn_chunk, gb.attn_kernels = None, "auto"
             print(f"mla_attend T={T} {cname}: {json.dumps(c)}", flush=True)
         gb.attn_kernels = "auto"
         del lat, kpe, kid, lats, kpes
     del kvbs, heads
-    if not a.dense_only:
+    if not (a.dense_only or a.attn_only):
         rw = qw(256, H, "f32")
         bias = gb.upload(rng.standard_normal(256).astype(F32) * 0.01)
         t0 = time.perf_counter()
@@ -493,30 +763,16 @@ def main() -> int:
         cos, sin = cos_sin_table([100], dr, 1e6)
         us = tm.per_call_us(lambda i: gb.rope(qq, cos, sin, dn), a.iters)
         add("rope q 64 heads", us)
-        qa = qw(2048, H, "int4")
-        for S in (64, 512):
-            xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
-            us = tm.per_call_us(lambda i: gb.linear(xs_, qa), 5)
-            add(f"gemm prefill S={S} 2048x6144 int4", us, None, f"{2 * S * 2048 * H / us / 1e6:.2f} TFLOP/s")
-        # grouped MoE prefill: 64 tokens over 32 experts
-        E = 32
-        plist = rt.alloc(E * lay.nbytes)
-        for e in range(E):
-            rt.upload_bytes(host_recs[e % len(host_recs)], int(plist) + e * lay.nbytes)
-        precs = {e: DeviceRecord(int(plist) + e * lay.nbytes, lay) for e in range(E)}
-        S = 64
-        xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
-        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
-        wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
-        want = sorted(set(ids.ravel().tolist()))
-        us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, precs[e]) for e in want)), 3)
-        add(f"moe prefill S={S}, {E} experts int4 (grouped GEMM)", us, None,
-            f"{2 * S * K * 3 * IM * H / us / 1e6:.2f} TFLOP/s")
+        prefill_bench(gb, tm, rng, res, add)
 
+    return _report(a, res, rows, copy_bw, rt)
+
+
+def _report(a, res, rows, copy_bw, rt) -> int:
     # ---- report ------------------------------------------------------------------------------------------------
     res["kernels"] = rows
     w = max(len(r["kernel"]) for r in rows)
-    print(f"\nGPU kernels on {rt.name} (sm_{res['sm']}, {rt.sm_count} SMs)")
+    print(f"\nGPU kernels on {res['device']} (sm_{res['sm']}, {res['sms']} SMs)")
     print(f"{'kernel':<{w}}  {'us':>10}  {'GB/s':>8}  {'of copy':>7}  note")
     for r in rows:
         print(f"{r['kernel']:<{w}}  {r['us']:>10.2f}  {r.get('GBps', ''):>8}  {r.get('of_copy', ''):>7}  "
@@ -554,20 +810,156 @@ def main() -> int:
     if att:
         print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
         for k, c in att.items():
-            print(f"  {k}: v1 {c['v1']:.1f} us -> split1 {c['split1']:.1f} -> split {c['auto']:.1f} us "
-                  f"({c['v1'] / c['auto']:.1f}x); parts: q_abs {c['q_abs_us']:.1f}, context {c['core_us']:.1f} "
-                  f"(split1's {c['core_split1_us']:.1f}), o {c['o_us']:.1f}; context by chunk {c['core_us_by_chunk']}")
+            print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
+                  + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2); parts: q_abs "
+                  f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, "
+                  f"o {c['o_us']:.1f} (gemv {c['o_gemv_us']:.1f})")
+            print(f"    context's launches apart: part {c.get('part_only_us')} us, combine "
+                  f"{c.get('combine_only_us')} us{' ' + c['parts_error'] if 'parts_error' in c else ''}")
+            print(f"    context by version {c['core_us_by_version']} (rel err vs split2 "
+                  f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
+                  f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}")
     gv = res.get("gemv", {})
     if gv:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")
         for k, g in gv.items():
             print(f"  {k}: {g['v1']['us']:.1f} us ({100 * g['v1']['frac']:.0f}%) -> {g['v2']['us']:.1f} us "
-                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}")
+                  f"({100 * g['v2']['frac']:.0f}%), ks {g['ks']}; us by ks {g.get('us_by_ks')}")
+    fz = res.get("gemv_fused", {})
+    if fz:
+        print("dense GEMVs that read one input, separate launches (v2) -> one gemv2x launch (v3), fraction of the copy:")
+        for k, g in fz.items():
+            print(f"  {k}: {g['v2']['us']:.1f} us ({100 * g['v2']['frac']:.0f}%) -> {g['v3']['us']:.1f} us "
+                  f"({100 * g['v3']['frac']:.0f}%); us by ks {g.get('us_by_ks')}")
+    dl = res.get("dense_layer", {})
+    for fmt, d in dl.items():
+        if "error" in d:
+            print(f"dense layer {fmt}: FAILED {d['error']}")
+            continue
+        print(f"\ndense part of a decode layer, {fmt} core, T = {d['T']}, replayed as a CUDA graph ({d['layers']} layers "
+              f"per graph), GPU time per layer (target <= 120 us); weights {d['weight_bytes_per_layer'] / 1e6:.1f} MB "
+              f"= {d['weight_bytes_per_layer'] / copy_bw / 1e3:.1f} us at the copy rate:")
+        for ver in ("v3", "v2", "v1"):
+            v = d.get(ver)
+            if v:
+                print(f"  gemv {ver}: {v['us_per_layer']:.1f} us (repeat {v['us_per_layer_repeat']:.1f}), "
+                      f"{v['graph_nodes']} nodes, replay == eager {v['replay_equals_eager']}, "
+                      f"rel diff vs v1 {v.get('rel_diff_vs_v1', float('nan')):.1e}")
+        print(f"  its kernels one by one (v3, events between them; sum {d['kernels_us_sum_per_layer']:.1f} us per layer):")
+        for k in d["kernels"]:
+            bw = f"{k['bytes'] / k['us'] / 1e3 / copy_bw * 100:.0f}% of copy" if k["bytes"] and k["us"] > 0 else ""
+            print(f"    {k['op']:<15} {k['kernel']:<24} grid {str(k['grid']):<16} {k['us']:7.2f} us  "
+                  f"{k['bytes'] / 1e6:7.2f} MB  {bw}")
     line = json.dumps(res)
     if a.json_out:
         a.json_out.write_text(line + "\n")
     print(line)
     return 0
+
+
+def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
+    """The int4 prefill rows, the fp32 tiled GEMMs (v1) against the tensor cores (mma) in the same run: the dense
+    GEMM at GLM-5's q_a (2048 x 6144 g64) and o_proj (6144 x 16384 g128) shapes for S = 512 and 2,048, and the
+    grouped MoE prefill of a 2,048-token prompt over 256 GLM-5 experts (top-8: ~64 pairs per expert; ~1.24 TFLOP).
+    Effective TFLOP/s counts 2 flops per weight x token (not the four int8 parts the tensor cores multiply).
+    The MoE rows time the whole moe() op (host: sorting the pairs; the spin covers it, so the figure is GPU time)."""
+    from coli.container.format import RecordLayout
+    from coli.gpu.cuda_weights import DeviceRecord, upload_stored
+    from tests.gpu_helpers import rel_err
+    out = res.setdefault("prefill", {})
+    saved = gb.prefill_kernels
+    add_row = add
+
+    def add(*args, **kw):          # every row printed as it lands (a run cut short still shows what it measured)
+        r = add_row(*args, **kw)
+        print(f"  {r['kernel']}: {r['us']:.1f} us  {r.get('note', '')}", flush=True)
+        return r
+    for rows_, cols_, group in ((2048, H, 64), (H, 16384, 128)):
+        b, lay_ = random_matrix_bytes(rows_, cols_, "int4", group, rng)
+        w = upload_stored(gb.rt, b, lay_, (rows_, cols_), "bench")
+        for S in (512, 2048):
+            xs_ = gb.upload(rng.standard_normal((S, cols_)).astype(F32))
+            got = {}
+            for ver in ("v1", "mma"):
+                gb.prefill_kernels = ver
+                us = tm.per_call_us(lambda i: gb.linear(xs_, w), 3, spin_us=20000)
+                tf = 2 * S * rows_ * cols_ / us / 1e6
+                add(f"gemm prefill S={S} {rows_}x{cols_} int4 g{group} [{ver}]", us, None, f"{tf:.2f} TFLOP/s")
+                out[f"gemm_{rows_}x{cols_}_S{S}_{ver}_TFLOPs"] = round(tf, 2)
+                got[ver] = gb.to_host(gb.linear(xs_, w))
+            out[f"gemm_{rows_}x{cols_}_S{S}_rel_diff"] = float(rel_err(got["mma"], got["v1"]))
+        del w
+    # grouped MoE: 2,048 tokens, 256 experts (64 distinct records, 1.3 GB: L2 holds none of them between uses)
+    lay = RecordLayout.make(H, IM, "int4", 64, 512)
+    E, S = 256, 2048
+    host_recs, pool, nrec = record_pool(gb.rt, lay, E, rng, n_distinct=8)
+    recs = {e: DeviceRecord(int(pool) + e * lay.nbytes, lay) for e in range(E)}
+    xs_ = gb.upload(rng.standard_normal((S, H)).astype(F32))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    wp = rng.uniform(0.1, 0.5, (S, K)).astype(F32)
+    flops = 2 * S * K * 3 * IM * H
+    got = {}
+    for ver in ("v1", "mma"):
+        gb.prefill_kernels = ver
+        us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in range(E))), 2, reps=3, warmup=1,
+                            spin_us=150000)
+        tf = flops / us / 1e6
+        add(f"moe prefill S={S}, {E} experts top-{K} int4 g64 [{ver}]", us, None, f"{tf:.2f} TFLOP/s effective")
+        out[f"moe_S{S}_E{E}_{ver}_TFLOPs"] = round(tf, 2)
+        out[f"moe_S{S}_E{E}_{ver}_ms"] = round(us / 1e3, 2)
+        got[ver] = gb.to_host(gb.moe(xs_, ids, wp, ((e, recs[e]) for e in range(E))))
+    out["moe_rel_diff_mma_v1"] = float(rel_err(got["mma"], got["v1"]))
+    if variants:
+        prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add)
+    gb.prefill_kernels = saved
+    print("prefill: " + json.dumps(out), flush=True)
+    del pool
+
+
+def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
+    """The tensor-core prefill rebuilt with other block shapes and register / pipeline settings (PF_ROWS x PF_TOKS,
+    PF_MINB, PF_STAGES): the MoE row and the dense 2048 x 6144 GEMM at S = 2,048."""
+    import coli.gpu.cuda_backend as cb
+    from pycuda.compiler import SourceModule
+    from coli.gpu.cuda_runtime import kernels_dir
+    from coli.gpu.cuda_weights import upload_stored
+    rt = gb.rt
+    src = (kernels_dir() / "prefill_mma.cu").read_text()
+    base = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, rt._modules.get("prefill_mma"))
+    b, lay_ = random_matrix_bytes(2048, H, "int4", 64, np.random.default_rng(1))
+    w = upload_stored(rt, b, lay_, (2048, H), "bench")
+    xd = gb.upload(np.random.default_rng(2).standard_normal((2048, H)).astype(F32))
+    gb.prefill_kernels = "mma"
+
+    def drop():
+        for k in [k for k in rt._fns if k[0] == "prefill_mma"]:
+            del rt._fns[k]
+    try:
+        for rows_, toks, minb, stages in ((256, 32, 2, 3), (256, 32, 1, 3), (256, 32, 2, 4), (256, 32, 2, 2),
+                                          (128, 64, 2, 3), (128, 64, 1, 3)):
+            tag = f"rows{rows_}_toks{toks}_minb{minb}_stages{stages}"
+            try:
+                rt._modules["prefill_mma"] = SourceModule(src, no_extern_c=True, include_dirs=[str(kernels_dir())],
+                                                          options=["-std=c++17", f"-DPF_MINB={minb}",
+                                                                   f"-DPF_STAGES={stages}", f"-DPF_ROWS={rows_}",
+                                                                   f"-DPF_TOKS={toks}"])
+                drop()
+                cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = rows_, toks, stages
+                us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in recs)), 2, reps=3,
+                                    warmup=1, spin_us=150000)
+                add(f"moe prefill S=2048 [mma {tag}]", us, None, f"{flops / us / 1e6:.2f} TFLOP/s")
+                out[f"moe_variant_{tag}_TFLOPs"] = round(flops / us / 1e6, 2)
+                us = tm.per_call_us(lambda i: gb.linear(xd, w), 3, spin_us=20000)
+                add(f"gemm prefill S=2048 2048x6144 [mma {tag}]", us, None,
+                    f"{2 * 2048 * 2048 * H / us / 1e6:.2f} TFLOP/s")
+                out[f"gemm_variant_{tag}_TFLOPs"] = round(2 * 2048 * 2048 * H / us / 1e6, 2)
+            except Exception as e:      # a variant that does not fit or build is a row, not the end of the run
+                out[f"variant_{tag}_error"] = str(e)[:200]
+                print(f"  variant {tag}: {str(e)[:200]}", flush=True)
+    finally:
+        cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = base[:3]
+        rt._modules["prefill_mma"] = base[3]
+        drop()
 
 
 if __name__ == "__main__":

@@ -4,23 +4,26 @@
 # ~10 GB (cold-ram, sync); ResidentExperts uploads ~10 GB (warm); the rest is decoding.
 #
 # The slice is made with --vocab 4096 to keep the dense core (embed + lm_head) small: the head's time is measured
-# at that vocabulary and scaled to GLM-5's 154880 in the extrapolation (docs/performance.md).
+# at that vocabulary and scaled to GLM-5's 154880 in the extrapolation (docs/performance.md). Its dense core is stored as
+# `coli convert` stores it by default (DENSE=int8; int4 is what `coli plan` picks at 16 GB; bf16 for the older rows):
+# a bf16 slice reads ~430 MB of dense weights per layer, twice what a user's converted model reads.
 set -uo pipefail
 OUT=${OUT:-/tmp/bench_stream_out}
-SLICE=${SLICE:-/tmp/coli_slice2}
+DENSE=${DENSE:-int8}
+SLICE=${SLICE:-/tmp/coli_slice2_$DENSE}
 N=${N:-16}
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 mkdir -p "$OUT"
 LOG="$OUT/bench_stream.log"
 {
-  echo "== $(date -u +%FT%TZ) coli bench stream: 2-layer slice, glm52 trace, --vocab 4096 (dense kept small), N=$N"
+  echo "== $(date -u +%FT%TZ) coli bench stream: 2-layer slice, glm52 trace, --vocab 4096 (dense kept small), dense core $DENSE, N=$N"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
   df -h /tmp || true
   if [ ! -f "$SLICE/coli-manifest.json" ]; then
     t0=$(date +%s)
     timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
-      --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
+      --dense-format "$DENSE" --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
     echo "make-slice: $(( $(date +%s) - t0 )) s"
   fi
   t0=$(date +%s)

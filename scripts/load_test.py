@@ -11,8 +11,8 @@ prompt is identical (a stream mixed up with another request's would differ). It 
     coli up -d && coli serve --http 127.0.0.1:8000 &
     .venv/bin/python scripts/load_test.py --url http://127.0.0.1:8000 --clients 16 --requests 20
 
-Only the standard library (http.client in threads: the client side must not be the bottleneck of a
-server that serves one request at a time)."""
+Only the standard library (http.client in threads: the client side must not be the bottleneck of the
+server, which batches up to --max-batch requests at once). Figures: docs/performance.md, "Continuous batching"."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class Result:
     usage: dict | None = None
     latency_s: float = 0.0
     ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)   # between consecutive token chunks (inter-token latency)
 
 
 def _check_loopback(url: str) -> tuple[str, int]:
@@ -125,8 +126,13 @@ def one_request(host: str, port: int, endpoint: str, prompt: str, max_tokens: in
                 continue
             ch = obj["choices"][0]
             ids = ch.get("token_ids") or []
-            if ids and r.ttft_s is None:
-                r.ttft_s = time.monotonic() - t0
+            if ids:
+                now = time.monotonic()
+                if r.ttft_s is None:
+                    r.ttft_s = now - t0
+                else:
+                    r.gaps_s.append(now - last)
+                last = now
             r.token_ids.extend(ids)
             texts.append((ch["delta"].get("content") or "") if endpoint == "chat" else (ch.get("text") or ""))
             if ch.get("finish_reason"):
@@ -207,6 +213,7 @@ def summarize(results: list[Result], wall: float, clients: int, requests: int, m
     ok = [r for r in results if r.ok]
     lat = [r.latency_s for r in ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.gaps_s]
     tokens = sum(len(r.token_ids) for r in ok)
     return {
         "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens, "endpoint": endpoint,
@@ -216,6 +223,8 @@ def summarize(results: list[Result], wall: float, clients: int, requests: int, m
         "requests_per_s": round(len(ok) / wall, 3) if wall else None,
         "latency_s": {"p50": _round(_pct(lat, 50)), "p99": _round(_pct(lat, 99)), "max": _round(max(lat, default=None))},
         "ttft_s": {"p50": _round(_pct(ttft, 50)), "p99": _round(_pct(ttft, 99)), "max": _round(max(ttft, default=None))},
+        "inter_token_s": {"p50": _round(_pct(gaps, 50)), "p99": _round(_pct(gaps, 99)),
+                          "max": _round(max(gaps, default=None))},
         "distinct_prompts": len(by_prompt),
     }
 
@@ -246,7 +255,8 @@ def main(argv=None) -> int:
         print(f"{s['completed']}/{s['expected']} requests completed ({s['failed']} failed, {s['missing']} not sent) "
               f"by {s['clients']} clients in {s['wall_s']} s")
         print(f"latency p50 {s['latency_s']['p50']} s, p99 {s['latency_s']['p99']} s; time to first token "
-              f"p50 {s['ttft_s']['p50']} s, p99 {s['ttft_s']['p99']} s")
+              f"p50 {s['ttft_s']['p50']} s, p99 {s['ttft_s']['p99']} s; between tokens p50 "
+              f"{s['inter_token_s']['p50']} s, p99 {s['inter_token_s']['p99']} s")
         print(f"{s['tokens']} tokens, {s['tokens_per_s']} tokens/s, {s['requests_per_s']} requests/s")
         for e in s["errors"]:
             print("error:", e)

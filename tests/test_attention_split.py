@@ -29,9 +29,42 @@ def row_keys(s, S, start, idx=None, cnt=None, T_dev=None):
     return list(range(st + s + 1))
 
 
-def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, cnt=None, T_dev=None):
+def fma32(a, b, c):
+    """fmaf in fp32: the product of two fp32 values is exact in float64, so one float64 add and a rounding to fp32
+    (the double rounding differs from the device's single one only at exact float64 ties)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(F32)
+
+
+def tile_scores(qcat, kcat):
+    """mla_attend_tile's raw scores [nh, TK] of query rows qcat [nh, D] against key rows kcat [TK, D] (D = Lkv + dr):
+    float4 column f of the D columns goes to slice f % TILE2_SLICES, each slice an fmaf chain over its columns in
+    order (x, y, z, w), then the slices' partials summed in slice order."""
+    D4 = qcat.shape[1] // 4
+    part = np.zeros((AS.TILE2_SLICES, qcat.shape[0], kcat.shape[0]), F32)
+    for sl in range(AS.TILE2_SLICES):
+        for f in range(sl, D4, AS.TILE2_SLICES):
+            for d in range(4 * f, 4 * f + 4):
+                part[sl] = fma32(qcat[:, d, None], kcat[None, :, d], part[sl])
+    out = np.zeros(part.shape[1:], F32)
+    for sl in range(AS.TILE2_SLICES):
+        out = (out + part[sl]).astype(F32)
+    return out
+
+
+def half_warp_sum(p):
+    """The butterfly sum over a head's 16 keys (__shfl_xor 8, 4, 2, 1): every lane ends with the same value."""
+    v = p.astype(F32).copy()
+    lanes = np.arange(p.shape[1])
+    for o in (8, 4, 2, 1):
+        v = (v + v[:, lanes ^ o]).astype(F32)
+    return v[:, 0]
+
+
+def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, cnt=None, T_dev=None, kernel="part"):
     """ctx [S, nh, Lkv] as the part + combine kernels compute it, in fp32. Blocks whose chunk starts at or past the
-    row's n return; the combine reads min(nchunk, ceil(n / chunk)) partials; nchunk == 1 normalises in the block."""
+    row's n return; the combine reads min(nchunk, ceil(n / chunk)) partials; nchunk == 1 normalises in the block.
+    kernel="tile": mla_attend_tile's order instead -- the split-K score dot (tile_scores), the tile's sum as a
+    half-warp butterfly, the context an fmaf chain over the tile's keys after the rescale."""
     nh, Lkv = qa.shape[1], qa.shape[2]
     scale = F32(scale)
     ctx = np.full((S, nh, Lkv), np.nan, F32)
@@ -55,13 +88,23 @@ def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, c
                 lt = np.zeros((AS.TILE_KEYS, Lkv), F32)             # absent keys are zero rows
                 pt = np.zeros((AS.TILE_KEYS, kpe.shape[1]), F32)
                 lt[:nt], pt[:nt] = lat[tk], kpe[tk]
-                sc = ((qa[s] @ lt.T + qpe[s] @ pt.T) * scale).astype(F32)    # [nh, TK]
+                if kernel == "tile":
+                    sc = (tile_scores(np.concatenate([qa[s], qpe[s]], 1), np.concatenate([lt, pt], 1)) * scale)
+                else:
+                    sc = ((qa[s] @ lt.T + qpe[s] @ pt.T) * scale)
+                sc = sc.astype(F32)                                 # [nh, TK]
                 sc[:, nt:] = -np.inf
                 mn = np.maximum(m, sc.max(axis=1))
                 corr = np.exp(m - mn).astype(F32)
                 p = np.exp(sc - mn[:, None]).astype(F32)
-                l = (l * corr + p.sum(axis=1)).astype(F32)
-                cv = (cv * corr[:, None] + p @ lt).astype(F32)
+                if kernel == "tile":
+                    l = fma32(l, corr, half_warp_sum(p))
+                    cv = (cv * corr[:, None]).astype(F32)
+                    for r in range(AS.TILE2_KEYS):
+                        cv = fma32(p[:, r, None], lt[None, r], cv)
+                else:
+                    l = (l * corr + p.sum(axis=1)).astype(F32)
+                    cv = (cv * corr[:, None] + p @ lt).astype(F32)
                 m = mn
             if nchunk == 1:
                 ctx[s] = cv / l[:, None]
@@ -115,8 +158,9 @@ CASES = [  # S, nh, Lkv, dr, T, masking
 ]
 
 
+@pytest.mark.parametrize("kernel", ["part", "tile"])
 @pytest.mark.parametrize("S,nh,Lkv,dr,T,masking", CASES)
-def test_split_emulation_matches_the_float64_attention(S, nh, Lkv, dr, T, masking):
+def test_split_emulation_matches_the_float64_attention(S, nh, Lkv, dr, T, masking, kernel):
     rng = np.random.default_rng(S * 1000 + T)
     qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, T)
     start = T - S
@@ -133,7 +177,7 @@ def test_split_emulation_matches_the_float64_attention(S, nh, Lkv, dr, T, maskin
         n_max = k
     chunk, nchunk = AS.split_chunks(n_max, S, nh, Lkv, sm_count=132)
     scale = (Lkv + dr) ** -0.5
-    got = emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx, cnt)
+    got = emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx, cnt, kernel=kernel)
     want, tol = reference64(qa, qpe, lat, kpe, scale, S, start, idx, cnt)
     assert np.isfinite(got).all()
     assert (np.abs(got - want) <= tol).all(), float((np.abs(got - want) / tol).max())
@@ -228,3 +272,34 @@ def test_constants_are_the_kernels():
     assert int(defs["ATT_TK"]) == AS.TILE_KEYS
     assert int(defs["ATT_HPW"]) == AS.HEADS_PER_WARP
     assert int(defs["ATT_WARPS"]) == AS.WARPS
+
+
+def test_tile_kernel_at_glm5_decode_shape_matches_the_float64_attention():
+    """mla_attend_tile's order at GLM-5's decode shape (Lkv 512, rope 64: 144 float4 columns over 16 slices, 9 each)
+    for one head group over 2 chunks of the default size, the second one short (a zero-filled tile)."""
+    rng = np.random.default_rng(5)
+    S, nh, Lkv, dr, T = 1, 16, 512, 64, 100
+    qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, T)
+    qa *= 0.05                                              # scores of a few units, as a trained model's
+    chunk, nchunk = AS.split_chunks(T, S, nh, Lkv, sm_count=132, chunk=64)
+    assert (chunk, nchunk) == (64, 2)
+    got = emulate_split(qa, qpe, lat, kpe, 1 / 24, chunk, nchunk, S, T - S, kernel="tile")
+    want, tol = reference64(qa, qpe, lat, kpe, 1 / 24, S, T - S)
+    assert (np.abs(got - want) <= tol).all()
+
+
+def test_tile_constants_are_the_kernels_and_share_the_part_kernels_cutting():
+    """The tile kernel reuses split_chunks, head_groups and attn_span (coli/gpu/graphs.py): only right while its
+    tiles and head groups are the part kernel's."""
+    src = (kernels_dir() / "attention.cu").read_text()
+    defs = dict(re.findall(r"#define (AT2_\w+) (\d+)", src))
+    assert int(defs["AT2_TK"]) == AS.TILE2_KEYS == AS.TILE_KEYS
+    assert int(defs["AT2_HB"]) == AS.TILE2_HEADS == AS.HEADS_PER_BLOCK
+    assert int(defs["AT2_KS"]) == AS.TILE2_SLICES
+    assert int(defs["AT2_THREADS"]) == AS.TILE2_THREADS
+    # thread ownership covers each output once: scores (slice, 4 heads x 4 keys) per thread, context 8 heads x 4
+    # dims per thread over Lkv <= 512
+    assert AS.TILE2_SLICES * 16 == AS.TILE2_THREADS and AS.TILE2_HEADS * AS.TILE2_KEYS == AS.TILE2_THREADS
+    assert (AS.TILE2_THREADS // 128) * 8 == AS.TILE2_HEADS
+    for D in (48, 128, 576):
+        assert AS.tile_row_stride(D) % 32 == 4 and AS.tile_row_stride(D) >= D

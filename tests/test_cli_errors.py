@@ -74,6 +74,8 @@ def _one_error_line(rc: int, lines: list[str]) -> str:
     (["plan", "--preset", "glm5", "--vram-gb", "abc"], "Invalid value for '--vram-gb'"),
     (["convert"], "Missing argument 'src'"),
     (["nosuch"], "No such command 'nosuch'"),
+    (["up", "--max-batch", "0"], "Invalid value for '--max-batch'"),
+    (["up", "--step-tokens", "0"], "Invalid value for '--step-tokens'"),
 ])
 @pytest.mark.timeout(60)
 def test_usage_errors_are_one_line_naming_the_option(args, needle, tmp_path):

@@ -48,8 +48,9 @@ def _backend(attn="auto", gemv="v2"):
     from coli.gpu.cuda_backend import CudaBackend
     gb = CudaBackend.__new__(CudaBackend)
     gb.rt, gb.busy = _RecordingRuntime(), None
-    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels = attn, None, gemv
+    gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels, gb.gemv_ks = attn, None, gemv, None
     gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
+    gb.prefill_kernels, gb._pf_usable = "mma", True    # S > 1: int4 on the tensor cores (no module to compile here)
     return gb
 
 
@@ -60,7 +61,9 @@ def _weight(gb, rows, cols, fmt, group=64):
 
 
 @pytest.mark.parametrize("attn,want", [
-    ("auto", ["gemv_t_int8", "mla_attend_part_16", "mla_attend_combine", "gemv2_int8"]),
+    ("auto", ["mla_qabs_int8", "mla_attend_tile2", "mla_attend_combine4", "mla_o_int8"]),
+    ("tile1", ["mla_qabs_int8", "mla_attend_tile1", "mla_attend_combine4", "mla_o_int8"]),
+    ("split2", ["gemv_t_int8", "mla_attend_part_16", "mla_attend_combine", "gemv2_int8"]),
     ("split1", ["gemv_t_int8", "mla_attend_part1_16", "mla_attend_combine", "gemv2_int8"]),
     ("v1", ["gemm_nn_int8", "mla_attend_16", "gemm_nt_int8"]),
 ])
@@ -83,6 +86,8 @@ def test_glm5_decode_attention_launches(attn, want, masking):
     if attn != "v1":
         part = gb.rt.launches[1]
         assert part[1] == (32, 4, 1) and part[2] == 256       # 32 chunks of 64 keys x 4 head groups: one wave
+    if attn in ("auto", "tile1"):                             # the projections: 4 (q_abs) and 8 (o) blocks per head
+        assert gb.rt.launches[0][1] == (4, nh) and gb.rt.launches[3][1] == (8, nh)
 
 
 def test_one_chunk_needs_no_combine():
@@ -92,7 +97,25 @@ def test_one_chunk_needs_no_combine():
     lat, kpe = gb.rt.empty((40, 32)), gb.rt.empty((40, 16))
     gb.attn_chunk = 4096
     gb.attend_core(q_abs, q, 32, lat, kpe, DeviceMask(40, 40, 0), 0.1)
-    assert [x[0] for x in gb.rt.launches] == ["mla_attend_part_1"]
+    assert [x[0] for x in gb.rt.launches] == ["mla_attend_tile2"]
+
+
+@pytest.mark.parametrize("optin,want", [(232448, "mla_attend_tile2"), (101376, "mla_attend_tile1"),
+                                        (65536, "mla_attend_part_16")])
+def test_auto_takes_the_tile_kernel_the_devices_shared_memory_allows(optin, want):
+    """An H100/H200 block can have 227 KB of shared memory (tile2's two key buffers: 129 KB at GLM-5's shape), an
+    sm_86/89 block 99 KB (tile1's one buffer: 92 KB); below that the part kernel (41 KB)."""
+    from coli.gpu import attention_split as AS
+    from coli.gpu.cuda_backend import DeviceMask
+    assert AS.tile_smem_bytes(512, 64, 2) > 101376 >= AS.tile_smem_bytes(512, 64, 1) > 65536
+    gb = _backend()
+    gb.rt.smem_optin = optin
+    q_abs, q = gb.rt.empty((1, 64, 512)), gb.rt.empty((1, 64, 256))
+    lat, kpe = gb.rt.empty((2048, 512)), gb.rt.empty((2048, 64))
+    gb.attend_core(q_abs, q, 192, lat, kpe, DeviceMask(1, 2048, 2047), 0.1)
+    names = [x[0] for x in gb.rt.launches]
+    assert names == [want, "mla_attend_combine" if want.startswith("mla_attend_part") else "mla_attend_combine4"]
+    assert gb.rt.launches[0][3] <= optin
 
 
 def test_misaligned_cache_takes_the_first_version():
@@ -126,7 +149,46 @@ def test_a_kernel_version_setting_must_name_a_version():
     from coli.errors import ColiError
     from coli.gpu.cuda_backend import ATTN_VERSIONS, GEMV_VERSIONS, kernel_choice
     assert kernel_choice("COLI_ATTN_KERNELS", "split1", ATTN_VERSIONS) == "split1"
-    with pytest.raises(ColiError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, split1, v1"):
+    with pytest.raises(ColiError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, tile1, split2, split1, v1"):
         kernel_choice("COLI_ATTN_KERNELS", "v2", ATTN_VERSIONS)
     with pytest.raises(ColiError, match="COLI_GEMV_KERNELS='fast'"):
         kernel_choice("COLI_GEMV_KERNELS", "fast", GEMV_VERSIONS)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
+    """linear_many at one token (COLI_GEMV_KERNELS=v3): q_a | kv_a | indexer wk of the dense core's format in one
+    gemv2x launch, the f32 weights_proj alone; q_b | wq_b in one. v2 launches each matrix alone; a prefill (S > 1)
+    takes a GEMM per matrix (int4 on the tensor cores where its rows fill their blocks: q_a, not kv_a's 576); a group
+    gemv2 cannot find by a shift leaves them apart."""
+    H, Lq = 6144, 2048
+    for gemv, want_x, want_q in (("v3", [f"gemv2x_{fmt}", "gemv2_f32"], [f"gemv2x_{fmt}"]),
+                                 ("v2", [f"gemv2_{fmt}"] * 3 + ["gemv2_f32"], [f"gemv2_{fmt}"] * 2)):
+        gb = _backend(gemv=gemv)
+        of_x = [_weight(gb, 2048, H, fmt), _weight(gb, 576, H, fmt), _weight(gb, 128, H, fmt), _weight(gb, 32, H, "f32")]
+        outs = gb.linear_many(gb.rt.empty((1, H)), of_x)
+        assert [o.shape for o in outs] == [(1, 2048), (1, 576), (1, 128), (1, 32)]
+        assert len({o.ptr for o in outs}) == 4
+        assert [x[0] for x in gb.rt.launches] == want_x
+        if gemv == "v3":
+            name, grid, block, smem = gb.rt.launches[0]
+            # 1,376 row pairs at ks 1 (8 pairs per block, gemv2_split): 172 groups, one round on 264 resident blocks
+            assert grid == (172,) and block == 256 and smem == 6144 * 4
+        gb.rt.launches.clear()
+        gb.linear_many(gb.rt.empty((1, Lq)), [_weight(gb, 16384, Lq, fmt), _weight(gb, 4096, Lq, fmt)])
+        assert [x[0] for x in gb.rt.launches] == want_q
+    gb = _backend(gemv="v3")
+    gb.linear_many(gb.rt.empty((5, H)), [_weight(gb, 2048, H, fmt), _weight(gb, 576, H, fmt)])
+    want_s5 = ["pf_split_rows", "pf_linear_int4", "gemm_nt_int4"] if fmt == "int4" else [f"gemm_nt_{fmt}"] * 2
+    assert [x[0] for x in gb.rt.launches] == want_s5
+    if fmt == "int4":
+        gb = _backend(gemv="v3")
+        gb.linear_many(gb.rt.empty((1, H)), [_weight(gb, 2048, H, fmt, 256), _weight(gb, 576, H, fmt, 256)])
+        assert [x[0] for x in gb.rt.launches] == ["gemv_int4"] * 2
+
+
+def test_linear_many_checks_every_width():
+    gb = _backend(gemv="v3")
+    with pytest.raises(ValueError, match=r"linear_many: input of width 6144 for a weight of shape \[576, 512\]"):
+        gb.linear_many(gb.rt.empty((1, 6144)), [_weight(gb, 2048, 6144, "int8"), _weight(gb, 576, 512, "int8")])
+    assert gb.rt.launches == []

@@ -44,13 +44,20 @@ def test_every_row_chunk_is_read_once(N, nchunks, grid, ks):
 
 
 def test_split_choice_at_glm5_shapes():
-    sms = 132
-    assert gemv2_split(256, 6144 * 4 // 16, sms) == 8          # router, f32
-    assert gemv2_split(2048, 6144 // 2 // 16, sms) == 2        # q_a, int4
-    assert gemv2_split(576, 6144 // 16, sms) == 4              # kv_a, int8
-    assert gemv2_split(6144, 16384 // 2 // 16, sms) == 1       # o_proj: rows enough
+    """The choices the H200's forced-ks sweep measured best (gemv2_split's docstring), on its 264 resident blocks."""
+    blocks = 264
+    assert gemv2_split(256, 6144 * 4 // 16, blocks) == 8          # router, f32
+    assert gemv2_split(2048, 6144 // 2 // 16, blocks) == 2        # q_a, int4
+    assert gemv2_split(576, 6144 // 16, blocks) == 4              # kv_a, int8
+    assert gemv2_split(6144, 16384 // 2 // 16, blocks) == 2       # o_proj int4: 384 groups at ks 1 = 1.45 rounds
+    assert gemv2_split(6144, 16384 // 16, blocks) == 2            # o_proj int8
+    assert gemv2_split(16384, 2048 // 2 // 16, blocks) == 1       # q_b int4: 64 chunks, no room to split
+    assert gemv2_split(2048 + 576 + 128, 6144 // 16, blocks) == 1  # q_a | kv_a | wk in one gemv2x launch, int8
+    assert gemv2_split(2048 + 576 + 128, 6144 // 2 // 16, blocks) == 1
+    assert gemv2_split(16384 + 4096, 2048 // 16, blocks) == 1     # q_b | wq_b, int8: a tie -> the smaller ks
+    assert gemv2_split(256, 512 // 16, 4) == 1                    # MLA's o per head: 64 heads share the blocks
     for N, nc in [(256, 1536), (2048, 192), (5, 64), (100, 1)]:
-        ks = gemv2_split(N, nc, sms)
+        ks = gemv2_split(N, nc, blocks)
         assert ks in (1, 2, 4, 8) and (ks == 1 or nc // ks >= 64)   # >= 2 chunks per lane per segment
 
 
@@ -63,3 +70,54 @@ def test_gemv2_fits_needs_aligned_x_and_a_shift_group():
 def test_warps_constant_is_the_kernels():
     src = (kernels_dir() / "gemv.cu").read_text()
     assert int(re.search(r"#define GEMV2_WARPS (\d+)", src).group(1)) == GEMV2_WARPS
+
+
+def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int) -> list[np.ndarray]:
+    """gemv2x_<fmt>'s pair numbering (Gemv2Many in gemv.cu, transliterated): pairs matrix after matrix, pend the running
+    sum of ceil(rows / 2); which(p) the first matrix whose running sum exceeds p. -> per matrix, int [rows, nchunks]:
+    how many times each (row, chunk) is read; and the writes per row."""
+    pend = np.cumsum([(r + 1) // 2 for r in rows]).tolist()
+    seen = [np.zeros((r, nchunks), int) for r in rows]
+    writes = [np.zeros(r, int) for r in rows]
+    P = GEMV2_WARPS // ks
+    cps = -(-nchunks // ks)
+    ngroups = -(-pend[-1] // P)
+
+    def which(p):
+        m = 0
+        while m + 1 < len(rows) and p >= pend[m]:
+            m += 1
+        return m, p - (pend[m - 1] if m else 0)
+
+    for b in range(grid):
+        for warp in range(GEMV2_WARPS):
+            pp, seg = divmod(warp, ks)
+            c_lo = min(nchunks, seg * cps)
+            c_hi = min(nchunks, c_lo + cps)
+            for g in range(b, ngroups, grid):
+                p = g * P + pp
+                if p >= pend[-1]:
+                    continue
+                m, lp = which(p)
+                for r in {2 * lp, min(2 * lp + 1, rows[m] - 1)}:
+                    seen[m][r, c_lo:c_hi] += 1
+                if seg == 0:                                   # the segment-0 warp writes the pair's rows
+                    writes[m][2 * lp] += 1
+                    if 2 * lp + 1 < rows[m]:
+                        writes[m][2 * lp + 1] += 1
+    return seen, writes
+
+
+@pytest.mark.parametrize("rows,nchunks,grid", [([2048, 576, 128], 384, 264), ([16384, 4096], 128, 264),
+                                               ([7, 1, 33, 2], 4, 3), ([1, 1], 1, 1), ([5, 9], 25, 200)])
+@pytest.mark.parametrize("ks", [1, 2, 4, 8])
+def test_gemv2x_reads_every_row_chunk_of_every_matrix_once(rows, nchunks, grid, ks):
+    seen, writes = coverage_many(rows, nchunks, ks, grid)
+    for s, w in zip(seen, writes):
+        assert (s == 1).all() and (w == 1).all()
+
+
+def test_gemv2x_limit_is_the_kernels():
+    from coli.gpu.cuda_backend import GEMV2X_MAX
+    src = (kernels_dir() / "gemv.cu").read_text()
+    assert int(re.search(r"#define GEMV2X_MAX (\d+)", src).group(1)) == GEMV2X_MAX

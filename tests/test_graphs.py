@@ -268,7 +268,7 @@ def test_a_captured_step_sizes_the_split_attention_by_its_span():
         w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
         q, lat, kpe = gb.rt.empty((1, nh, dn + dr)), gb.rt.empty((T, L)), gb.rt.empty((T, dr))
         gb.mla_attend(q, lat, kpe, w_kb, w_vb, mask(gb), 0.1)
-        return next(g for name, g, _, _ in gb.rt.launches if name.startswith("mla_attend_part"))
+        return next(g for name, g, _, _ in gb.rt.launches if name.startswith(("mla_attend_part", "mla_attend_tile")))
 
     listed = lambda gb: DeviceMask(1, T, T - 1, gb.rt.empty((1, topk), np.int32), gb.rt.empty((1,), np.int32), topk)  # noqa: E731
     span = attn_span(T, topk, nh, L, 132)

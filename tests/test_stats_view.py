@@ -48,3 +48,24 @@ def test_mtp_rows_show_tokens_per_step_and_acceptance_per_position():
     t = table(now, prev)
     assert t[("MTP drafts", "tokens per step")].strip() == "1.80"
     assert t[("", "acceptance per position")] == "60.0 % / 20.0 %"
+
+
+def test_the_batch_shows_running_and_waiting_sequences_tokens_per_step_and_the_prefill_share():
+    prev = {"executor": {"t": 10.0, "steps": 100, "rows": 300, "prefill_tokens_fed": 500, "decode_tokens_fed": 300}}
+    now = {"executor": {"t": 12.0, "steps": 150, "rows": 550, "prefill_tokens_fed": 600, "decode_tokens_fed": 700,
+                        "batch_running": 5, "batch_waiting": 1, "max_batch": 8},
+           "supervisor": {"queued": 3, "running": 6}}
+    t = table(now, prev, device="numpy")
+    assert t[("batch", "running / waiting")] == "5 / 4 (max 8)"     # waiting: 1 at the executor + 3 held back
+    assert t[("", "tokens per step")] == "10.0"                      # (100 + 400) tokens over 50 steps
+    assert t[("", "sequences per step")] == "5.0"
+    assert t[("", "prefill / decode tokens")] == "20 % / 80 %"
+    since_start = table(now, device="numpy")                        # no previous snapshot: the averages so far
+    assert since_start[("", "tokens per step")] == "8.7" and since_start[("", "prefill / decode tokens")] == "46 % / 54 %"
+
+
+def test_cpu_busy_counts_a_batched_step_once_not_once_per_request():
+    prev = {"executor": {"t": 10.0, "step_s": 1.0, "prefill_s": 0.0, "decode_s": 1.0, "wait_s": 0.0}}
+    # 4 requests decoding in the same steps for 1 s: their decode times add up to 4 s, the engine was busy 1 s of 2
+    now = {"executor": {"t": 12.0, "step_s": 2.0, "prefill_s": 0.0, "decode_s": 5.0, "wait_s": 0.0}}
+    assert table(now, prev, device="numpy")[("CPU compute (numpy)", "busy")].strip() == "50.0 %"

@@ -71,7 +71,9 @@ class SliceOptions:
     experts: int | None = None      # routed experts per layer; None: the preset's (256 for glm5)
     fmt: str = "int4"               # routed expert format
     group: int = 64
-    dense_fmt: str = "bf16"         # dense core format (norms, routers, biases, weights_proj stay f32)
+    # dense core format (norms, routers, biases, weights_proj stay f32): what `coli convert` stores by default, so a
+    # benchmark's dense layer reads the bytes a user's converted model reads (bf16 reads 2x int8's, 3.8x int4's)
+    dense_fmt: str = ConvertOptions.dense
     tile_kb: int = 512
     trace: str = "glm52"            # 'uniform' | 'glm52' | a recorded trace file
     tokens: int | None = None       # trace tokens; None: 256 (synthetic) or all of FILE

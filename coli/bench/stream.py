@@ -392,6 +392,8 @@ class _Runner:
             # the first three timed tokens, per lane (demand copies, speculative copies, compute spans)
             cut = 1e6 * sum(times[:3])
             row["timeline"] = [e for e in vx.timeline if e["t0_us"] <= cut]
+            from coli.bench.layer_timeline import summarise_phases
+            row["layer_phases"] = summarise_phases(vx.timeline)         # every timed token: where the layer goes
         if nvme is not None:
             b0, s0 = marks["nvme"]
             row["nvme_raw"] = {"bytes": nvme.bytes_read - b0, "read_s": nvme.read_s - s0,
@@ -446,7 +448,8 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
                                             tile.get("tile_us"))
         out["vram_slots"] = raw.get("vram_slots", c.get("vram_slots"))
         out["spec"] = {k: c.get(k) for k in ("spec_loads", "spec_copies", "spec_used", "spec_wasted",
-                                             "spec_cancelled", "stale_copies", "spec_copy_s")}
+                                             "spec_cancelled", "stale_copies", "spec_copy_s", "spec_handoffs",
+                                             "spec_handoff_bytes")}
     if "nvme_raw" in raw:
         nv = raw["nvme_raw"]
         wall = sum(raw["token_s"])
@@ -503,12 +506,15 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             res["h2d_peak"] = ceil
         except Exception as e:   # noqa: BLE001
             res["notes"].append(f"h2d_peak failed: {type(e).__name__}: {e}")
-        try:
-            od = cmod.odirect_read_peak(str(r.reader.expert_paths[0]))
-            res["odirect_peak"] = od
-            nvme_peak = od.get("best_GBps")
-        except Exception as e:   # noqa: BLE001
-            res["notes"].append(f"odirect_read_peak failed: {type(e).__name__}: {e}")
+        if not {"disk", "budget"} & set(names):    # only the disk-fed rows use it; the probe takes ~27 s
+            res["notes"].append("O_DIRECT read peak not measured: no disk-fed scenario (disk, budget) asked for")
+        else:
+            try:
+                od = cmod.odirect_read_peak(str(r.reader.expert_paths[0]))
+                res["odirect_peak"] = od
+                nvme_peak = od.get("best_GBps")
+            except Exception as e:   # noqa: BLE001
+                res["notes"].append(f"odirect_read_peak failed: {type(e).__name__}: {e}")
     # capacity scaling
     full = PRESETS["glm5"]
     fdense = full_dense_bytes(r.dense_bytes, r.head_bytes, r.L, r.cfg.vocab_size)
@@ -673,6 +679,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             row["graphs"] = raw["graphs"]
         if raw.get("timeline"):
             row["timeline"] = raw["timeline"]
+        if raw.get("layer_phases"):
+            row["layer_phases"] = raw["layer_phases"]
         res["rows"].append(row)
     _spec_delays(res, raws, ceil, tile_kb)
     if peer_row is not None:
@@ -828,5 +836,14 @@ def print_table(res: dict, report: Callable[[str], None] = print) -> None:
         t.add_row(*cells)
     Console(stderr=False).print(t)
     report("* " + res["extrapolation"])
+    for row in res["rows"]:
+        lp = row.get("layer_phases") or {}
+        if lp.get("layers"):
+            us = lambda k: _f((lp.get(k) or {}).get("mean"), "{:.0f}")   # noqa: E731
+            report(f"{row['scenario']}: per MoE layer (device timeline, {lp['layers']} layers, mean us): router -> "
+                   f"first copy {us('route_to_copy_us')}, gaps {us('gaps_us')}, copies {us('copy_us')}, tail "
+                   f"{us('tail_us')}: overhead {_f(lp.get('overhead_over_copy'), '{:.1%}')} of the copies; demand "
+                   f"lane busy {_f(lp.get('demand_busy_of_wall'), '{:.0%}')} of the wall; host between tokens "
+                   f"{us('token_gap_us')}")
     for n in res.get("notes", []) + (res.get("scaling") or {}).get("notes", []):
         report(f"note: {n}")

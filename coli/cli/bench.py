@@ -21,7 +21,7 @@ bench_app = typer.Typer(
 
 MAKE_SLICE_HELP = """Write a GLM-5-shaped slice: a ColiStream container with GLM-5's real dimensions (hidden 6144, 256 experts of 3 x 2048 x 6144, top-8, the real MLA/indexer shapes, a shared expert) and random weights, for L MoE layers (first_k_dense_replace = 0).
 
-Every expert record has the real size (20,054,016 B at int4 g64), so a layer's experts weigh 5.13 GB; the dense core adds about 4 GB at bf16 with the real vocabulary (--vocab shrinks it). The size is printed and the free space checked before anything is written.
+Every expert record has the real size (20,054,016 B at int4 g64), so a layer's experts weigh 5.13 GB; the dense core adds about 2 GB at int8 (`coli convert`'s default, --dense-format) with the real vocabulary (--vocab shrinks it). The size is printed and the free space checked before anything is written.
 
 The slice stores its routing (--trace) as DIR/bench_trace.trace, a routing trace in the coli.trace format; coli.bench.trace_router.TraceRouting makes a model route by it. The container passes coli verify and opens with ContainerReader like a converted one. It is written to DIR.tmp and renamed to DIR once complete.
 """
@@ -37,9 +37,11 @@ def make_slice(
                                                                   "preset's, 256 for glm5)."),
     fmt: str = typer.Option("int4", "--format", help="Routed expert format: int4 | int8 | int2 | bf16 | f32."),
     group: int = typer.Option(64, "--group", help="Inputs per scale group for int4/int2: 32 | 64 | 128."),
-    dense_fmt: str = typer.Option("bf16", "--dense-format", help="Dense core format: int4 | int8 | int2 | bf16 | "
-                                                                 "f32 (norms, routers, biases and the indexer's "
-                                                                 "weights_proj stay f32)."),
+    dense_fmt: str = typer.Option("int8", "--dense-format",
+                                  help="Dense core format: int4 | int8 | int2 | bf16 | f32; the default is `coli "
+                                       "convert --dense`'s, so the slice's dense layer reads what a converted "
+                                       "model's does (norms, routers, biases and the indexer's weights_proj stay "
+                                       "f32)."),
     trace: str = typer.Option("glm52", "--trace", help="Routing to store: uniform | glm52 (synthetic, "
                                                        "coli.traces_synth) | FILE (a recorded routing trace, "
                                                        "mapped onto the slice's layers)."),

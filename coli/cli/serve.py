@@ -126,24 +126,18 @@ def serve(
                                            help="Tokens a streaming client may leave unread before its request "
                                                 "is stopped with a client_too_slow error."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
-    mtp: Optional[str] = typer.Option(None, "--mtp", metavar="off|on|N|auto",
-                                      help="MTP speculative decoding for HTTP requests without an \"mtp\" field "
-                                           "(default: the run's coli up --mtp; docs/mtp.md)."),
 ) -> None:
     """Serve a run over HTTP: OpenAI-compatible /v1/chat/completions (tools, reasoning), /v1/completions,
     /v1/models, the Anthropic Messages API /v1/messages, plus /health and /metrics (Prometheus) and a web
     console at /. The API key can come from --api-key, COLI_API_KEY or --api-key-file."""
     _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
-           max_request_mb, max_stream_backlog, log_level, mtp)
+           max_request_mb, max_stream_backlog, log_level)
 
 
 @clean_errors
 def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
-           max_request_mb, max_stream_backlog, log_level, mtp=None):
+           max_request_mb, max_stream_backlog, log_level):
     import uvicorn
-
-    from coli.model.mtp import mtp_mode
-    mtp = mtp_mode(mtp) if mtp is not None else None    # a bad --mtp is refused before anything listens
 
     from coli.serve.client import Client, RunNotFound
     from coli.serve.gateway import Gateway, GatewayConfig, create_app
@@ -167,7 +161,7 @@ def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wa
     log = configure_logging(RunDir(name, create=False).log_path("gateway"), "gateway", log_level)
     cfg = GatewayConfig(run_name=name, api_key=api_key, model_id=model_name, default_max_tokens=default_max_tokens,
                         token_timeout=token_timeout, max_body_bytes=int(max_request_mb * (1 << 20)),
-                        max_stream_backlog=max_stream_backlog, mtp=mtp)
+                        max_stream_backlog=max_stream_backlog)
     gw = Gateway(cfg, log)
     app = create_app(cfg, log, gw)
     try:

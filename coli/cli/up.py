@@ -13,6 +13,7 @@ import typer
 
 from coli.cli.common import clean_errors, fail
 from coli.errors import ColiError
+from coli.stages.executor.batch_defaults import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -50,13 +51,15 @@ def up(
     pilot: str = typer.Option("off", "--pilot", metavar="off|on|N",
                               help="Router lookahead: prefetch the experts layer l+N will likely use into the RAM tier "
                                    "while layer l computes (on = 1 layer ahead; docs/pilot.md)."),
-    mtp: str = typer.Option("off", "--mtp", metavar="off|on|N|auto",
-                            help="Speculative decoding with the model's MTP draft head for requests that do not "
-                                 "choose (HTTP body field \"mtp\"); lossless (docs/mtp.md)."),
     experts: Optional[str] = typer.Option(None, "--experts", help="When --model is a checkpoint: the routed expert "
                                           "format it is converted to once (default as `coli convert`: int4)."),
     dense: Optional[str] = typer.Option(None, "--dense", help="When --model is a checkpoint: the dense core format "
                                         "(default as `coli convert`: int8)."),
+    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, "--max-batch", min=1,
+                                  help="Sequences the executor runs at once (continuous batching); the rest wait."),
+    step_tokens: int = typer.Option(DEFAULT_STEP_TOKENS, "--step-tokens", min=1,
+                                    help="A step's token budget: one per decoding sequence, the rest for prompt chunks "
+                                         "(bounds inter-token latency while prompts prefill)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
     model = _container_for(model, experts, dense)
@@ -68,7 +71,7 @@ def up(
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu, stage_timeout, http or http_shown, mtp)
+            record_routing, pilot, gpu, stage_timeout, http or http_shown, batch=(max_batch, step_tokens))
         ok = True
         if gateway is not None and detach:
             _confirm_gateway(gateway, name, http, startup_timeout)
@@ -152,9 +155,9 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None, mtp="off"):
+        record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None,
+        batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS)):
     from coli.cli.common import require_device
-    from coli.model.mtp import mtp_mode
     from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
     from coli.stages.supervisor.process import RunOptions, run_supervisor
@@ -165,19 +168,17 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
         ahead = parse_pilot(pilot)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    mtp = mtp_mode(mtp)
     if model is not None:
         model = check_model_dir(model, names=True)   # a directory, or a name `coli models` lists
-        if mtp != "off":
-            _require_mtp_layer(model, mtp)
     require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead, gpu, stage_timeout, http, mtp)
+                       record_routing, ahead, gpu, stage_timeout, http, batch)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
-                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http, mtp=mtp)
+                      pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http,
+                      max_batch=batch[0], step_tokens=batch[1])
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -194,36 +195,20 @@ def _say_while_the_terminal_lasts(message: str) -> None:
         pass
 
 
-def _require_mtp_layer(model, mtp: str) -> None:
-    """`--mtp` on a container without the MTP layer: said before any stage starts."""
-    from coli.container.reader import ContainerReader
-    from coli.loader import is_container
-    if not is_container(Path(model)):
-        return                       # a checkpoint is converted first; the executor checks the result
-    r = ContainerReader(model)
-    try:
-        if r.mtp_layer is None:
-            raise ColiError(f"--mtp {mtp}: {model} has no MTP layer (the checkpoint had none, or it was converted "
-                            f"with --no-mtp); run with --mtp off, or convert a checkpoint that has its MTP layer")
-    finally:
-        r.close()
-
-
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None, stage_timeout=5.0, http=None, mtp="off"):
+            pilot=0, gpu=None, stage_timeout=5.0, http=None, batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS)):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
             "--startup-timeout", str(startup_timeout), "--reader-threads", str(reader_threads),
-            "--queue-depth", str(queue_depth), "--log-level", log_level, "--stage-timeout", str(stage_timeout)]
+            "--queue-depth", str(queue_depth), "--log-level", log_level, "--stage-timeout", str(stage_timeout),
+            "--max-batch", str(batch[0]), "--step-tokens", str(batch[1])]
     if model is not None:
         args += ["--model", str(model.resolve())]
     if record_routing is not None:
         args += ["--record-routing", str(record_routing.resolve())]
     if pilot:
         args += ["--pilot", str(pilot)]
-    if mtp != "off":
-        args += ["--mtp", mtp]
     if http:
         args += ["--http-shown", http]  # the gateway is ours to start (done above); the run only records it
     for k, v in (gpu or {}).items():

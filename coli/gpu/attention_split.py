@@ -1,4 +1,5 @@
-"""How the split-context MLA decode (cuda/attention.cu: mla_attend_part_<NJ> + mla_attend_combine) cuts the work:
+"""How the split-context MLA decode (cuda/attention.cu: mla_attend_tile<NBUF> or mla_attend_part_<NJ>, then a combine)
+cuts the work:
 the chunk of key positions one block takes, and whether a launch can take that path at all. Pure host logic (no
 device), so the choice is tested on the CPU and shared by the backend and the benchmark.
 
@@ -17,6 +18,15 @@ THREADS = 32 * WARPS
 COMBINE_THREADS = 128
 PARTIAL_CAP_BYTES = 64 << 20   # bound on the [S, nh, nchunk, Lkv] partial contexts (prefill asks for many rows)
 BLOCKS_PER_SM = 1              # the part kernel's registers (~190 at Lkv 512) leave room for one 256-thread block
+
+
+# mla_attend_tile<NBUF> (the default): the context as two register-tiled products per tile, the same tiles, head groups
+# and chunks as the part kernel (so split_chunks and attn_span serve both), staged with cp.async.
+TILE2_KEYS = 16         # AT2_TK
+TILE2_HEADS = 16        # AT2_HB
+TILE2_SLICES = 16       # AT2_KS: the score dot's D columns (as float4s) split over this many half-warps
+TILE2_THREADS = 256     # AT2_THREADS
+COMBINE4_THREADS = 128  # mla_attend_combine4: a thread per 4 latent dims
 
 
 def head_groups(nh: int) -> int:
@@ -47,6 +57,21 @@ def split_fits(Lkv: int, dr: int, *ptrs: int) -> bool:
     """The part kernel's requirements: 16-byte rows and bases (it stages the cache with float4 loads), rope dim
     <= 64 (two per lane), kv_lora_rank <= 512 (NJ <= 16)."""
     return Lkv % 4 == 0 and dr % 4 == 0 and 0 < dr <= 64 and 0 < Lkv <= 512 and all(p % 16 == 0 for p in ptrs)
+
+
+def tile_row_stride(D: int) -> int:
+    """at2_row_stride(): floats per staged row of D = Lkv + dr values, 4 past a multiple of 32 so that the rows a
+    quarter-warp reads at once sit in different banks."""
+    return -(-D // 32) * 32 + 4
+
+
+def tile_smem_bytes(Lkv: int, dr: int, nbuf: int) -> int:
+    """Dynamic shared memory of mla_attend_tile<nbuf>: the block's queries, nbuf key tiles, the slices' partial
+    scores, the tile's probabilities, and two per-head values (rescale, running sum)."""
+    dp = tile_row_stride(Lkv + dr)
+    floats = (TILE2_HEADS * dp + nbuf * TILE2_KEYS * dp + TILE2_SLICES * TILE2_HEADS * TILE2_KEYS
+              + TILE2_KEYS * TILE2_HEADS + 2 * TILE2_HEADS)
+    return 4 * floats
 
 
 def smem_bytes(Lkv: int, dr: int) -> int:

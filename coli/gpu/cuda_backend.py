@@ -60,16 +60,20 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("attention", f"mla_attend_part_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
         s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
     s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
+    s[("attention", "mla_attend_tile2")] = s[("attention", "mla_attend_tile1")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_combine4")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
         s[("elementwise", f"dequant_{f}")] = QM + "iP"
         s[("gemv", f"gemv_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
+        s[("gemv", f"gemv2x_{f}")] = QM * 4 + "iPPPPPi"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
         s[("gemm", f"gemm_nn_{f}")] = "Pqqi" + QM + "iiiiPqq"
+        s[("attention", f"mla_qabs_{f}")] = s[("attention", f"mla_o_{f}")] = QM + "iiiPqPq"
         s[("gemm", f"moe_gateup_gemm_{f}")] = "PqqiiiiqPPPP"
         s[("gemm", f"moe_down_gemm_{f}")] = "PqiiiiqPPPPPiP"
     # the first version of the fused MoE decode, kept for scripts/bench_kernels.py's old-vs-new comparison
@@ -79,6 +83,11 @@ def _signatures() -> dict[tuple[str, str], str]:
     s[("moe_mma", "moe_split_x4")] = "PiiPPP"
     s[("moe_mma", "moe_gateup_mma_int4")] = "PqqiiiiqiPPPPPPP"
     s[("moe_mma", "moe_down_mma_int4")] = "PqiiiiqiPPPPPi"
+    # int4 prefill (S > 1) on the tensor cores (cuda/prefill_mma.cu)
+    s[("prefill_mma", "pf_split_rows")] = "PiiqPP"
+    s[("prefill_mma", "pf_linear_int4")] = QM + "iPPPq"
+    s[("prefill_mma", "pf_gateup_int4")] = "PqqiiiiqPPPPPP"
+    s[("prefill_mma", "pf_down_int4")] = "PqiiiiqPPPPPPiP"
     return s
 
 
@@ -101,17 +110,34 @@ MMA_MIN_K = 2        # "auto": the tensor-core kernels from this many experts pe
 # Bound the grouped-MoE prefill buffers ([S, K, H] partial outputs) and the indexer's [S, T] scores.
 MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
-# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks (cuda/attention.cu
-# mla_attend_part_<NJ> + mla_attend_combine) where the shapes allow; "split1" the same with the first split kernel
-# (mla_attend_part1_<NJ>: a tile staged in dependent load steps); "v1" the first version (one block per head and
-# row, the projections as tiled GEMMs). The older ones stay for scripts/bench_kernels.py's comparison and bisecting.
+# MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks as two register-tiled
+# products per tile (cuda/attention.cu mla_attend_tile2 + mla_attend_combine4; mla_attend_tile1 where the device's
+# shared memory per block cannot take tile2's two buffers) where the shapes allow; "tile1" always the one-buffer tile
+# kernel; "split2" the previous split kernel (mla_attend_part_<NJ> + mla_attend_combine: a warp per 2 heads,
+# shuffle-summed dots); "split1" the same with the first split kernel (mla_attend_part1_<NJ>: a tile staged in
+# dependent load steps); "v1" the first version (one block per head and row, the projections as tiled GEMMs). The
+# older ones stay for scripts/bench_kernels.py's comparison and bisecting.
 ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
-# Dense decode GEMV: "v2" (default) gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is
-# staged) where it applies, else gemv_<fmt>; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
-GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v2")
+# Dense decode GEMV: "v3" (default) as v2, and the matrices that read the same input (linear_many) in one gemv2x_<fmt>
+# launch; "v2" gemv2_<fmt> (split-K over the warps of a block, weights prefetched before x is staged) where it
+# applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
+GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
-ATTN_VERSIONS = ("auto", "split1", "v1")
-GEMV_VERSIONS = ("v2", "v1")
+# int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE): "mma" (default) on the tensor cores
+# (cuda/prefill_mma.cu) where pf_layout_ok / pf_moe_layout_ok and the shared memory allow, else the fp32 tiled GEMMs;
+# "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
+PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
+PREFILL_VERSIONS = ("mma", "v1")
+# The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
+# chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
+# tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
+PREFILL_CHUNK_BYTES = 1 << 30
+PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
+ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
+MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu); "auto" and "tile1" decode with them
+GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
+GEMV2_ROUND_CHUNKS = 64   # gemv2_split's fixed cost of a round of groups, in chunks of a segment (fitted to the sweep)
+GEMV_VERSIONS = ("v3", "v2", "v1")
 
 
 def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -163,14 +189,26 @@ class CudaBackend:
         self.attn_kernels = kernel_choice("COLI_ATTN_KERNELS", ATTN_KERNELS, ATTN_VERSIONS)   # see ATTN_KERNELS
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
+        self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
+        self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
+        self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
         # (token, position, rope angles, routing) are then read from its device buffer instead of the host
         self.step = None
 
     def graph_decoder(self, model):
         """The replayed decode step for `model` (coli.gpu.graphs.GraphDecoder), or None with COLI_GRAPHS=0."""
+        from coli.gpu.batch_graphs import batch_graphs_enabled
         from coli.gpu.graphs import GraphDecoder, graphs_enabled
+        batch_graphs_enabled()           # a bad COLI_BATCH_GRAPHS fails here, at model load, like COLI_GRAPHS
         return GraphDecoder(model, self) if graphs_enabled() else None
+
+    def batch_graph_decoder(self, model):
+        """The replayed batched decode steps for `model` (coli.gpu.batch_graphs.BatchGraphDecoder), or None unless
+        COLI_BATCH_GRAPHS=1 (and COLI_GRAPHS is not 0)."""
+        from coli.gpu.batch_graphs import BatchGraphDecoder, batch_graphs_enabled
+        from coli.gpu.graphs import graphs_enabled
+        return BatchGraphDecoder(model, self) if batch_graphs_enabled() and graphs_enabled() else None
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def _fn(self, module: str, name: str):
@@ -205,6 +243,19 @@ class CudaBackend:
 
     def rows(self, x: DeviceArray, n: int) -> DeviceArray:
         return x.row_view(0, n)
+
+    def row_range(self, x: DeviceArray, start: int, n: int) -> DeviceArray:
+        if start < 0 or n < 0 or start + n > x.shape[0]:
+            raise ValueError(f"rows {start}..{start + n} of an array of {x.shape[0]}")
+        return x.row_view(start, n)
+
+    def place_rows(self, dst: DeviceArray, start: int, src: DeviceArray) -> None:
+        """dst[start:start+n] = src on the compute stream -- also inside a captured step (a batch's own arrays; the
+        cache write is write_rows)."""
+        row = dst.nbytes // dst.shape[0]
+        if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
+            raise ValueError(f"cannot place rows {src.shape} into {dst.shape} at {start}")
+        self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
 
     # weights in their stored format ------------------------------------------------------------------------
     def weight(self, src: Any, name: str) -> QWeight:
@@ -263,14 +314,87 @@ class CudaBackend:
         return out
 
     def linear(self, x: DeviceArray, w: QWeight) -> DeviceArray:
-        S, K = x.shape
-        if K != w.cols:
-            raise ValueError(f"linear: input of width {K} for a weight of shape [{w.rows}, {w.cols}]")
-        out = self.empty((S, w.rows))
-        if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
-            return out
-        self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
+        _check_width(x, w, "linear")
+        out = self.empty((x.shape[0], w.rows))
+        self._linear_into(x, w, out)
         return out
+
+    def _linear_into(self, x: DeviceArray, w: QWeight, out: DeviceArray) -> None:
+        S, K = x.shape
+        if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
+            return
+        if S > 1 and pf_layout_ok(w.layout) and self._pf_ok(pf_smem(K, w.layout.group)):
+            xq, xm = self._pf_split(x.ptr, S, K)
+            fn = self._fn("prefill_mma", "pf_linear_int4")
+            smem = pf_smem(K, w.layout.group)
+            self.rt.allow_smem(fn, smem)
+            self.rt.launch(fn, (w.rows // PF_ROWS, -(-S // PF_TOKS)), 256, *w.args(), S, xq.ptr, xm.ptr, out.ptr,
+                           w.rows, smem=smem)
+            return
+        self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
+
+    def linear_many(self, x: DeviceArray, ws) -> list[DeviceArray]:
+        """[linear(x, w) for w in ws], the same values. One token with COLI_GEMV_KERNELS=v3 (the default): the matrices
+        of one format, width and group go through gemv2x_<fmt> together, up to GEMV2X_MAX per launch (a decode layer's
+        q_a | kv_a | indexer wk, then q_b | indexer wq_b); the rest (the f32 weights_proj beside an int8 core) alone."""
+        for w in ws:
+            _check_width(x, w, "linear_many")
+        S = x.shape[0]
+        outs = [self.empty((S, w.rows)) for w in ws]
+        done: set[int] = set()
+        if S == 1 and self.gemv_kernels == "v3":
+            for js in gemv2x_groups(ws, x.ptr):
+                if self._gemv_many([ws[j] for j in js], x.ptr, [outs[j].ptr for j in js]):
+                    done.update(js)
+        for j, w in enumerate(ws):
+            if j not in done:
+                self._linear_into(x, w, outs[j])
+        return outs
+
+    def _gemv_many(self, ws: list[QWeight], x: int, ys: list[int]) -> bool:
+        """ys[m] = W_m x for 2..GEMV2X_MAX matrices of one format, width and group in one gemv2x launch; False when it
+        does not fit (shared memory)."""
+        w0 = ws[0]
+        fn = self._fn("gemv", f"gemv2x_{w0.fmt}")
+        smem = w0.layout.row_data_bytes // 16 * _chunk_vals(w0.fmt) * 4
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        rows = sum(w.rows for w in ws)
+        pairs = sum(-(-w.rows // 2) for w in ws)
+        resident = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem))
+        ks = self.gemv_ks or gemv2_split(rows, w0.layout.row_data_bytes // 16, resident)
+        groups = -(-pairs // (GEMV2_WARPS // ks))
+        blocks = min(groups, resident)
+        unused = (0, 0, w0.cols, w0.layout.group or 32, 1, 0)      # a slot past nm: never read
+        mats = [a for m in range(GEMV2X_MAX) for a in (ws[m].args() if m < len(ws) else unused)]
+        outs = [ys[m] if m < len(ws) else 0 for m in range(GEMV2X_MAX)]
+        self.rt.launch(fn, (blocks,), GEMV_THREADS, *mats, len(ws), x, *outs, ks, smem=smem)
+        return True
+
+    # ---- int4 prefill on the tensor cores (cuda/prefill_mma.cu) ------------------------------------------------
+    def _pf_ok(self, smem: int) -> bool:
+        """The tensor-core prefill applies: chosen (prefill_kernels), its shared memory fits this device, and its
+        module compiles here (checked once; a toolkit that rejects it leaves the fp32 GEMMs, not the CPU)."""
+        if self.prefill_kernels != "mma" or smem > self.rt.smem_optin:
+            return False
+        if self._pf_usable is None:
+            try:
+                self.rt.module("prefill_mma")
+                self._pf_usable = True
+            except CudaError as e:
+                self._pf_usable = False
+                logging.getLogger("coli.cuda").warning("tensor-core prefill kernels unavailable, using the fp32 "
+                                                       "GEMMs: %s", str(e)[:300])
+        return self._pf_usable
+
+    def _pf_split(self, x: int, R: int, C: int) -> tuple[DeviceArray, DeviceArray]:
+        """x [R, C] fp32 at device address x -> its int8 parts and metadata (prefill_mma.cu's split layout)."""
+        nblk = R * (C // 64)
+        xq = self.rt.empty((nblk * 256,), np.uint8)
+        xm = self.rt.empty((nblk * 12,), np.int32)
+        fn = self._fn("prefill_mma", "pf_split_rows")
+        self.rt.launch(fn, (-(-nblk // 8),), 256, x, R, C, C, xq.ptr, xm.ptr)
+        return xq, xm
 
     def split_cols(self, x: DeviceArray, n: int) -> tuple[DeviceArray, DeviceArray]:
         S, D = x.shape
@@ -312,9 +436,10 @@ class CudaBackend:
         if self.gemv_kernels != "v1" and gemv2_fits(w.fmt, w.layout.group, x, x_z):
             fn = self._fn("gemv", f"gemv2_{w.fmt}")
             if self.rt.allow_smem(fn, smem):
-                ks = gemv2_split(N, w.layout.row_data_bytes // 16, self.rt.sm_count)
+                per_z = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z)
+                ks = self.gemv_ks or gemv2_split(N, w.layout.row_data_bytes // 16, per_z)
                 groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
-                blocks = min(groups, max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z))
+                blocks = min(groups, per_z)
                 self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
                 return True
         fn = self._fn("gemv", f"gemv_{w.fmt}")
@@ -344,7 +469,9 @@ class CudaBackend:
         decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
-        if not (decode and self._gemv_t(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh, q.ptr, dq, q_abs.ptr, Lkv)):
+        proj = self.attn_kernels in ("auto", "tile1")     # the projections' own kernels (else the GEMVs)
+        if not (decode and (self._mla_qabs if proj else self._gemv_t)(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh,
+                                                                       q.ptr, dq, q_abs.ptr, Lkv)):
             self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
                        q_abs.ptr, nh * Lkv, Lkv, nh)
         # a captured step (coli/gpu/graphs.py) sizes the split by attn_span: the same chunks as the eager step at this T
@@ -352,7 +479,8 @@ class CudaBackend:
         ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max)
         # o[s, h] = ctx[s, h] @ w_vb[h].T                                       [S, nh * dv] head-major
         o = self.empty((S, nh * dv))
-        if not (decode and self._gemv(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh, ctx.ptr, Lkv, o.ptr, dv)):
+        if not (decode and (self._mla_o if proj else self._gemv)(w_vb.w, w_vb.row_off, w_vb.head_stride, dv, nh,
+                                                                 ctx.ptr, Lkv, o.ptr, dv)):
             self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
                        o.ptr, nh * dv, dv, nh)
         return o
@@ -381,23 +509,60 @@ class CudaBackend:
         if n_max is None:
             n_max = mask.kmax if mask.idx is not None else mask.start + S
         chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
-        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
-        smem = attention_split.smem_bytes(Lkv, dr)
-        if not self.rt.allow_smem(fn, smem):
-            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        fn, threads, smem, combine, combine_threads = self._split_kernels(Lkv, dr, nj)
         grid = (nchunk, attention_split.head_groups(nh), S)
         args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,
                 dr, F32(scale), chunk, nchunk)
         if nchunk == 1:                   # one chunk per row: the block normalises and writes ctx itself
-            self.rt.launch(fn, grid, attention_split.THREADS, *args, 0, 0, ctx.ptr, smem=smem)
+            self.rt.launch(fn, grid, threads, *args, 0, 0, ctx.ptr, smem=smem)
             return ctx
         pm, pl = self.empty((S, nh, nchunk)), self.empty((S, nh, nchunk))
         pc = self.empty((S, nh, nchunk, Lkv))
-        self.rt.launch(fn, grid, attention_split.THREADS, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
-        fc = self._fn("attention", "mla_attend_combine")
-        self.rt.launch(fc, (nh, S), attention_split.COMBINE_THREADS, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
+        self.rt.launch(fn, grid, threads, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
+        fc = self._fn("attention", combine)
+        self.rt.launch(fc, (nh, S), combine_threads, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
                        T_dev, S, nh, Lkv, chunk, nchunk, ctx.ptr)
         return ctx
+
+    def _split_kernels(self, Lkv: int, dr: int, nj: int) -> tuple[Any, int, int, str, int]:
+        """(part kernel, its threads, its dynamic shared memory, combine kernel name, its threads) of the split
+        context under attn_kernels. "auto" takes mla_attend_tile2 (two key buffers) where the device lets a block
+        have its shared memory, else mla_attend_tile1 (one buffer: 92 KB at GLM-5's shape, within sm_86/89's 99 KB),
+        else the part kernel; the choice depends only on the device, so a captured step and the eager one agree."""
+        AS = attention_split
+        tiles = {"auto": (2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
+        for nbuf in tiles:
+            fn = self._fn("attention", f"mla_attend_tile{nbuf}")
+            smem = AS.tile_smem_bytes(Lkv, dr, nbuf)
+            if self.rt.allow_smem(fn, smem):
+                return fn, AS.TILE2_THREADS, smem, "mla_attend_combine4", AS.COMBINE4_THREADS
+        fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
+        smem = AS.smem_bytes(Lkv, dr)
+        if not self.rt.allow_smem(fn, smem):
+            raise RuntimeError(f"mla_attend_part needs {smem} bytes of shared memory")
+        return fn, AS.THREADS, smem, "mla_attend_combine", AS.COMBINE_THREADS
+
+    def _mla_qabs(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """As _gemv_t, with cuda/attention.cu's mla_qabs_<fmt>: a block per 128 columns of a head (4 per head at
+        GLM-5's int8 kv_b), not one per head. False when it does not apply."""
+        if not w.vec_ok:
+            return False
+        nchunks, cpb = w.layout.row_data_bytes // 16, 128 // _chunk_vals(w.fmt)
+        fn = self._fn("attention", f"mla_qabs_{w.fmt}")
+        self.rt.launch(fn, (-(-nchunks // cpb), Z), MLA_PROJ_THREADS, *w.args(), wrow0, wz, K, x, x_z, y, y_z)
+        return True
+
+    def _mla_o(self, w: QWeight, wrow0: int, wz: int, N: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
+        """As _gemv, with cuda/attention.cu's mla_o_<fmt>: a block per 32 rows of a head (8 per head at GLM-5's
+        v_head_dim 256). False when it does not apply."""
+        if not w.vec_ok:
+            return False
+        smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4
+        fn = self._fn("attention", f"mla_o_{w.fmt}")
+        if not self.rt.allow_smem(fn, smem):
+            return False
+        self.rt.launch(fn, (-(-N // 32), Z), MLA_PROJ_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, smem=smem)
+        return True
 
     def _gemv_t(self, w: QWeight, wrow0: int, wz: int, K: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:
         """y[z][n] = x[z] @ W[wrow0 + z*wz : + K] (n < W.cols); False when gemv_t does not apply (use _gemm)."""
@@ -516,27 +681,32 @@ class CudaBackend:
         return idx, w
 
     def moe_step(self, layer: int, x: DeviceArray, route: "DeviceRoute") -> DeviceArray:
-        """The routed sum [1, H] of a captured decode step: the experts `route` chose (or the step's forced routing
+        """The routed sum [S, H] of a captured decode step: the experts `route` chose (or the step's forced routing
         for this layer) through the step's slot table, with the same kernels, chunks and order as the eager
-        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch)."""
+        _moe_decode of a resident layer (one layout, slots in the router's order, MOE_MAXK per launch). S > 1: a
+        batched decode step (coli/gpu/batch_graphs.py), each row its own fused decode of its K experts, row after
+        row (route, or the step's forced routing, [S, K])."""
         st = self.step.check_rows(x.shape[0], "moe_step")
+        S, H = x.shape
+        out = self.empty((S, H))
         if st.mode == "dropped":             # every slot dropped: the eager step's routed sum is zeros too
-            out = self.empty((1, x.shape[1]))
             self.rt.zero(out.ptr, out.nbytes)
             return out
         idx_ptr, w_ptr = st.route_ptrs(layer, route)
         slots, lay = st.slots_row(layer), st.rec_layout
-        out = self.empty((1, x.shape[1]))
         f_tab = self._fn("graph", "expert_table")
-        for c0 in range(0, route.K, MOE_MAXK):
-            k = min(MOE_MAXK, route.K - c0)
-            table = self.rt.empty((k,), np.uint64)
-            self.rt.launch(f_tab, (1,), 32, idx_ptr + 4 * c0, k, slots, table.ptr)
-            sc = self.moe_scratch(lay, k)
-            st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
-            if not (self.moe_gateup(sc, table.ptr, x.ptr) and self.moe_down(sc, table.ptr, w_ptr + 4 * c0, out.ptr,
-                                                                            c0 > 0)):
-                raise CudaError("MoE decode kernels do not fit this device's shared memory")
+        for r in range(S):
+            ri, rw = idx_ptr + 4 * route.K * r, w_ptr + 4 * route.K * r       # row r of [S, K]
+            xr, yr = x.ptr + 4 * H * r, out.ptr + 4 * H * r
+            for c0 in range(0, route.K, MOE_MAXK):
+                k = min(MOE_MAXK, route.K - c0)
+                table = self.rt.empty((k,), np.uint64)
+                self.rt.launch(f_tab, (1,), 32, ri + 4 * c0, k, slots, table.ptr)
+                sc = self.moe_scratch(lay, k)
+                st.keep.append(sc)                   # the graph uses its buffers for as long as it lives
+                if not (self.moe_gateup(sc, table.ptr, xr) and self.moe_down(sc, table.ptr, rw + 4 * c0, yr,
+                                                                             c0 > 0)):
+                    raise CudaError("MoE decode kernels do not fit this device's shared memory")
         return out
 
     def moe(self, x: DeviceArray, idx: np.ndarray, weights: np.ndarray, experts: Iterable[Any]) -> DeviceArray:
@@ -812,7 +982,18 @@ class CudaBackend:
     def _moe_prefill(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
         S, H = x.shape
         K = idx.shape[1]
+        # record layouts the tensor-core kernels take run there; the rest (other formats, host experts uploaded as
+        # f32 records) through the fp32 GEMMs below, accumulating into the same output
+        mma = {lay: m for lay, m in groups.items() if pf_moe_layout_ok(lay)
+               and self._pf_ok(max(pf_smem(lay.gate.cols, lay.gate.group), pf_smem(lay.down.cols, lay.down.group)))}
+        if mma:
+            self._moe_prefill_mma(x, idx, weights, recs, mma, out, accumulate)
+            accumulate = True
+            groups = {lay: m for lay, m in groups.items() if lay not in mma}
+            if not groups:
+                return
         lay0 = next(iter(groups))
+        handled = {e for m in groups.values() for e in m}
         Im = lay0.gate.rows
         per_token = K * max(H, Im) * 4 * 2
         chunk = max(1, MOE_CHUNK_BYTES // per_token)
@@ -823,42 +1004,80 @@ class CudaBackend:
             ii = idx[s0:s0 + n]
             wi = np.asarray(weights[s0:s0 + n], F32)
             Y = self.empty((n, K, H))
-            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= recs.keys():
-                # pruned slots (expert top-p), or experts of another batch: their rows of Y stay zero
+            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= handled:
+                # pruned slots (expert top-p), or experts of another batch or layout: their rows of Y stay zero
                 self.rt.zero(Y.ptr, Y.nbytes)
             for lay, members in groups.items():
                 self._moe_prefill_group(xi, ii, wi, recs, lay, members, Y)
             self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
+    def _moe_prefill_mma(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
+        """The grouped MoE prefill on the tensor cores: x split once per chunk, then per record layout one gate/up
+        launch and one down launch over every expert's pair tiles, the (token, slot) rows summed in slot order."""
+        S, H = x.shape
+        K = idx.shape[1]
+        Im = max(lay.gate.rows for lay in groups)
+        per_token = K * H * 4 + K * Im * 19 // 4 + H * 19 // 4      # Y [K, H] + split h + split x
+        chunk = max(1, PREFILL_CHUNK_BYTES // per_token)
+        handled = {e for m in groups.values() for e in m}
+        f_red = self._fn("gemm", "moe_reduce")
+        for s0 in range(0, S, chunk):
+            n = min(chunk, S - s0)
+            ii = idx[s0:s0 + n]
+            wi = np.asarray(weights[s0:s0 + n], F32)
+            xq, xm = self._pf_split(x.ptr + s0 * H * 4, n, H)
+            Y = self.empty((n, K, H))
+            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= handled:
+                self.rt.zero(Y.ptr, Y.nbytes)      # pruned slots, another batch's or layout's experts: rows stay zero
+            for lay, members in groups.items():
+                pairs = self._moe_pairs(ii, wi, recs, members, PF_TOKS)
+                if pairs is None:
+                    continue
+                table, tiles_d, tok_d, slot_d, pw_d, n_tiles, P = pairs
+                g, d = lay.gate, lay.down
+                hq = self.rt.empty((P * g.rows * 4,), np.uint8)
+                hm = self.rt.empty((P * (g.rows // 64) * 12,), np.int32)
+                f_gu = self._fn("prefill_mma", "pf_gateup_int4")
+                smem = pf_smem(g.cols, g.group)
+                self.rt.allow_smem(f_gu, smem)
+                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), 256, table.ptr, g.offset, lay.up.offset,
+                               g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr, tok_d.ptr, xq.ptr,
+                               xm.ptr, hq.ptr, hm.ptr, smem=smem)
+                f_dn = self._fn("prefill_mma", "pf_down_int4")
+                smem = pf_smem(d.cols, d.group)
+                self.rt.allow_smem(f_dn, smem)
+                self.rt.launch(f_dn, (d.rows // PF_ROWS, n_tiles), 256, table.ptr, d.offset, d.rows, d.cols, d.group,
+                               d.rows_per_tile, d.tile_bytes, tiles_d.ptr, tok_d.ptr, slot_d.ptr, pw_d.ptr, hq.ptr,
+                               hm.ptr, K, Y.ptr, smem=smem)
+            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
+
+    def _moe_pairs(self, idx, weights, recs, members, tile: int = 64):
+        """The (token, slot) pairs routed to `members`, sorted by expert (stable: token order inside an expert), on
+        the device: (record table, tiles [(member, first pair, count <= tile)], pair token, pair slot, pair weight,
+        number of tiles, number of pairs); None when no pair routes there."""
+        tok, slot, gid, tiles = moe_pair_tiles(idx, members, tile)
+        if tok.size == 0:
+            return None
+        pw = weights[tok, slot].astype(F32)
+        packed = [np.array([recs[e].ptr for e in members], np.uint64), tiles.reshape(-1),
+                  tok.astype(np.int32), slot.astype(np.int32), pw]
+        return (*(self.rt.to_device_async(a) for a in packed), len(tiles), tok.size)
+
     def _moe_prefill_group(self, x, idx, weights, recs, lay, members, Y) -> None:
         n, K = idx.shape
         H, Im = lay.down.rows, lay.gate.rows
-        g_of = {e: g for g, e in enumerate(members)}
-        tok, slot = np.nonzero(np.isin(idx, members))
-        if tok.size == 0:
+        pairs = self._moe_pairs(idx, weights, recs, members)
+        if pairs is None:
             return
-        gid = np.array([g_of[int(idx[t, k])] for t, k in zip(tok, slot)], np.int64)
-        order = np.argsort(gid, kind="stable")
-        tok, slot, gid = tok[order], slot[order], gid[order]
-        pw = weights[tok, slot].astype(F32)
-        tiles = []
-        bounds = np.searchsorted(gid, np.arange(len(members) + 1))
-        for g in range(len(members)):
-            for p0 in range(int(bounds[g]), int(bounds[g + 1]), 64):
-                tiles.append((g, p0, min(64, int(bounds[g + 1]) - p0)))
-        tiles_a = np.array(tiles, np.int32).reshape(-1)
-        P = tok.size
-        packed = [np.array([recs[e].ptr for e in members], np.uint64), tiles_a, tok.astype(np.int32),
-                  slot.astype(np.int32), pw]
-        table, tiles_d, tok_d, slot_d, pw_d = (self.rt.to_device_async(a) for a in packed)
+        table, tiles_d, tok_d, slot_d, pw_d, n_tiles, P = pairs
         hb = self.empty((P, Im))
         fmt = lay.gate.fmt
         f_gu = self._fn("gemm", f"moe_gateup_gemm_{fmt}")
-        self.rt.launch(f_gu, (len(tiles), -(-Im // 64)), 256, table.ptr, lay.gate.offset, lay.up.offset, Im, H,
+        self.rt.launch(f_gu, (n_tiles, -(-Im // 64)), 256, table.ptr, lay.gate.offset, lay.up.offset, Im, H,
                        lay.gate.group or 32, lay.gate.rows_per_tile, lay.gate.tile_bytes, tiles_d.ptr, tok_d.ptr,
                        x.ptr, hb.ptr)
         f_dn = self._fn("gemm", f"moe_down_gemm_{lay.down.fmt}")
-        self.rt.launch(f_dn, (len(tiles), -(-H // 64)), 256, table.ptr, lay.down.offset, H, Im,
+        self.rt.launch(f_dn, (n_tiles, -(-H // 64)), 256, table.ptr, lay.down.offset, H, Im,
                        lay.down.group or 32, lay.down.rows_per_tile, lay.down.tile_bytes, tiles_d.ptr, tok_d.ptr,
                        slot_d.ptr, pw_d.ptr, hb.ptr, K, Y.ptr)
 
@@ -948,19 +1167,99 @@ def mma_layout_ok(lay, K: int) -> bool:
             and (u.rows_per_tile, u.tile_bytes) == (g.rows_per_tile, g.tile_bytes))
 
 
+def moe_pair_tiles(idx: np.ndarray, members, tile: int):
+    """The grouped MoE's work list, vectorised (a 2,048-token GLM-5 prompt has 16,384 pairs a layer: a Python loop
+    over them cost ~30 ms of host time per layer, twice the kernels' GPU time). idx [S, K] expert ids (-1: pruned);
+    members: the expert ids of this launch, in table order. -> (token [P], slot [P], member index [P]) of the pairs
+    routed to members, sorted by member (stable: (token, slot) order inside a member), and tiles [T, 3] int32 of
+    (member index, first pair, count <= tile), every member's pairs cut into consecutive tiles."""
+    members = np.asarray(members, np.int64)
+    K = idx.shape[1]
+    lut = np.full(int(max(members.max(), idx.max(initial=0))) + 1, -1, np.int64)
+    lut[members] = np.arange(members.size)
+    flat = idx.reshape(-1)
+    g = np.where(flat >= 0, lut[np.maximum(flat, 0)], -1)
+    sel = np.flatnonzero(g >= 0)                            # row-major: (token, slot) order
+    order = np.argsort(g[sel], kind="stable")
+    sel, gid = sel[order], g[sel][order]
+    counts = np.bincount(gid, minlength=members.size)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    ntile = -(-counts // tile)
+    tg = np.repeat(np.arange(members.size), ntile)
+    k = np.arange(tg.size) - np.repeat(np.cumsum(ntile) - ntile, ntile)   # tile number inside its member
+    p0 = bounds[tg] + k * tile
+    cnt = np.minimum(tile, bounds[tg + 1] - p0)
+    return sel // K, sel % K, gid, np.stack([tg, p0, cnt], axis=1).astype(np.int32)
+
+
+def pf_layout_ok(lay) -> bool:
+    """Whether the tensor-core prefill GEMM (pf_linear_int4) takes this stored matrix: int4 in groups of 64 or 128
+    that divide the columns (whole 64-column blocks), rows in whole blocks of PF_ROWS, 16-byte aligned rows."""
+    return (lay.fmt == "int4" and lay.group in (64, 128) and lay.cols % lay.group == 0 and lay.rows % PF_ROWS == 0
+            and vec_ok(lay))
+
+
+def pf_moe_layout_ok(lay) -> bool:
+    """Whether the tensor-core grouped MoE prefill takes this record layout: gate and up alike ([Im, H], Im in whole
+    blocks of PF_ROWS / 2: a block holds that many gate and the same up rows) and down [H, Im] as pf_layout_ok wants."""
+    g, u, d = lay.gate, lay.up, lay.down
+    return (all(m.fmt == "int4" and m.group in (64, 128) and m.cols % m.group == 0 and vec_ok(m) for m in (g, u, d))
+            and g.rows % (PF_ROWS // 2) == 0 and d.rows % PF_ROWS == 0 and d.rows == g.cols and d.cols == g.rows
+            and (u.rows, u.cols, u.group, u.rows_per_tile, u.tile_bytes)
+            == (g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes))
+
+
+def pf_smem(cols: int, group: int) -> int:
+    """Dynamic shared memory of the prefill_mma.cu GEMMs over `cols` columns: PF_STAGES stages (weights, split x,
+    metadata), the block's fp16 group scales, its row-address and activation-row tables."""
+    stage = PF_ROWS * 32 + PF_TOKS * 256 + PF_TOKS * 48
+    scales = -(-(PF_ROWS * (cols // group) * 2) // 16) * 16
+    return PF_STAGES * stage + scales + PF_ROWS * 16 + PF_TOKS * 4
+
+
 def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:
     """gemv2_<fmt> stages x with 16-byte loads and finds an int4 group by a shift."""
     return x % 16 == 0 and x_z % 4 == 0 and (fmt != "int4" or group in (32, 64, 128))
 
 
-def gemv2_split(N: int, nchunks: int, sm_count: int) -> int:
-    """Column segments per row pair (ks) of gemv2: doubled (up to the block's 8 warps) while the matrix has fewer
-    warp tasks than two per-SM blocks' worth of warps and each segment keeps >= 2 chunks per lane -- the router's
-    256 x 6144 f32 gets 8, q_a's 2048 x 6144 int4 2, o_proj's 6144 rows 1."""
-    ks, pairs = 1, -(-N // 2)
-    while ks < GEMV2_WARPS and pairs * ks < 2 * GEMV2_WARPS * sm_count and nchunks // (2 * ks) >= 64:
-        ks *= 2
-    return ks
+def gemv2x_groups(ws, x: int) -> list[list[int]]:
+    """Indices of `ws` that gemv2x can take together: groups of 2..GEMV2X_MAX matrices of one format, width and group
+    (in the order given), each one gemv2 could take alone (16-byte rows, x aligned, an int4 group by a shift)."""
+    by: dict[tuple, list[int]] = {}
+    for j, w in enumerate(ws):
+        if w.vec_ok and gemv2_fits(w.fmt, w.layout.group, x, 0):
+            by.setdefault((w.fmt, w.cols, w.layout.group or 0), []).append(j)
+    out = []
+    for js in by.values():
+        out += [js[c:c + GEMV2X_MAX] for c in range(0, len(js), GEMV2X_MAX) if len(js[c:c + GEMV2X_MAX]) > 1]
+    return out
+
+
+def _check_width(x: DeviceArray, w: QWeight, what: str) -> None:
+    if x.shape[1] != w.cols:
+        raise ValueError(f"{what}: input of width {x.shape[1]} for a weight of shape [{w.rows}, {w.cols}]")
+
+
+def gemv2_split(N: int, nchunks: int, blocks: int) -> int:
+    """Column segments per row pair (ks) of gemv2 / gemv2x over N rows of nchunks 16-byte chunks, on `blocks` resident
+    blocks: of ks = 1, 2, 4, 8 the one with the least work on the busiest block -- ceil(groups / blocks) rounds, each
+    a segment's nchunks / ks chunks plus GEMV2_ROUND_CHUNKS of fixed cost (a round trip, the partial sums),
+    groups = ceil(ceil(N / 2) / (8 / ks)) -- keeping >= 2 chunks per lane per segment (nchunks / ks >= 64) for ks > 1;
+    a tie goes to the smaller ks (fewer partial sums to add). Against the forced-ks
+    sweep on the H200 (scripts/bench_kernels.py, 2026-12-01): o_proj 6144 x 16384 int4 38.3 / 34.5 / 34.2 / 43.0 us at
+    ks 1 / 2 / 4 / 8 -> 2 (at 1, 384 groups on 264 blocks left half the blocks a second round); q_a | kv_a | wk in one
+    launch 13.1 / 13.6 / 14.8 us -> 1; q_b 16384 x 2048 15.2 / 22.6 -> 1; kv_a 7.9 / 6.6 / 6.6 -> 4; the router's
+    256 x 6144 f32 11.4 / 8.1 / 6.5 / 6.5 -> 8."""
+    pairs = -(-N // 2)
+    best, best_cost = 1, None
+    for ks in (1, 2, 4, 8):
+        if ks > GEMV2_WARPS or (ks > 1 and nchunks // ks < 64):
+            break
+        groups = -(-pairs // (GEMV2_WARPS // ks))
+        cost = -(-groups // max(1, blocks)) * (-(-nchunks // ks) + GEMV2_ROUND_CHUNKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = ks, cost
+    return best
 
 
 def _chunk_vals(fmt: str) -> int:

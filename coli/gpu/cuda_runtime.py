@@ -24,8 +24,8 @@ import numpy as np
 
 from coli.errors import ColiError
 
-MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "graph", "indexer", "moe_mma", "norm", "rope",
-           "router")
+MODULES = ("argmax", "attention", "elementwise", "gemm", "gemv", "graph", "indexer", "moe_mma", "norm", "prefill_mma",
+           "rope", "router")
 
 
 class CudaUnavailable(ColiError):

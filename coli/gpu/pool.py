@@ -278,6 +278,18 @@ class SlotPool:
         self._pins[s] -= 1
         self._maybe_free(s)
 
+    def unmap(self, slot: int) -> None:
+        """Stop the slot's key from being found, nothing else: the slot keeps its state and pins (a copy in flight
+        still lands, its readers still read) and frees once it is neither loading nor pinned. For a cache that keeps
+        nothing (retain off), whose previous step's slots must not be hits but may still be landing; cheaper for
+        the next misses than leaving them mapped (no eviction ranking for a slot that is going anyway)."""
+        s = self._slot(slot)
+        if self._state[s] == FREE:
+            raise ValueError(f"slot {s} is free: nothing to unmap")
+        self._drop_spec(s)
+        self._unmap(s)
+        self._maybe_free(s)
+
     def invalidate(self, slot: int) -> None:
         """The copy failed or its source was recycled (call it once the copy has stopped): unmap the key;
         the slot is free once unpinned. A `loaded` that arrives later leaves it stale."""

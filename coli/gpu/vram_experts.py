@@ -7,6 +7,10 @@ Per MoE layer step (`stream(layer, ids)`), two-phase:
   2. misses are asked of the host tier in one batch; each is copied as soon as its host record is there
      (RAM-resident ones at once, disk misses when their read lands). Between the phases, and whenever the
      next host record will take a while, a FLUSH marker lets the backend launch what it holds.
+The earlier steps' bookkeeping (reaping their landed copies) waits until this step's copies are issued, so the path
+from the router's result to the first copy on the bus is only the lookups and the first acquire (docs/gpu.md,
+"A streaming MoE layer, step by step"). A speculative copy that its demand cuts short hands the prefix that landed
+to the demand, which copies only the rest; how many guesses are copied at all is SpecGovernor's budget.
 
 Fallbacks to the CPU (counted per kind in `fallbacks`, logged once per kind): `oversize` (record larger
 than a slot), `no_slot` (every slot pinned, even after launching what is held), `copy_error` (the H2D copy
@@ -39,6 +43,7 @@ from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
 from coli.gpu.pool import SlotPool
+from coli.gpu.spec_governor import SpecGovernor
 from coli.weights import ExpertWeights
 
 SLOT_ALIGN = 4096
@@ -75,9 +80,10 @@ class HostTier(Protocol):
 
 def speculative_copies_default(env: dict | None = None) -> bool:
     """COLI_SPEC_COPIES: "0" (default) the pilot's RAM-resident guesses are not copied to VRAM ahead of their demand;
-    "1" they go to the speculative copy lane. Off by default because it costs: on the H200 (spec-ram, ORACLE pilot)
-    2.56 tok/s with it against 3.01 without -- nearly every trickle is cut short by its own demand and copied again
-    (docs/perf-notes.md, issue 14 §4)."""
+    "1" they go to the speculative copy lane. It used to cost (H200, spec-ram, ORACLE pilot: 2.93 tok/s on against
+    3.43 off -- every trickle cut short by its own demand and copied again); with the landed prefix handed to the
+    demand and SpecGovernor's budget it pays a little (3.77 on against 3.68 off, docs/perf-notes.md, issue 14 §4).
+    Still off by default: measured with an oracle's guesses only, not with the real pilot's."""
     v = (os.environ if env is None else env).get("COLI_SPEC_COPIES", "0").strip()
     if v not in ("0", "1"):
         raise ColiError(f"COLI_SPEC_COPIES={v!r}: use 0 (no speculative VRAM copies, the default) or 1")
@@ -88,14 +94,16 @@ class VramExperts:
     def __init__(self, backend, host: HostTier, layout: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  n_slots: int, *, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES, faults=None,
                  log=None, register: bool = True, slot_bytes: int | None = None, retain: bool = True,
-                 sync: bool = False, speculate: bool | None = None):
+                 sync: bool = False, speculate: bool | None = None, spec_budget: int | None = None):
         """retain=False: a demand-loaded slot is invalidated once its copy has landed (freed when its readers
         are done), so nothing stays resident and every step misses (the `cold-ram`/`disk` benchmarks).
         sync=True (the `sync` benchmark baseline): a tile is the whole record, the host waits for each copy
         to finish before yielding it, and no FLUSH markers are yielded (except when no slot is free until
         the held records are launched), so the backend copies every expert and then computes.
         speculate: the pilot's RAM-resident guesses go to the speculative copy lane (None: COLI_SPEC_COPIES, off by
-        default -- measured a net cost, see speculative_copies_default); off, a guess only warms the host tier."""
+        default -- measured a net cost, see speculative_copies_default); off, a guess only warms the host tier.
+        spec_budget: speculative copies per prefetch (None: as many as the idle window has been landing, see
+        coli/gpu/spec_governor.py; a number: up to that many, whatever they deliver -- tests of single copies)."""
         for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
             check_format(m.fmt, f"routed experts ({part})")
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -115,7 +123,7 @@ class VramExperts:
         self._mem = self.rt.alloc(self.n_slots * self.slot_bytes)
         self.base = int(self._mem)
         self.events = EventPool(self.drv)
-        self.demand = CopyLane(self.drv, self.ctx, self.events, "demand")
+        self.demand = CopyLane(self.drv, self.ctx, self.events, "demand", inline=True)   # issued on this thread
         self.spec = CopyLane(self.drv, self.ctx, self.events, "speculative", speculative=True, demand=self.demand)
         self.slot_job: list[CopyJob | None] = [None] * self.n_slots      # the copy that filled the slot
         self.slot_src: list[HostRecord | None] = [None] * self.n_slots   # its source (speculative: unleased)
@@ -126,11 +134,17 @@ class VramExperts:
         self._compute_stream = handle_of(self.rt.stream)
         self._pending: list[tuple[CopyJob, HostRecord | None, int]] = []  # copies whose source is held
         self._spec_jobs: dict[int, CopyJob] = {}                          # slot -> speculative job in flight
+        # how many guesses go to the speculative lane: what the idle window delivered (coli/gpu/spec_governor.py)
+        self.spec_budget = None if spec_budget is None else int(spec_budget)
+        self.governor = SpecGovernor(layout.nbytes, max_budget=top_k) if spec_budget is None else None
+        self._spec_layers: dict[int, int] = {}        # layer -> speculative copies put on the lane for it
+        self._spec_used = 0                           # bytes of them the current step used
         self._registered: list[int] = []
         self.fallbacks = {k: 0 for k in FALLBACK_KINDS}
         self._logged: set[str] = set()
         self.stats = {"copies": 0, "copy_bytes": 0, "demand_copy_s": 0.0, "spec_copies": 0, "spec_bytes": 0,
-                      "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0}
+                      "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0,
+                      "spec_handoffs": 0, "spec_handoff_bytes": 0}
         # per demand copy: its device time, lane start event -> last tile done (the start event fires when the
         # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
         self.delays_us: list[float] = []
@@ -161,39 +175,81 @@ class VramExperts:
     def _stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         if self.faults is not None and self.faults.hit("gpu_lost"):
             raise GpuLost("injected gpu_lost (a fatal driver error, as if the context were lost)")
-        self._reap(wait=not self.retain)         # retain off: every landed copy is dropped before the lookups
+        # The previous steps' copies are finished (generation check, slot READY, lease back: ~25 us of Python
+        # each) after this step's misses are on the bus, not before: that bookkeeping sat between the router
+        # and the first copy (~200 us a layer on the H200, docs/perf-notes.md). Deferred only where it cannot
+        # change a decision: every miss finds a free slot without the slots the reap would free; with retain off
+        # the older slots are unmapped at once (no hit on them, no eviction ranking for them).
+        older = {id(job) for job, _rec, _s in self._pending} if self._can_defer_reap(ids) else None
+        if older is None:
+            self._reap(wait=not self.retain)     # retain off: every landed copy is dropped before the lookups
+        elif not self.retain:                    # ... or at least not found (the reap frees them later)
+            for _job, _rec, s in self._pending:
+                if self.pool.is_mapped(s):
+                    self.pool.unmap(s)
+        if self._spec_jobs:                      # this step's keys on the speculative lane stop now, all of them:
+            keys = {layer * self.E + e for e in ids}     # cancelled one by one at their lookups, the next one
+            for job in self._spec_jobs.values():         # could start its trickle meanwhile (a tile each)
+                if job.key in keys and not job.submitted.is_set():
+                    self.spec.cancel(job)
+                    self.stats["spec_cancelled"] += 1
         self.pool.begin_step()
         self.stats["steps"] += 1
         misses: list[int] = []
+        handoff: dict[int, tuple[int, CopyJob]] = {}     # expert -> (slot, its cut-short speculative copy)
+        speculated = self._spec_layers.pop(layer, 0)
+        self._spec_used = 0
         hits = 0
         for e in ids:
-            s = self._demand_hit(layer * self.E + e)
+            s = self._demand_hit(layer * self.E + e, handoff, e)
             if s is None:
                 misses.append(e)
             else:
                 hits += 1
+                if older and self.slot_job[s] is not None:
+                    # its record waits on that copy's events: they must not go back to the pool (and be recorded
+                    # again by another copy) before the kernels' waits are queued, so that copy is reaped later
+                    older.discard(id(self.slot_job[s]))
                 yield e, self._device_record(layer, e, s)
-        if not misses:
-            return
-        if hits and not self.sync:
-            yield FLUSH
-        for rec in self.host.grants(layer, misses):
-            if rec is None:
-                if not self.sync:
-                    yield FLUSH
-                continue
-            h = self._load(layer, rec)
-            if h is FLUSH:                       # no free slot until the held records are launched
+        try:
+            if not misses:
+                return
+            if hits and not self.sync:
                 yield FLUSH
-                h = self._load(layer, rec, retry=True)
-            yield rec.expert, h
-            if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
-                self.host.release(rec)
+            for rec in self.host.grants(layer, misses):
+                if rec is None:                  # a disk read is on its way: time to reap meanwhile
+                    if older:
+                        self._reap(wait=not self.retain, only=older)
+                        older = None
+                    if not self.sync:
+                        yield FLUSH
+                    continue
+                ho = handoff.pop(rec.expert, None)
+                h = self._load(layer, rec) if ho is None else self._resume(layer, rec, *ho)
+                if h is FLUSH:                       # no free slot until the held records are launched
+                    yield FLUSH
+                    h = self._load(layer, rec, retry=True)
+                yield rec.expert, h
+                if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
+                    self.host.release(rec)
+        finally:
+            for s, job in handoff.values():      # never granted (the step stopped early): drop them
+                self._drop_handoff(s, job)
+            if speculated and self.governor is not None:
+                self.governor.demanded(self._spec_used)
+            if older:                            # this step's copies are issued: now the older ones (landed
+                self._reap(wait=not self.retain, only=older)   # before this router ran: no real wait)
+
+    def _can_defer_reap(self, ids: list[int]) -> bool:
+        return bool(self._pending) and not self.sync and self.pool.n_free >= len(ids)
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane (when speculate is
         on), the others to the host tier's prefetch."""
         cold: list[int] = []
+        budget = 0 if not self.speculate else (self.governor.budget() if self.governor is not None
+                                               else self.spec_budget)
+        put = 0
         for e in ids:
             key = layer * self.E + e
             if self.pool.slot_of(key) is not None:
@@ -202,8 +258,8 @@ class VramExperts:
             if rec is None:
                 cold.append(e)
                 continue
-            if not self.speculate:               # in RAM already: nothing to warm, no speculative copy
-                continue
+            if put >= budget:                    # in RAM already: nothing to warm, no speculative copy (off, or
+                continue                         # beyond what the idle window has been landing)
             if rec.nbytes > self.slot_bytes:
                 continue
             s = self.pool.acquire(key, speculative=True)
@@ -214,29 +270,72 @@ class VramExperts:
             self.slot_job[s], self.slot_src[s] = job, rec
             self._spec_jobs[s] = job
             self.spec.submit(job)
+            put += 1
+        if put:
+            self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
         if cold:
             self.host.prefetch(layer, cold)
 
     # ---- hits -----------------------------------------------------------------------------------------------
-    def _demand_hit(self, key: int) -> int | None:
+    def _demand_hit(self, key: int, handoff: dict, e: int) -> int | None:
         s = self.pool.lookup(key)                # pins s when it holds key (READY or still loading)
         if s is None:
             return None
         job = self._spec_jobs.pop(s, None)
-        if job is None or self._finish_spec(s, job, demanded=True):
+        if job is None:
+            return s
+        if not job.submitted.is_set():
+            if not job.cancelled:
+                self.stats["spec_cancelled"] += 1
+            if not self.spec.cancel(job):        # the trickle has it: it stops after its in-flight tile
+                self.spec.wait_submitted(job)
+        if (job.error is None and 0 < job.bytes_done < job.nbytes and self.slot_src[s] is not None
+                and self.host.still_valid(self.slot_src[s])):
+            # cut short with a prefix landed: a miss for the books (the host tier must lease the record), but
+            # the slot and its prefix stay; the miss path copies only the rest (_resume)
+            self.pool.revoke_hit(s)
+            handoff[e] = (s, job)
+            return None
+        if self._finish_spec(s, job, demanded=True):
+            self._spec_used += job.nbytes
             return s
         self.pool.revoke_hit(s)                  # not a hit after all: the miss path copies it again
         self.pool.release(s)                     # the lookup's pin; the slot was dropped
         return None
+
+    def _resume(self, layer: int, rec: HostRecord, s: int, job: CopyJob) -> Any:
+        """A demand takes over a speculative copy into s that was cut short: when the leased record is the one
+        the trickle read, still of the same generation, the demand lane copies the bytes after the landed prefix
+        (the slot's earlier readers were waited for by the trickle); else the prefix is dropped and the record
+        is loaded as any miss."""
+        src = self.slot_src[s]
+        if src is None or rec.addr != src.addr or rec.nbytes != src.nbytes or not self.host.still_valid(src):
+            self._drop_handoff(s, job)
+            return self._load(layer, rec)
+        done = job.bytes_done
+        self._free_events(job)
+        self.slot_job[s], self.slot_src[s] = None, None
+        self.pool.release(s)                     # the speculative pin; the lookup's goes with the kernels
+        self.stats["spec_handoffs"] += 1
+        self.stats["spec_handoff_bytes"] += done
+        self._spec_used += done
+        inject = self.faults is not None and self.faults.hit("copy_error")
+        rest = CopyJob(job.key, job.dst + done, job.src + done, job.nbytes - done, max(0, job.split - done),
+                       self.tile, inject_error=inject)
+        return self._issue(layer, rec, s, rest)
+
+    def _drop_handoff(self, s: int, job: CopyJob) -> None:
+        self._finish_spec(s, job, demanded=True)     # incomplete: slot invalidated, speculative pin dropped
+        self.pool.release(s)                         # the lookup's pin
 
     def _finish_spec(self, s: int, job: CopyJob, demanded: bool) -> bool:
         """A speculative copy into s is over (or, when demanded, is made to end now): True when the slot holds
         the key's bytes -- every tile landed and the unleased host source was not recycled meanwhile. Drops
         the speculative pin either way."""
         if demanded and not job.submitted.is_set():
-            job.cancelled = True                 # stop the trickle; its in-flight tile finishes
             self.stats["spec_cancelled"] += 1
-            self.spec.wait_submitted(job)
+            if not self.spec.cancel(job):        # the trickle has it: it stops after its in-flight tile
+                self.spec.wait_submitted(job)
         complete = job.error is None and job.tiles_done == job.n_tiles
         if complete:
             self.drv.event_sync(job.ev_done)
@@ -291,6 +390,11 @@ class VramExperts:
         inject = self.faults is not None and self.faults.hit("copy_error")
         job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
                       wait_event=self.slot_consumed[s], inject_error=inject)
+        return self._issue(layer, rec, s, job)
+
+    def _issue(self, layer: int, rec: HostRecord, s: int, job: CopyJob) -> Any:
+        """Put a demand copy into slot s (pinned, loading) on the demand lane: its DeviceRecord, or on a copy
+        error the CPU fallback (the slot invalidated, its pin dropped)."""
         self.demand.submit(job)
         self.demand.wait_submitted(job)
         if self.sync and job.error is None:
@@ -329,8 +433,9 @@ class VramExperts:
         return self.b._record_to_host(DeviceRecord(self.base + s * self.slot_bytes, self.layout))
 
     # ---- completions ----------------------------------------------------------------------------------------
-    def _reap(self, wait: bool = False) -> None:
-        """Finish copies whose bytes have landed: generation check, slot READY, host lease back, busy time."""
+    def _reap(self, wait: bool = False, only: set[int] | None = None) -> None:
+        """Finish copies whose bytes have landed: generation check, slot READY, host lease back, busy time.
+        only: the ids of the demand jobs to finish (the others stay pending)."""
         for s, job in list(self._spec_jobs.items()):
             if job.submitted.is_set() and (job.error is not None or job.cancelled or not job.ev_done
                                            or self.drv.event_done(job.ev_done)):
@@ -338,6 +443,9 @@ class VramExperts:
                 self._finish_spec(s, job, demanded=False)
         keep = []
         for job, rec, s in self._pending:
+            if only is not None and id(job) not in only:
+                keep.append((job, rec, s))
+                continue
             if wait:
                 self.drv.event_sync(job.ev_done)
             elif not self.drv.event_done(job.ev_done):
@@ -351,8 +459,10 @@ class VramExperts:
                 self.pool.invalidate(s)
             else:
                 self.pool.loaded(s)
-                if not self.retain:
-                    self.pool.invalidate(s)      # unmapped now; the slot frees when its readers release it
+                if not self.retain and self.pool.is_mapped(s):
+                    # unmapped now; the slot frees when its readers release it (a deferred reap can find it
+                    # evicted by a later step's miss already: unmapped, and freed by `loaded` if unpinned)
+                    self.pool.invalidate(s)
             self._account(job, speculative=False)
             if self.slot_job[s] is job:
                 self.slot_job[s] = None
@@ -428,6 +538,9 @@ class VramExperts:
         d["copy_busy"] = round(min(1.0, (dem - d0) / dt), 4)
         d["spec_busy"] = round(min(1.0, (spec - s0) / dt), 4)
         d["spec_tiles_yielded"] = self.spec.yield_waits     # speculative tiles that waited for an idle demand lane
+        if self.governor is not None:
+            d["spec_budget_ema_bytes"] = int(self.governor.ema)  # what the idle window has been landing per layer
+            d["spec_pauses"] = self.governor.pauses
         d["sm_busy"] = round(min(1.0, (sm - b0) / dt), 4)
         n = d.get("hits", 0) + d.get("misses", 0)
         d["vram_hit_rate"] = round(d.get("hits", 0) / n, 4) if n else 0.0

@@ -27,6 +27,9 @@ class Backend(Protocol):
     def empty(self, shape: tuple[int, ...]) -> Array: ...          # float32, contents undefined
     def write_rows(self, dst: Array, start: int, src: Array) -> None: ...  # dst[start:start+n] = src
     def rows(self, x: Array, n: int) -> Array: ...                  # view of x[:n]
+    def row_range(self, x: Array, start: int, n: int) -> Array: ... # view of x[start:start+n] (a batch's segment)
+    def place_rows(self, dst: Array, start: int, src: Array) -> None: ...  # dst[start:start+n] = src, a step's own
+    # arrays (write_rows is the KV-cache write, which a captured decode step redirects to the step's position)
     # weights: a backend may keep matrices in the source's stored format (the CUDA backend keeps the
     # container's quantised tiles); `linear`, `embed`, `swiglu`, `route` and `mla_attend` accept them
     def weight(self, src: Any, name: str) -> Array: ...            # matrix `name` of a WeightSource
@@ -39,6 +42,8 @@ class Backend(Protocol):
     def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...            # [A, D]
     def layer_norm(self, x: Array, w: Array, b: Array, eps: float) -> Array: ...  # [A, D]
     def linear(self, x: Array, w: Array) -> Array: ...             # [S, in] @ [out, in].T -> [S, out]
+    def linear_many(self, x: Array, ws: Sequence[Array]) -> list[Array]: ...  # [linear(x, w) for w in ws], the same
+    # values; a backend may compute matrices that read the same x together (the CUDA backend: one launch)
     def split_cols(self, x: Array, n: int) -> tuple[Array, Array]: ...  # [S, D] -> [S, n], [S, D-n]
     def last_row(self, x: Array) -> Array: ...                           # [S, D] -> [1, D]
     def rope(self, x: Array, cos: np.ndarray, sin: np.ndarray, offset: int) -> Array: ...

@@ -140,6 +140,24 @@ def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: i
     return lw
 
 
+@dataclass
+class AttentionInputs:
+    """One layer's attention projections of S rows (GlmMoeDsaModel._attention_inputs)."""
+    q: Array                     # [S, nh, dn+dr], rope part rotated
+    lat: Array                   # [S, Lkv] normalised latent (what the cache stores)
+    k_pe: Array                  # [S, dr] rotated rope key
+    iq: Array | None = None      # [S, ih, ihd] indexer queries ("full" layers only)
+    k_idx: Array | None = None   # [S, ihd] indexer keys
+    head_w: Array | None = None  # [S, ih] indexer head weights
+
+    def rows(self, b: Backend, start: int, n: int) -> "AttentionInputs":
+        """Rows [start, start+n) of every field (one sequence's segment of a batch)."""
+        def cut(a):
+            return None if a is None else b.row_range(a, start, n)
+        return AttentionInputs(cut(self.q), cut(self.lat), cut(self.k_pe), cut(self.iq), cut(self.k_idx),
+                               cut(self.head_w))
+
+
 class GlmMoeDsaModel:
     """Weights resident on a backend plus the forward pass. Routed experts come from `experts`."""
 
@@ -232,35 +250,51 @@ class GlmMoeDsaModel:
 
     # ------------------------------------------------------------------------------------------
     def _attention(self, i, w: AttentionWeights, x, positions, cos, sin, cache: KVCache, start, prev_allowed):
+        p = self._attention_inputs(i, w, x, cos, sin)
+        o, allowed = self._attention_segment(i, w, p, positions, cache, start, prev_allowed)
+        return self.backend.linear(o, w.o), allowed
+
+    def _attention_inputs(self, i, w: AttentionWeights, x, cos, sin) -> "AttentionInputs":
+        """The row-wise part of attention: every projection of x [S, H] (rows may belong to different sequences:
+        coli.model.batch runs it once over a whole batch), rope with each row's angles cos/sin [S, dr/2]."""
         c, b = self.config, self.backend
         S = x.shape[0]
         nh, dn, dr, Lkv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        T = start + S
 
-        q_lat = b.rms_norm(b.linear(x, w.q_a), w.q_a_norm, 1e-6)       # [S, Lq]  (also feeds the indexer)
-        q = b.linear(q_lat, w.q_b).reshape(S, nh, dn + dr)             # [S, nh, dn+dr], rope part last
-        q = b.rope(q, cos, sin, dn)                                     # rotate q[..., dn:]
-        lat, k_pe = b.split_cols(b.linear(x, w.kv_a), Lkv)             # [S, Lkv], [S, dr]
+        full = w.idx_wq_b is not None      # the layer's kind, from its weights (the MTP layer is outside the config)
+        # the projections that read the same input are asked for together (the CUDA backend: one launch each)
+        of_x = b.linear_many(x, [w.q_a, w.kv_a] + ([w.idx_wk, w.idx_weights] if full else []))
+        q_lat = b.rms_norm(of_x[0], w.q_a_norm, 1e-6)                  # [S, Lq]  (also feeds the indexer)
+        of_q = b.linear_many(q_lat, [w.q_b] + ([w.idx_wq_b] if full else []))
+        q = b.rope(of_q[0].reshape(S, nh, dn + dr), cos, sin, dn)      # [S, nh, dn+dr], rope part last, rotated
+        lat, k_pe = b.split_cols(of_x[1], Lkv)                          # [S, Lkv], [S, dr]
         lat = b.rms_norm(lat, w.kv_a_norm, 1e-6)                        # normalised latent
         k_pe = b.rope(k_pe.reshape(S, 1, dr), cos, sin, 0).reshape(S, dr)  # one rope key for all heads
 
-        k_idx_new = None
-        full = w.idx_wq_b is not None      # the layer's kind, from its weights (the MTP layer is outside the config)
+        p = AttentionInputs(q, lat, k_pe)
         if full:
             ih, ihd = c.index_n_heads, c.index_head_dim
-            iq = b.rope(b.linear(q_lat, w.idx_wq_b).reshape(S, ih, ihd), cos, sin, 0)  # [S, ih, ihd], rope first
-            ik = b.layer_norm(b.linear(x, w.idx_wk), w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
-            k_idx_new = b.rope(ik.reshape(S, 1, ihd), cos, sin, 0).reshape(S, ihd)
-        cache.write(i, start, lat, k_pe, k_idx_new)
-        lat_all, kpe_all, kidx_all = cache.view(i, T)                  # [T, Lkv], [T, dr], [T, ihd]
+            p.iq = b.rope(of_q[1].reshape(S, ih, ihd), cos, sin, 0)    # [S, ih, ihd], rope first
+            ik = b.layer_norm(of_x[2], w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
+            p.k_idx = b.rope(ik.reshape(S, 1, ihd), cos, sin, 0).reshape(S, ihd)
+            p.head_w = of_x[3]                                          # [S, ih] (scaled by ih^-0.5 inside)
+        return p
 
-        if full:
-            head_w = b.linear(x, w.idx_weights)                         # [S, ih] (scaled by ih^-0.5 inside)
-            allowed = b.indexer_select(iq, kidx_all, head_w, positions, c.index_topk)   # [S, T] bool, host
+    def _attention_segment(self, i, w: AttentionWeights, p: "AttentionInputs", positions, cache: KVCache, start,
+                           prev_allowed):
+        """The per-sequence part of attention for the S rows of p, one sequence at positions start..start+S-1:
+        cache write, the indexer's selection (the previous full layer's `prev_allowed` on a shared one) and MLA.
+        -> (o [S, nh*dv] before o_proj, allowed)."""
+        c, b = self.config, self.backend
+        T = start + p.q.shape[0]
+        cache.write(i, start, p.lat, p.k_pe, p.k_idx)
+        lat_all, kpe_all, kidx_all = cache.view(i, T)                  # [T, Lkv], [T, dr], [T, ihd]
+        if w.idx_wq_b is not None:   # a "full" layer (from its weights: the MTP layer is outside the config's kinds)
+            allowed = b.indexer_select(p.iq, kidx_all, p.head_w, positions, c.index_topk)   # [S, T] bool, host
         else:
             allowed = prev_allowed                                      # shared layer reuses the top-k
-        o = b.mla_attend(q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale)  # [S, nh*dv]
-        return b.linear(o, w.o), allowed
+        o = b.mla_attend(p.q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale)  # [S, nh*dv]
+        return o, allowed
 
     def _mlp(self, i, lw: LayerWeights, x2, h):
         c, b = self.config, self.backend
@@ -285,8 +319,11 @@ class GlmMoeDsaModel:
             self.routing_hook(i, idx, wts)
         wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
         shared = None
-        if self.pilot_hook is not None:
+        # the shared expert before the routed experts when a pilot wants it, or when the backend can run it while
+        # the routed experts' copies are on their way (a streaming step: coli/gpu/segments.py); the same values
+        if self.pilot_hook is not None or getattr(b, "shared_first", False):
             shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        if self.pilot_hook is not None:
             self.pilot_hook(i, h, shared)
         routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
         if shared is None:

@@ -72,6 +72,12 @@ class NumpyBackend:
     def rows(self, x: np.ndarray, n: int) -> np.ndarray:
         return x[:n]
 
+    def row_range(self, x: np.ndarray, start: int, n: int) -> np.ndarray:
+        return x[start:start + n]
+
+    def place_rows(self, dst: np.ndarray, start: int, src: np.ndarray) -> None:
+        dst[start:start + src.shape[0]] = src
+
     def weight(self, src, name: str) -> np.ndarray:
         return self.upload(src.dense(name))
 
@@ -101,6 +107,9 @@ class NumpyBackend:
 
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x @ w.T
+
+    def linear_many(self, x: np.ndarray, ws) -> list[np.ndarray]:
+        return [self.linear(x, w) for w in ws]
 
     def split_cols(self, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return x[:, :n], x[:, n:]

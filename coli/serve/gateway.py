@@ -11,7 +11,7 @@
 The gateway is a client of the run (see `coli.serve.aclient.AsyncClient`): prompts are rendered and tokenised
 here with the same modules `coli chat` uses (`coli.chat_template`, `coli.tokenizer`, from the run's
 container directory), token ids go to the supervisor, which queues requests round-robin across its
-client connections and runs them one at a time on the executor. The gateway opens one connection per
+client connections and admits up to `coli up --max-batch` of them at once into the executor's batch. The gateway opens one connection per
 end user (the request's `user` field, else the client's address), so one user's burst of requests
 does not starve another's; one user's requests run in arrival order. Every HTTP request is its own
 request at the run and is cancelled on its own: a client that hangs up (mid-stream or still queued)
@@ -74,12 +74,11 @@ class GatewayConfig:
     token_timeout: float = 600.0         # seconds without a token (queue wait included) before a 504
     max_lanes: int = 64                  # end-user connections kept open at once
     connect_timeout: float = 10.0
-    mtp: str | None = None               # `coli serve --mtp`: for requests without "mtp" (None: the run's --mtp)
 
 
-def _mtp_of(p: Any, cfg: GatewayConfig) -> dict:
-    """The request's MTP choice, else `coli serve --mtp`, else nothing (the run's own default applies)."""
-    mtp = getattr(p, "mtp", None) or cfg.mtp
+def _mtp_of(p: Any) -> dict:
+    """The request's MTP choice (the body's "mtp"), or nothing."""
+    mtp = getattr(p, "mtp", None)
     return {"mtp": mtp} if mtp is not None else {}
 
 
@@ -486,7 +485,7 @@ class Gateway:
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        session=p.session, new_session=p.new_session, request_id=rid,
                                        max_backlog=self.cfg.max_stream_backlog if p.stream else None,
-                                       **_mtp_of(p, self.cfg))
+                                       **_mtp_of(p))
         except ApiError as e:
             return self._fail(endpoint, e, t0, fields, shape)
         except (ColiError, OSError) as e:

@@ -31,6 +31,7 @@ from coli.protocol.messages import (ERROR_BAD_REQUEST, ERROR_PROTOCOL, ERROR_STA
 from coli.protocol.rundir import RunClaimed, RunDir
 from coli.protocol.sockets import make_socket, recv, recv_from, send
 from coli.stages.common import configure_logging
+from coli.stages.executor.batch_defaults import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS
 from coli.stages.ramtier.core import ResidencyTable
 from coli.stages.supervisor.admission import Limits, refusal
 from coli.stages.supervisor.core import Pending, RequestBook
@@ -64,7 +65,8 @@ class RunOptions:
     gpu: dict = field(default_factory=dict)  # coli.loader.GpuOptions fields: vram_gb, vram_slots, policy, ...
     stage_timeout: float = 5.0  # a ready stage silent (no heartbeat) this long is unresponsive
     http: str | None = None  # the --http address of the gateway `coli up` started beside the run (for coli ps)
-    mtp: str = "off"  # MTP speculative decoding for requests that do not choose (off | on | 1..3 | auto)
+    max_batch: int = DEFAULT_MAX_BATCH  # sequences the executor runs at once (continuous batching)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # one step's token budget: every decode row plus prefill chunks
 
 
 @dataclass
@@ -132,7 +134,7 @@ class Supervisor:
         self.rd: RunDir | None = None
         self.arenas: list[Arena] = []
         self.stages: dict[str, StageProc] = {}
-        self.book = RequestBook()
+        self.book = RequestBook(max_batch=opts.max_batch)
         self.stop_reason: str | None = None
         self.failed = False  # the run stopped because something died, not because it was asked to
         self.t_start = time.time()
@@ -229,7 +231,7 @@ class Supervisor:
                                        o.queue_depth, o.log_level, control)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
                                          str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu),
-                                         control, o.mtp)),
+                                         control, o.max_batch, o.step_tokens)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)
@@ -417,9 +419,9 @@ class Supervisor:
                   f"requests fail until it answers again (limit: --stage-timeout {self.opts.stage_timeout:g})")
         self.log.error("stage_unresponsive", stage=s.name, pid=s.proc.pid, silent_s=round(silent_s, 2), condition=cond)
         self.say(reason)
-        current = self.book.current
+        running = set(self.book.running)
         for p in self.book.clear():
-            if p is current:
+            if p.request_id in running:
                 self._cancel_running(p, f"stage {s.name!r} is unresponsive")
             self.counters["failed"] += 1
             self._to_client(p.client, Error(ERROR_STAGE_UNRESPONSIVE, reason, p.request_id))
@@ -583,20 +585,17 @@ class Supervisor:
             self._to_client(p.client, Error(ERROR_STAGE_UNRESPONSIVE, stuck, p.request_id))
         if stuck is not None:
             return
-        p = self.book.next()
-        if p is None:
-            return
-        p.t_start = time.time()
-        try:
-            send(self.stages["executor"].sock, p.message, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            self.book.finish(p.request_id)
-            self._to_client(p.client, Error("internal", f"executor unreachable: {e}", p.request_id))
+        while (p := self.book.next()) is not None:     # up to --max-batch join the executor's batch
+            p.t_start = time.time()
+            try:
+                send(self.stages["executor"].sock, p.message, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                self.book.finish(p.request_id)
+                self._to_client(p.client, Error("internal", f"executor unreachable: {e}", p.request_id))
 
     def _publish_own_stats(self) -> None:
-        running = 1 if self.book.current is not None else 0
-        self.counters["queued"] = len(self.book) - running  # waiting, not the one the executor is on
-        self.counters["running"] = running
+        self.counters["queued"] = self.book.waiting  # waiting here, not the ones the executor is on
+        self.counters["running"] = len(self.book.running)
         c = dict(self.counters, uptime_s=time.time() - self.t_start)
         self.stats_out["supervisor"] = {"t": time.time(), **c}
         try:
@@ -608,8 +607,8 @@ class Supervisor:
         now = time.time()
         return {
             **self.model_info, "name": self.opts.name, "supervisor_pid": os.getpid(),
-            "uptime_s": round(now - self.t_start, 3), "queued": len(self.book) - (self.book.current is not None),
-            "running": int(self.book.current is not None),
+            "uptime_s": round(now - self.t_start, 3), "queued": self.book.waiting,
+            "running": len(self.book.running), "max_batch": self.opts.max_batch,
             "stages": {n: {"pid": s.proc.pid, "state": s.state, "uptime_s": round(now - s.t_start, 3),
                            "heartbeat_age_s": round(time.monotonic() - s.last_beat, 3) if s.last_beat else None,
                            "info": s.info} for n, s in self.stages.items()},

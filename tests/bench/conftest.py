@@ -11,8 +11,9 @@ from slice_helpers import write_tiny
 
 @pytest.fixture(scope="session")
 def tiny_slice(tmp_path_factory) -> Path:
-    """One MoE layer of the tiny model, int4 g64 experts, bf16 dense core, glm52 routing of 256 tokens."""
-    return write_tiny(tmp_path_factory.mktemp("slice") / "s1")
+    """One MoE layer of the tiny model, int4 g64 experts, bf16 dense core (named: make-slice's default is int8 now),
+    glm52 routing of 256 tokens."""
+    return write_tiny(tmp_path_factory.mktemp("slice") / "s1", dense_fmt="bf16")
 
 
 @pytest.fixture(scope="session")

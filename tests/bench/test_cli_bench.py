@@ -31,6 +31,27 @@ def test_cli_writes_a_slice_and_reports_size_and_time(tmp_path):
     assert runner.invoke(app, ["verify", str(tmp_path / "s"), "--no-progress"]).exit_code == 0
 
 
+def test_the_slice_stores_its_dense_core_as_convert_does_by_default(tmp_path):
+    """A benchmark's dense layer must read what a user's converted model reads: make-slice's default dense format is
+    `coli convert --dense`'s (int8), on the command line and in SliceOptions; bf16 stays selectable."""
+    import inspect
+
+    from coli.cli.bench import make_slice as cli_make_slice
+    from coli.cli.convert import convert as cli_convert
+    from coli.container.writer import ConvertOptions
+    convert_default = inspect.signature(cli_convert).parameters["dense"].default.default
+    assert convert_default == ConvertOptions.dense == SliceOptions().dense_fmt
+    assert inspect.signature(cli_make_slice).parameters["dense_fmt"].default.default == convert_default
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    for args, want in (([], convert_default), (["--dense-format", "bf16"], "bf16")):
+        d = tmp_path / f"s{len(args)}"
+        r = _cli(d, "--preset", "tiny", "--layers", "1", "--trace", "uniform", "--tokens", "2", *args)
+        assert r.exit_code == 0, r.output
+        m = parse_manifest(d / MANIFEST_NAME)
+        assert m.dense[o_proj].layout.fmt == want and m.args["dense"] == want
+        assert m.dense["model.layers.0.mlp.gate.weight"].layout.fmt == "f32"      # routers stay f32
+
+
 @pytest.mark.parametrize("args, culprit", [
     (["--trace", "glm99"], "--trace 'glm99'"),
     (["--trace", "/nonexistent/run.trace"], "--trace '/nonexistent/run.trace'"),

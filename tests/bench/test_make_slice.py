@@ -105,11 +105,11 @@ def test_other_formats_make_valid_containers(tmp_path):
 
 
 def test_same_options_same_bytes_other_seed_other_bytes(tmp_path, tiny_slice):
-    again = write_tiny(tmp_path / "again")
+    again = write_tiny(tmp_path / "again", dense_fmt="bf16")          # the tiny_slice fixture's options
     a, b = (parse_manifest(p / MANIFEST_NAME) for p in (tiny_slice, again))
     assert a.to_json() == b.to_json()
     assert (tiny_slice / "dense.coli").read_bytes() == (again / "dense.coli").read_bytes()
-    other = parse_manifest(write_tiny(tmp_path / "other", seed=1) / MANIFEST_NAME)
+    other = parse_manifest(write_tiny(tmp_path / "other", seed=1, dense_fmt="bf16") / MANIFEST_NAME)
     assert other.dense["lm_head.weight"].xxh64 != a.dense["lm_head.weight"].xxh64
 
 

@@ -108,13 +108,15 @@ def test_engine_page_figures_move_while_the_model_generates(browser, gateway, tm
     try:
         browser.wait_js("Number(document.getElementById('card-tokens_s').dataset.max) > 0", timeout=60)
         browser.wait_js("Number(document.getElementById('card-batch').dataset.max) >= 1", timeout=30)
+        browser.wait_js("Number(document.getElementById('card-step_tokens').dataset.max) >= 1", timeout=30)
         if os.environ.get("COLI_CONSOLE_SHOTS"):  # for docs/: let the charts fill a little first
             browser.wait_js(f"Number(document.getElementById('card-tokens_s').dataset.samples) > {before + 30}")
         browser.screenshot(shots(tmp_path) / "console-engine.png")
     finally:
         t.join(120)
     cards = browser.js("[...document.querySelectorAll('.card')].map(c => c.id)")
-    for key in ("nvme_mb_s", "ram_hit", "copy_busy", "sm_busy", "fallbacks_s", "tokens_s", "batch"):
+    for key in ("nvme_mb_s", "ram_hit", "copy_busy", "sm_busy", "fallbacks_s", "tokens_s", "batch", "step_tokens",
+                "prefill_share"):
         assert f"card-{key}" in cards
     after = browser.js("Number(document.getElementById('card-tokens_s').dataset.samples)")
     assert after > before + 2  # it keeps polling

@@ -43,6 +43,17 @@ def hang_up(c: http.client.HTTPConnection) -> None:
     c.close()
 
 
+def hold_every_slot(gateway, **extra) -> list[tuple[http.client.HTTPConnection, http.client.HTTPResponse]]:
+    """A long stream in each of the executor's batch slots (--max-batch of them, as its stats say), each past its
+    first token: whatever is asked next queues at the supervisor."""
+    n = int(wait_stat(gateway, "executor", "max_batch", 1))
+    held = [open_stream(gateway, {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, **extra})
+            for _ in range(n)]
+    for _, r in held:
+        r.readline()
+    return held
+
+
 @pytest.mark.timeout(120)
 def test_disconnect_mid_stream_cancels_at_the_executor(gateway):
     settle(gateway)
@@ -65,19 +76,20 @@ def test_disconnect_while_queued_cancels_before_it_runs(gateway):
     settle(gateway)
     ran0 = stat(gateway, "executor", "requests")
     sup_cancelled0 = stat(gateway, "supervisor", "cancelled")
-    c, r = open_stream(gateway, {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True})  # holds the executor
-    r.readline()
-    q = http.client.HTTPConnection(gateway.host, gateway.port, timeout=1.5)  # queued behind it, then gives up
+    held = hold_every_slot(gateway)  # every batch slot of the executor is taken
+    q = http.client.HTTPConnection(gateway.host, gateway.port, timeout=1.5)  # queued behind them, then gives up
     q.request("POST", "/v1/completions", json.dumps({"prompt": [8, 9], "max_tokens": 50}),
               {"Content-Type": "application/json"})
     with pytest.raises(socket.timeout):
         q.getresponse()
     hang_up(q)
     time.sleep(1.0)  # the gateway notices the hang-up and cancels the queued request
-    hang_up(c)
-    assert wait_stat(gateway, "supervisor", "cancelled", sup_cancelled0 + 2) == sup_cancelled0 + 2
+    for c, _ in held:
+        hang_up(c)
+    n = len(held) + 1
+    assert wait_stat(gateway, "supervisor", "cancelled", sup_cancelled0 + n) == sup_cancelled0 + n
     settle(gateway)
-    assert stat(gateway, "executor", "requests") == ran0 + 1  # the queued one never reached the executor
+    assert stat(gateway, "executor", "requests") == ran0 + len(held)  # the queued one never reached the executor
 
 
 def _window(text: str, start: int, n: int = 3) -> str | None:

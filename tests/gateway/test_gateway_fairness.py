@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from test_gateway_cancel import hang_up, open_stream
+from test_gateway_cancel import hang_up, hold_every_slot, wait_stat
 
 
 @pytest.mark.timeout(120)
 def test_a_second_user_is_not_queued_behind_the_first_users_burst(gateway):
-    c, r = open_stream(gateway, {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "user": "alice"})
-    r.readline()  # alice's long request holds the executor; everything below queues behind it
+    # alice's long requests hold every batch slot of the executor; everything below queues behind them
+    held = hold_every_slot(gateway, user="alice")
     done: list[str] = []
     lock = threading.Lock()
 
@@ -33,9 +33,14 @@ def test_a_second_user_is_not_queued_behind_the_first_users_burst(gateway):
         t.start()
         threads.append(t)
         time.sleep(0.3)  # a fixed arrival order
-    hang_up(c)  # the executor is free: the queue drains
+    # all four wait at the supervisor before a slot frees (bob's first request opens a new connection to the run,
+    # which takes a while on a machine busy with the holders' streams)
+    assert wait_stat(gateway, "supervisor", "queued", 4, timeout=20) >= 4
+    hang_up(held[0][0])  # one batch slot frees: the queue drains through it, one request at a time
     for t in threads:
         t.join(60)
+    for c, _ in held[1:]:
+        hang_up(c)
     assert sorted(done) == ["a1", "a2", "a3", "b1"]
     assert done.index("b1") < done.index("a2"), f"bob waited behind alice's burst: {done}"
     assert done.index("a1") < done.index("a2") < done.index("a3")  # one user's requests stay in order

@@ -79,6 +79,7 @@ def test_small_load_every_stream_complete_and_unmixed(gateway):
                                                                            "Tell me about lists."])
     assert s["errors"] == [] and s["completed"] == s["expected"] == 12 and s["missing"] == 0
     assert s["distinct_prompts"] == 3 and s["latency_s"]["p99"] is not None
+    assert s["inter_token_s"]["p99"] is not None      # the time between a stream's tokens is measured too
 
 
 @pytest.mark.timeout(180)

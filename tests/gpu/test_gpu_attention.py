@@ -22,10 +22,11 @@ MLA_SHAPES = [  # nh, dn, dr, dv, Lkv, T, S
 ]
 
 
-@pytest.fixture(params=["auto", "split1", "v1"])
+@pytest.fixture(params=["auto", "tile1", "split2", "split1", "v1"])
 def attn_kernels(request, gb):
-    """Every attention version: the split-context decode (default), its first kernel, and the first version (one
-    block per head and row)."""
+    """Every attention version: the split-context decode (default: the tile kernel with two key buffers), the tile
+    kernel with one, the previous split kernel, its first version, and the first version (one block per head and
+    row)."""
     before = gb.attn_kernels
     gb.attn_kernels = request.param
     yield request.param
@@ -75,11 +76,11 @@ def _ctx64(qa, q, lat, kpe, keys, scale):
     return (p / p.sum(axis=1, keepdims=True)) @ L
 
 
-@pytest.mark.parametrize("split", ["auto", "split1"])
+@pytest.mark.parametrize("split", ["auto", "tile1", "split2", "split1"])
 @pytest.mark.parametrize("chunk", [None, 16, 112, 4096])
 def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk, split):
     """The split kernels at GLM-5's decode shape (64 heads, Lkv 512, rope 64, 3,000 keys) for every chunk size the
-    benchmark sweeps, dense and DSA-selected, against float64 (both split kernels)."""
+    benchmark sweeps, dense and DSA-selected, against float64 (every split kernel)."""
     from coli.gpu.cuda_backend import DeviceMask
     S, nh, Lkv, dr, T = 1, 64, 512, 64, 3000
     (qa, q, lat, kpe), (dqa, dq, dlat, dkpe) = _attn_inputs(gb, rng, S, nh, Lkv, dr, T)
@@ -100,7 +101,37 @@ def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk, split):
         gb.attn_chunk, gb.attn_kernels = before
 
 
-@pytest.mark.parametrize("attn_kernels", ["auto", "split1"], indirect=True)
+@pytest.mark.parametrize("split", ["auto", "tile1", "split2"])
+def test_split_context_within_the_fp32_bound_of_the_float64_attention(gb, rng, split):
+    """Every element of the split context at GLM-5's decode shape (dense 2,500 keys; 2,048 of them selected) within
+    the bound an fp32 evaluation of it keeps (tests/test_attention_split.py's reference64: derived from the scores'
+    magnitudes and the reduction lengths), not only in norm."""
+    from test_attention_split import reference64
+
+    from coli.gpu.cuda_backend import DeviceMask
+    S, nh, Lkv, dr, T = 1, 64, 512, 64, 2500
+    qa = (rng.standard_normal((S, nh, Lkv)) * 0.05).astype(F32)   # scores of a few units, as a trained model's
+    qpe, lat, kpe = rand(rng, S, nh, dr), rand(rng, T, Lkv), rand(rng, T, dr)
+    sel = np.sort(rng.choice(T, 2048, replace=False)).astype(np.int32)
+    d_idx, d_cnt = gb.rt.to_device(np.ascontiguousarray(sel[None])), gb.rt.to_device(np.array([sel.size], np.int32))
+    masks = {"dense": (DeviceMask(S, T, T - S), None, None),
+             "topk": (DeviceMask(S, T, T - S, d_idx, d_cnt, sel.size), sel[None], np.array([sel.size]))}
+    dqa, dqpe, dlat, dkpe = (gb.upload(a) for a in (qa, qpe, lat, kpe))
+    before = gb.attn_kernels
+    gb.attn_kernels = split
+    try:
+        for name, (mask, idx, cnt) in masks.items():
+            got = gb.to_host(gb.attend_core(dqa, dqpe, 0, dlat, dkpe, mask, 1 / 24))
+            want, tol = reference64(qa, qpe, lat, kpe, 1 / 24, S, T - S, idx, cnt)
+            assert np.isfinite(got).all()
+            worst = float((np.abs(got - want) / tol).max())
+            report("mla_attend_split_bound", masking=name, kernels=split, worst_of_bound=worst)
+            assert worst <= 1, (name, worst)
+    finally:
+        gb.attn_kernels = before
+
+
+@pytest.mark.parametrize("attn_kernels", ["auto", "tile1", "split2", "split1"], indirect=True)
 def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng, attn_kernels):
     """T_dev (CUDA-graph replay): one grid sized for the capacity, the cache length changed in device memory
     between launches; each result equals the attention over the first T keys."""
@@ -130,6 +161,36 @@ def test_gemv_t_per_head(gb, rng, fmt, rows, cols, Z):
                      for z in range(Z)])
     err = rel_err(got, want)
     report("gemv_t", fmt=fmt, shape=[rows, cols, Z], rel_err=err)
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols,Z", [(192, 512, 64), (40, 96, 3), (7, 32, 2), (300, 160, 2)])
+def test_mla_projection_kernels_per_head(gb, rng, fmt, rows, cols, Z):
+    """mla_qabs (q_abs = q_nope @ w_kb per head) and mla_o (o = ctx @ w_vb.T per head), the default decode's
+    projections, against float64: head z's rows z*rows .. of one matrix; x_z and y_z past the used lengths, rows
+    and columns not multiples of a block's 32 rows / 128 columns. Outputs poisoned with NaN first."""
+    buf, lay, W = stored_matrix(Z * rows + 5, cols, fmt, rng, group=32)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, Z, rows + 3)                   # x_z > rows: the kernel must read only the first `rows`
+    y = gb.upload(np.full((Z, cols + 1), np.nan, F32))
+    assert gb._mla_qabs(w, 5, rows, rows, Z, gb.upload(x).ptr, rows + 3, y.ptr, cols + 1)
+    got = gb.to_host(y)
+    want = np.stack([x[z, :rows].astype(np.float64) @ W[5 + z * rows: 5 + (z + 1) * rows].astype(np.float64)
+                     for z in range(Z)])
+    assert np.isnan(got[:, cols]).all()          # nothing written past the columns
+    err = rel_err(got[:, :cols], want)
+    report("mla_qabs", fmt=fmt, shape=[rows, cols, Z], rel_err=err)
+    assert err < 1e-5
+    c = rand(rng, Z, cols + 2)
+    o = gb.upload(np.full((Z, rows + 1), np.nan, F32))
+    assert gb._mla_o(w, 5, rows, rows, Z, gb.upload(c).ptr, cols + 2, o.ptr, rows + 1)
+    got = gb.to_host(o)
+    want = np.stack([W[5 + z * rows: 5 + (z + 1) * rows].astype(np.float64) @ c[z, :cols].astype(np.float64)
+                     for z in range(Z)])
+    assert np.isnan(got[:, rows]).all()
+    err = rel_err(got[:, :rows], want)
+    report("mla_o", fmt=fmt, shape=[rows, cols, Z], rel_err=err)
     assert err < 1e-5
 
 

@@ -50,5 +50,60 @@ def test_gemv_versions(gb, rng, rows, cols, fmt, group, version):
         gb.gemv_kernels = before
     err = rel_err(got, x.astype("float64") @ ref.T.astype("float64"))
     report("gemv", shape=[rows, cols], fmt=fmt, version=version, rel_err=err,
-           ks=gemv2_split(rows, lay.row_data_bytes // 16, gb.rt.sm_count))
+           ks=gemv2_split(rows, lay.row_data_bytes // 16, 2 * gb.rt.sm_count))
     assert err < TOL
+
+
+# (rows of each matrix, cols, fmt, group): a decode layer's projections that read one input, and odd cases
+MANY_SHAPES = [
+    ([2048, 576, 128], 6144, "int8", 0),          # q_a | kv_a | indexer wk (int8 dense core)
+    ([2048, 576, 128], 6144, "int4", 64),         # the same, int4 g64
+    ([16384, 4096], 2048, "int4", 64),            # q_b | indexer wq_b
+    ([2048, 576, 128, 32], 6144, "f32", 0),       # an f32 core: weights_proj joins them
+    ([7, 1, 33, 2], 128, "int4", 32),             # odd rows, a one-row matrix: pairs never straddle two matrices
+    ([5, 9], 98, "int4", 32),                     # a ragged last float4 of x (98 columns, 16-byte rows)
+    ([3, 6], 104, "bf16", 0),
+]
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group", MANY_SHAPES)
+def test_gemv2x_writes_every_row_of_every_matrix(gb, rng, rows, cols, fmt, group):
+    """gemv2x_<fmt>: several matrices that read one x in one launch; each output equals W_m x (float64 reference) and
+    every element is written (outputs poisoned with NaN first)."""
+    import numpy as np
+    from coli.gpu.cuda_backend import gemv2x_groups
+    mats = [stored_matrix(r, cols, fmt, rng, group=group or 64) for r in rows]
+    ws = [qweight(gb, buf, lay) for buf, lay, _ in mats]
+    assert gemv2x_groups(ws, 0) == [list(range(len(ws)))]        # what the backend would send to gemv2x
+    x = rand(rng, 1, cols)
+    xd = gb.upload(x)
+    ys = [gb.upload(np.full((1, r), np.nan, np.float32)) for r in rows]
+    assert gb._gemv_many(ws, xd.ptr, [y.ptr for y in ys])
+    for (_, _, ref), y in zip(mats, ys):
+        got = gb.to_host(y)
+        err = rel_err(got, x.astype("float64") @ ref.T.astype("float64"))
+        report("gemv2x", rows=rows, cols=cols, fmt=fmt, rel_err=err)
+        assert err < TOL
+
+
+@pytest.mark.parametrize("version", ["v3", "v2", "v1"])
+@pytest.mark.parametrize("S", [1, 3])
+def test_linear_many_equals_linear(gb, rng, version, S):
+    """linear_many gives linear's values for every matrix, whichever GEMV version: an int8 core's q_a | kv_a | wk
+    with the f32 weights_proj beside them (two launches at v3), five matrices (more than one gemv2x launch)."""
+    import numpy as np
+    shapes = [(64, 256, "int8"), (40, 256, "int8"), (8, 256, "int8"), (4, 256, "f32"), (3, 256, "int8"),
+              (6, 256, "int8"), (10, 256, "int8")]
+    mats = [stored_matrix(r, c, f, rng) for r, c, f in shapes]
+    ws = [qweight(gb, buf, lay) for buf, lay, _ in mats]
+    x = rand(rng, S, 256)
+    before = gb.gemv_kernels
+    gb.gemv_kernels = version
+    try:
+        outs = [gb.to_host(o) for o in gb.linear_many(gb.upload(x), ws)]
+    finally:
+        gb.gemv_kernels = before
+    for (_, _, ref), got in zip(mats, outs):
+        assert got.shape == (S, ref.shape[0])
+        assert rel_err(got, x.astype("float64") @ ref.T.astype("float64")) < TOL
+    assert np.isfinite(np.concatenate([o.ravel() for o in outs])).all()

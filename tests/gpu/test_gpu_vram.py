@@ -172,10 +172,11 @@ def test_speculative_copy_and_a_demand_for_the_same_expert(root, oracles, mode):
               the demand copies again. The output is right and the slot holds the right bytes every time."""
     src, _ = oracles["vram-default"]
     d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
-    vx, r, b, host = _vram(d, 6, tile_bytes=4096, speculate=True)   # small tiles: the trickle is slow, the race
-                                                                     # is real; speculation asked for (off by default)
-    layer = r.config.moe_layers[-1]
     ids = [2, 9, 11]
+    vx, r, b, host = _vram(d, 6, tile_bytes=4096, speculate=True,   # small tiles: the trickle is slow, the race
+                           spec_budget=len(ids))                     # is real; speculation asked for (off by default),
+                                                                     # every guess copied (not the governor's budget)
+    layer = r.config.moe_layers[-1]
     for rep in range(5):
         vx.prefetch(layer, ids)
         if mode != "race":
@@ -202,6 +203,54 @@ def test_speculative_copy_and_a_demand_for_the_same_expert(root, oracles, mode):
         assert st["spec_copies"] == 5 * len(ids) and st["copies"] == 0 and st["hits"] == 5 * len(ids)
     if mode == "recycled":
         assert st["stale_copies"] == 5 * len(ids) and st["copies"] == 5 * len(ids)
+
+
+def test_a_cut_short_speculative_copy_is_finished_by_the_demand(root, oracles):
+    """A demand for an expert whose speculative trickle has landed part of its record copies only the rest into
+    the same slot (spec_handoffs, spec_handoff_bytes), not the whole record again: the sum and the slot's bytes
+    are right. The trickle is stopped part-way by a long copy put on the demand lane once its first tile landed
+    (it yields to demand copies), so the demand finds a prefix and no complete copy."""
+    import time
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 6, tile_bytes=4096, speculate=True)
+    layer = r.config.moe_layers[-1]
+    n = r.record_layout.nbytes
+    blk_n = 64 << 20                                    # ~1 ms on the bus: the trickle waits behind it
+    blk = np.zeros(blk_n, np.uint8)
+    vx.drv.host_register(int(blk.ctypes.data), blk_n)
+    blk_dev = b.rt.alloc(blk_n)
+    tiles = []
+    try:
+        for rep in range(10):
+            ids = [2 + rep % 6]
+            vx.prefetch(layer, ids)
+            job = vx._spec_jobs[vx.pool.slot_of(layer * vx.E + ids[0])]
+            tiles.append(job.n_tiles)
+            t = time.monotonic() + 10
+            while job.bytes_done == 0 and not job.submitted.is_set():
+                assert time.monotonic() < t, "the speculative trickle never started"
+                time.sleep(0)
+            vx.drv.copy_htod_async(int(blk_dev), int(blk.ctypes.data), blk_n, vx.demand.stream)
+            got, x = _run_step(vx, b, layer, ids)
+            want = _cpu_step(r, layer, ids, x)
+            assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max())), rep
+            vx.finish()
+            assert _slot_bytes_equal(vx, b, r, layer, ids[0]), rep
+            vx.pool.invalidate(vx.pool.slot_of(layer * vx.E + ids[0]))     # evicted for the next round
+    finally:
+        b.rt.synchronize()
+        vx.drv.stream_sync(vx.demand.stream)
+        vx.drv.host_unregister(int(blk.ctypes.data))
+    st = vx.snapshot()
+    vx.close()
+    report("vram_spec_handoff", record_tiles=tiles[0], **{k: st[k] for k in (
+        "spec_loads", "spec_handoffs", "spec_handoff_bytes", "spec_copies", "copies", "copy_bytes")})
+    assert tiles[0] >= 3, "records of fewer than 3 tiles cannot be cut part-way"
+    assert st["spec_handoffs"] >= 1
+    assert st["spec_handoff_bytes"] >= 4096 * st["spec_handoffs"]
+    # every demand copy of a handed-off record moved only the rest: the bytes copied add up to whole records
+    assert st["copy_bytes"] + st["spec_handoff_bytes"] + st["spec_copies"] * n == 10 * n
 
 
 def test_speculative_copies_are_off_by_default(root, oracles):

@@ -282,6 +282,38 @@ def test_a_pinned_key_can_lose_its_mapping_but_keeps_its_slot():
     p.check()
 
 
+# ---- unmap -----------------------------------------------------------------------------------------------------
+
+def test_unmap_a_loading_slot_keeps_it_until_its_copy_landed_and_its_readers_left():
+    p = mk(staging=1)
+    p.begin_step()
+    s = p.acquire(1)
+    p.release(s)                     # its kernels are queued; the copy is still in flight
+    p.unmap(s)
+    assert p.slot_of(1) is None and p.state(s) == "loading" and p.resident == 0
+    p.begin_step()
+    assert p.lookup(1) is None       # not a hit any more
+    s2 = p.acquire(1)                # the same key again: another slot (the first is still being written)
+    assert s2 != s and p.slot_of(1) == s2
+    p.loaded(s)                      # the old copy lands: unmapped and unpinned, so it frees
+    assert p.state(s) == "free" and p.slot_of(1) == s2
+    assert p.stats.invalidations == 0 and p.stats.evictions == 0
+    p.check()
+
+
+def test_unmap_a_pinned_ready_slot_frees_on_release_and_a_free_slot_is_an_error():
+    p = mk()
+    s = use(p, 3)
+    p.begin_step()
+    assert p.lookup(3) == s          # pinned by a reader
+    p.unmap(s)
+    assert p.state(s) == "ready" and p.slot_of(3) is None
+    p.release(s)
+    assert p.state(s) == "free"
+    with pytest.raises(ValueError, match="free: nothing to unmap"):
+        p.unmap(s)
+
+
 # ---- invalidate ---------------------------------------------------------------------------------------------
 
 def test_invalidate_unpinned_frees_at_once():

@@ -17,6 +17,9 @@ const FIGURES = [
   // every request at the run, from every client (an older run counted the running one as queued)
   ["batch", "requests at the run (running + queued)", "requests",
    (n, p, snap) => (snap.running || 0) + (snap.queued || 0)],
+  // the executor's batch, as `coli stats` shows it: tokens fed per model step and the prompt (prefill) share
+  ["step_tokens", "tokens per step", "tokens", (n, p) => perStep(n, p, ["prefill_tokens_fed", "decode_tokens_fed"])],
+  ["prefill_share", "prefill share of tokens fed", "%", (n, p) => prefillShare(n, p)],
 ];
 const history = Object.fromEntries(FIGURES.map((f) => [f[0], []]));
 let prev = null;
@@ -35,6 +38,24 @@ function rate(snap, prevSnap, stage, key) {
   if (!now || typeof now[key] !== "number") return null;
   if (!before || typeof before[key] !== "number" || !(now.t > before.t)) return 0;
   return Math.max(0, (now[key] - before[key]) / (now.t - before.t));
+}
+
+function delta(snap, prevSnap, key) {
+  const now = field(snap, "executor", key);
+  if (now === null) return null;
+  const before = prevSnap ? field(prevSnap, "executor", key) : null;
+  return before === null || before > now ? now : now - before;
+}
+function perStep(snap, prevSnap, keys) {
+  const steps = delta(snap, prevSnap, "steps");
+  if (steps === null) return null;
+  const fed = keys.reduce((a, k) => a + (delta(snap, prevSnap, k) || 0), 0);
+  return steps > 0 ? fed / steps : 0;
+}
+function prefillShare(snap, prevSnap) {
+  const pre = delta(snap, prevSnap, "prefill_tokens_fed"), dec = delta(snap, prevSnap, "decode_tokens_fed");
+  if (pre === null || dec === null) return null;
+  return pre + dec > 0 ? 100 * pre / (pre + dec) : 0;
 }
 
 function card(key, title, unit) {

@@ -1,0 +1,282 @@
+"""The executor's serving loop over the batching core: requests join (`submit`), each `step` runs every running
+sequence's next rows through the model in one batched call, and each sequence's tokens go to its own client as
+they come. No sockets here: answers leave through `send(peer, message)`; the process wrapper
+(stages/executor/process.py) owns the sockets, the control messages and the GPU demotion.
+
+A failing request costs that request only: a batched step that raises is retried row by row from the caches'
+lengths before it, and only the rows that fail alone fail (their requests get the Error; the others go on)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from coli.errors import WeightError
+from coli.generate import ContextTooLong, context_problem
+from coli.model.sampling import SamplingParams
+from coli.protocol.messages import ERROR_BAD_REQUEST, ERROR_INTERNAL, Done, Error, GenerateRequest, Token
+from coli.stages.executor.batch_step import choose_alone, choose_tokens
+from coli.stages.executor.experts import ExpertUnavailable
+from coli.stages.executor.scheduler import Row, Scheduler, Sequence
+from coli.stages.executor.sessions import SessionError
+
+
+class StopRequested(Exception):
+    """Shutdown asked (or the supervisor gone) while a step waited for experts: the loop ends now."""
+
+
+@dataclass
+class Ticket:
+    """What the executor keeps per sequence beside the scheduler's state: whom to answer, what was asked."""
+    peer: bytes
+    req: GenerateRequest
+    sess: Any = None      # the Session this turn runs on, or None
+
+
+class BatchServer:
+    def __init__(self, sched: Scheduler, cfg, sessions, model: Callable[[], Any], send: Callable[[bytes, Any], None],
+                 counters: dict, log, faults=None, recorder=None, on_step_error: Callable[[Exception], bool] | None = None,
+                 after_batch: Callable[[], None] | None = None):
+        """`model()` is the model in use (it changes when the GPU is lost); `on_step_error(e)` may handle a failed
+        step (the GPU wrapper demotes to the CPU) and return True, after which every running sequence restarts on
+        a new cache; `after_batch()` runs whenever the batch empties (the GPU's copies are reaped)."""
+        self.sched, self.cfg, self.sessions, self.model, self.send = sched, cfg, sessions, model, send
+        self.counters, self.log, self.faults, self.recorder = counters, log, faults, recorder
+        self.on_step_error, self.after_batch = on_step_error, after_batch
+        self.drop_after: set[str] = set()       # sessions asked to be dropped while a turn held them
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.sched.running or self.sched.waiting)
+
+    # ---- requests in -------------------------------------------------------------------------------
+    def submit(self, peer: bytes, req: GenerateRequest) -> None:
+        bad = [t for t in req.prompt_ids if t >= self.cfg.vocab_size]
+        if bad:
+            self.send(peer, Error(ERROR_BAD_REQUEST, f"prompt token id {bad[0]} is outside the vocabulary "
+                                                     f"(0..{self.cfg.vocab_size - 1})", req.request_id))
+            return
+        if req.mtp not in (None, "off"):    # said, not ignored: the batched step does not draft yet (docs/mtp.md)
+            self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp {req.mtp!r}: the batched executor does not draft with "
+                                                     f"the MTP head yet; `coli run --mtp` does (docs/mtp.md)",
+                                  req.request_id))
+            return
+        params = SamplingParams(greedy=req.greedy or req.temperature == 0.0, temperature=req.temperature or 1.0,
+                                top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        eos = frozenset() if req.ignore_eos else frozenset(int(e) for e in self.cfg.eos_token_ids)
+        try:
+            seq = Sequence(req.request_id, list(req.prompt_ids), req.max_tokens, params, eos, req.session,
+                           Ticket(peer, req), t_submit=time.perf_counter())
+            self.sched.submit(seq)
+        except ValueError as e:
+            self.send(peer, Error(ERROR_BAD_REQUEST, str(e), req.request_id))
+
+    def cancel(self, request_id: str) -> None:
+        self.sched.cancel(request_id)
+
+    def session_in_use(self, name: str) -> bool:
+        return any(s.session == name for s in self.sched.running)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Cancelled sequences leave, newcomers join, one batched model step, its tokens out."""
+        reaped = self.sched.reap()
+        for seq in reaped:
+            self.counters["cancelled"] += 1
+            self._finish(seq)
+        for seq in self.sched.admit():
+            self._begin(seq)
+        rows = self.sched.plan()
+        chosen = self._run(rows) if rows else None
+        if chosen is not None:
+            out = self.sched.commit(rows, chosen, time.perf_counter())
+            for seq, tok, index in out.tokens:
+                self._token(seq, tok, index)
+            for seq in out.finished:
+                if seq.finish != "failed":
+                    self._finish(seq)
+        self._drop_released_sessions()
+        if (rows or reaped) and not self.sched.running and self.after_batch is not None:
+            self.after_batch()          # the batch just emptied
+
+    def fail_all(self, e: Exception) -> None:
+        """A step broke outside the model (a bug in this loop): every sequence here fails with it, the executor
+        goes on with the next requests."""
+        for seq in [*self.sched.running, *self.sched.waiting]:
+            self._failed(seq, e)
+
+    def _begin(self, seq: Sequence) -> None:
+        t: Ticket = seq.payload
+        req = t.req
+        try:
+            new_ids, cache = list(req.prompt_ids), None
+            if req.session is not None:
+                try:
+                    t.sess = self.sessions.get(req.session, create=req.new_session, ephemeral=req.ephemeral)
+                except (SessionError, WeightError, ValueError) as e:
+                    self.sched.fail(seq)
+                    self.send(t.peer, Error(ERROR_BAD_REQUEST, str(e), req.request_id))
+                    return
+                new_ids, cache = t.sess.reuse(list(req.prompt_ids)), t.sess.cache
+            problem = context_problem(len(req.prompt_ids), req.max_tokens,
+                                      int(getattr(self.cfg, "max_position_embeddings", 0) or 0))
+            if problem:     # before the cache is sized from max_tokens
+                raise ContextTooLong(problem)
+            if cache is None:
+                cache = self.model().new_cache(max(16, len(new_ids) + req.max_tokens))
+            if self.recorder is not None:
+                self.recorder.new_sequence()
+            self.counters["requests"] += 1
+            self.sched.begin(seq, cache, new_ids, time.perf_counter())
+        except StopRequested:
+            raise
+        except Exception as e:
+            self._failed(seq, e)
+
+    def _run(self, rows: list[Row]) -> list[int | None] | None:
+        """The step's tokens (its wall time counted in step_s); None: the step is void (see _attempt)."""
+        t0 = time.perf_counter()
+        try:
+            return self._attempt(rows)
+        finally:
+            self.counters["step_s"] += time.perf_counter() - t0
+
+    def _attempt(self, rows: list[Row]) -> list[int | None] | None:
+        """The step's tokens; a failure is isolated to the rows that fail by themselves. None: the step is void
+        (the model changed under it and every sequence restarted)."""
+        held = [(r.seq.cache, r.seq.cache.length) for r in rows]
+        try:
+            return choose_tokens(self.model(), rows)
+        except StopRequested:
+            raise
+        except Exception as e:
+            for cache, n in held:       # what the failed step wrote past each cache's length is not kept
+                cache.truncate(min(n, cache.length))
+            if self.on_step_error is not None and self.on_step_error(e):
+                self._restart_all()
+                return None         # nothing of this step is kept: the restarted rows run again
+            if len(rows) == 1:
+                self._row_failed(rows[0], e)
+                return [None]
+        chosen: list[int | None] = []
+        for r, (cache, n) in zip(rows, held):
+            try:
+                chosen.append(choose_alone(self.model(), r))
+            except StopRequested:
+                raise
+            except Exception as e:
+                cache.truncate(min(n, cache.length))
+                self._row_failed(r, e)
+                chosen.append(None)
+        return chosen
+
+    def _restart_all(self) -> None:
+        """The model changed under the running sequences (the GPU was lost: their caches with it): each goes on
+        from what its client has, its prompt and the tokens sent so far, on a new cache (a session's: its last
+        committed turn, or a new one)."""
+        for seq in list(self.sched.running):
+            if seq.cache is None:
+                continue
+            t: Ticket = seq.payload
+            full = seq.prompt + seq.out
+            try:
+                if t.req.session is not None:
+                    t.sess = self.sessions.get(t.req.session, create=True, ephemeral=t.req.ephemeral)
+                    new_ids, cache = t.sess.reuse(full), t.sess.cache
+                else:
+                    new_ids = full
+                    cache = self.model().new_cache(max(16, len(full) + seq.max_tokens - len(seq.out)))
+                self.sched.restart(seq, cache, new_ids)
+            except StopRequested:
+                raise
+            except Exception as e:
+                self._failed(seq, e)
+
+    def _row_failed(self, row: Row, e: Exception) -> None:
+        seq = row.seq
+        if isinstance(e, ExpertUnavailable):
+            t: Ticket = seq.payload
+            self.counters["failed"] += 1
+            self.log.error("expert_unavailable", request_id=seq.request_id, error=str(e))
+            self.sched.fail(seq)
+            self.send(t.peer, Error(ERROR_INTERNAL, f"expert unavailable: {e}", seq.request_id))
+            if t.sess is not None:   # what it had before this step stays, as committed with its tokens
+                t.sess.tokens = (seq.prompt + seq.out)[:t.sess.cache.length]
+                self._commit_session(t.sess, seq.request_id)
+            return
+        self._failed(seq, e)
+
+    # ---- answers out -------------------------------------------------------------------------------
+    def _token(self, seq: Sequence, tok: int, index: int) -> None:
+        t: Ticket = seq.payload
+        self.send(t.peer, Token(seq.request_id, tok, index))
+        self.counters["tokens"] += 1
+        if index == 0 and self.faults is not None and self.faults.hit("request_error"):
+            self._failed(seq, RuntimeError("injected request failure (COLI_INJECT=request_error)"))
+
+    def _finish(self, seq: Sequence) -> None:
+        """Done for a sequence that ended (stop, length, cancelled); a session is saved before it."""
+        t: Ticket = seq.payload
+        rid = seq.request_id
+        if t.sess is not None and seq.cache is not None:     # the tokens the cache covers: prompt, then fed back
+            t.sess.tokens = (seq.prompt + seq.out)[:t.sess.cache.length]
+            err = self._commit_session(t.sess, rid)   # saved before Done: a turn the client saw finish survives kill -9
+            if err:
+                self.send(t.peer, Error(ERROR_INTERNAL, f"the answer was generated but {err}", rid))
+                return
+        timing = seq.timing
+        now = time.perf_counter()
+        timing["total_s"] = now - (seq.t_begin if seq.t_begin is not None else seq.t_submit)
+        timing["queued_s"] = (seq.t_begin - seq.t_submit) if seq.t_begin is not None else now - seq.t_submit
+        c = self.counters
+        c["prefill_s"] += timing["prefill_s"]
+        c["decode_s"] += timing["decode_s"]
+        c["last_tokens_per_s"] = round(timing["decode_tokens_per_s"], 3)
+        c["last_latency_s"] = round(timing["total_s"], 4)
+        self.send(t.peer, Done(rid, seq.finish, len(seq.out), timing))
+        self.log.info("request", request_id=rid, prompt_tokens=len(seq.prompt), reused_tokens=seq.reused,
+                      session=seq.session, tokens=len(seq.out), finish=seq.finish, total_s=round(timing["total_s"], 4),
+                      queued_s=round(timing["queued_s"], 4), decode_tps=round(timing["decode_tokens_per_s"], 2))
+
+    def _failed(self, seq: Sequence, e: Exception) -> None:
+        """Any exception of one request: an Error for it (typed, naming the cause), the traceback in the log, and
+        the others go on. A session it was using goes back to its last finished turn (SessionStore.recover)."""
+        t: Ticket = seq.payload
+        self.sched.fail(seq)
+        self.counters["failed"] += 1
+        code = ERROR_BAD_REQUEST if isinstance(e, ContextTooLong) else ERROR_INTERNAL
+        what = str(e) if code == ERROR_BAD_REQUEST else f"the executor failed on this request: {type(e).__name__}: {e}"
+        self.log.error("request_failed", request_id=seq.request_id, session=seq.session,
+                       error=f"{type(e).__name__}: {e}", exc_info=e)
+        if seq.session is not None:
+            self.sessions.recover(seq.session)
+        self.send(t.peer, Error(code, what[:2000], seq.request_id))
+
+    def _commit_session(self, sess, rid: str) -> str | None:
+        """Persist the session after a turn; the reason it could not be, or None."""
+        try:
+            self.sessions.commit(sess)
+            return None
+        except SessionError as e:
+            self.counters["failed"] += 1
+            self.log.error("session_not_saved", request_id=rid, session=sess.name, error=str(e))
+            return str(e)
+
+    def _drop_released_sessions(self) -> None:
+        for name in list(self.drop_after):
+            if not self.session_in_use(name):
+                self.drop_after.discard(name)
+                self.log.info("session_dropped", session=name, found=self.sessions.drop(name))
+
+    def shutdown(self) -> None:
+        """The run is stopping (the supervisor tells the clients): every sequence still here ends, and a session
+        it held keeps the tokens its cache covers, for the save on the way out."""
+        for seq in [*self.sched.running, *self.sched.waiting]:
+            self.sched.cancel(seq.request_id)
+        gone = self.sched.reap()
+        for seq in gone:
+            if seq.cache is not None and seq.payload.sess is not None:
+                seq.payload.sess.tokens = (seq.prompt + seq.out)[:seq.payload.sess.cache.length]
+        if gone:
+            self.log.info("batch_stopped", sequences=len(gone))

@@ -1,0 +1,129 @@
+"""The int4 prefill (S > 1) on the tensor cores (cuda/prefill_mma.cu): the dense linear and the grouped MoE against
+numpy and float64, next to the fp32 tiled GEMMs (gemm.cu, "v1") on the same inputs; NaN confined to its token;
+deterministic results; partial tiles, pruned slots and mixed record layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_helpers import F32, TOL, qweight, rand, rel_err, report, stored_matrix
+from test_gpu_moe import _experts, moe_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _with(gb, version, fn):
+    saved = gb.prefill_kernels
+    gb.prefill_kernels = version
+    try:
+        return fn()
+    finally:
+        gb.prefill_kernels = saved
+
+
+@pytest.mark.parametrize("rows,cols,group,S,xkind", [
+    (2048, 6144, 64, 70, "normal"),      # q_a_proj, a partial token tile
+    (6144, 16384, 128, 5, "normal"),     # o_proj
+    (2048, 6144, 64, 130, "wide"),       # elements 2^-20 of their block's largest
+    (256, 128, 64, 3, "zero-blocks"),
+])
+def test_linear_tensor_cores_as_exact_as_fp32(gb, rng, rows, cols, group, S, xkind):
+    from coli.gpu.cuda_backend import pf_layout_ok
+    buf, lay, ref = stored_matrix(rows, cols, "int4", rng, group=group)
+    assert pf_layout_ok(lay)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, S, cols)
+    if xkind == "wide":
+        x *= np.exp2(rng.integers(-20, 8, x.shape)).astype(F32)
+    elif xkind == "zero-blocks":
+        x[:, :64] = 0
+    want = x.astype(np.float64) @ ref.T.astype(np.float64)
+    errs = {v: rel_err(_with(gb, v, lambda: gb.to_host(gb.linear(gb.upload(x), w))), want) for v in ("v1", "mma")}
+    report("prefill_linear", shape=[rows, cols], group=group, S=S, x=xkind,
+           **{f"rel_err_{k}": e for k, e in errs.items()})
+    assert errs["mma"] < TOL
+    assert errs["mma"] <= 4 * errs["v1"] + 1e-7, errs
+
+
+def test_linear_nan_stays_in_its_token(gb, rng):
+    buf, lay, ref = stored_matrix(256, 256, "int4", rng)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, 9, 256)
+    x[4, 100] = np.nan
+    got = _with(gb, "mma", lambda: gb.to_host(gb.linear(gb.upload(x), w)))
+    assert np.isnan(got[4]).all()
+    assert np.isfinite(np.delete(got, 4, axis=0)).all()
+
+
+PREFILL_MOE = [  # H, Im, group, E, K, S
+    (6144, 2048, 64, 12, 8, 70),      # GLM-5 experts
+    (256, 128, 64, 16, 4, 100),
+    (256, 128, 128, 6, 3, 41),
+    (256, 128, 64, 3, 2, 130),        # ~87 pairs per expert: several tiles each, the last one partial
+]
+
+
+@pytest.mark.parametrize("H,Im,group,E,K,S", PREFILL_MOE)
+def test_moe_prefill_tensor_cores(gb, rng, H, Im, group, E, K, S):
+    from coli.gpu.cuda_backend import pf_moe_layout_ok
+    recs, mats = _experts(gb, H, Im, "int4", group, E, rng)
+    assert pf_moe_layout_ok(recs[0].layout) and gb._pf_ok(1)      # the tensor-core path, not a fallback
+    x = rand(rng, S, H)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
+    wanted = sorted(set(idx.ravel().tolist()))
+
+    def run(version):
+        return _with(gb, version, lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in wanted))))
+    got = run("mma")
+    err = rel_err(got, moe_reference(x, idx, w, mats))
+    report("prefill_moe", shape=[H, Im], group=group, E=E, K=K, S=S, rel_err=err,
+           rel_err_v1=rel_err(run("v1"), moe_reference(x, idx, w, mats)))
+    assert err < TOL
+    np.testing.assert_array_equal(run("mma"), got)          # fixed summation order: the same bits every run
+
+
+def test_moe_prefill_mixed_layouts_and_pruned_slots(gb, rng):
+    """Int4 records (tensor cores) and host experts uploaded as f32 records (fp32 GEMMs) in one prefill, with
+    pruned slots (id -1, weight 0): each path adds its own experts' rows, nothing twice."""
+    from coli.weights import ExpertWeights
+    H, Im, E, K, S = 256, 128, 8, 4, 23
+    recs, mats = _experts(gb, H, Im, "int4", 64, E, rng)
+    x = rand(rng, S, H)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
+    idx[::3, -1] = -1
+    w[::3, -1] = 0
+    wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
+    src = [(e, recs[e] if e % 2 else ExpertWeights(*mats[e])) for e in wanted]
+    got = _with(gb, "mma", lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, iter(src))))
+    keep = np.where(idx < 0, 0, idx)
+    assert rel_err(got, moe_reference(x, keep, np.where(idx < 0, 0, w), mats)) < TOL
+
+
+def test_moe_prefill_nan_stays_in_its_token(gb, rng):
+    H, Im, E, K, S = 256, 128, 6, 2, 12
+    recs, mats = _experts(gb, H, Im, "int4", 64, E, rng)
+    x = rand(rng, S, H)
+    x[7, 3] = np.nan
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
+    got = _with(gb, "mma", lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in range(E)))))
+    assert np.isnan(got[7]).all()
+    assert np.isfinite(np.delete(got, 7, axis=0)).all()
+
+
+def test_moe_prefill_in_chunks(gb, rng, monkeypatch):
+    """A prompt longer than one chunk of buffers (PREFILL_CHUNK_BYTES) goes through in chunks, each with its own
+    split x, pair tiles and slot sum written at its rows -- the same result as numpy."""
+    import coli.gpu.cuda_backend as cb
+    H, Im, E, K, S = 256, 128, 6, 3, 70
+    recs, mats = _experts(gb, H, Im, "int4", 64, E, rng)
+    x = rand(rng, S, H)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
+    per_token = K * H * 4 + K * Im * 9 // 2 + H * 9 // 2
+    monkeypatch.setattr(cb, "PREFILL_CHUNK_BYTES", 17 * per_token)        # chunks of ~17 tokens: 5 of them
+    got = _with(gb, "mma", lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in range(E)))))
+    assert rel_err(got, moe_reference(x, idx, w, mats)) < TOL

@@ -1,0 +1,358 @@
+"""The host side of the batched decode step replayed from CUDA graphs (coli/gpu/batch_graphs.py), no GPU needed: its
+setting, the layout of its per-step inputs, which row's values the backend reads where, the per-row MoE launches,
+and a whole capture of a real oracle model's batched step, all on a recording stand-in runtime (fake addresses, no
+data; every launch checked against the kernel's signature, as in tests/test_decode_launches.py; a host read-back or
+upload while capturing raises, as on the device). The replayed step's values are checked on the GPU
+(tests/gpu/test_gpu_batch.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.errors import ColiError
+from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, batch_graphs_enabled
+from coli.gpu.cuda_runtime import CudaError, DeviceArray
+
+
+def test_the_setting_is_off_by_default_and_must_be_0_or_1():
+    assert batch_graphs_enabled({}) is False
+    assert batch_graphs_enabled({"COLI_BATCH_GRAPHS": "1"}) is True
+    assert batch_graphs_enabled({"COLI_BATCH_GRAPHS": " 0 "}) is False
+    with pytest.raises(ColiError, match=r"COLI_BATCH_GRAPHS='yes': use 1 .* or 0"):
+        batch_graphs_enabled({"COLI_BATCH_GRAPHS": "yes"})
+
+
+def test_layout_packs_tokens_positions_and_each_rows_angles():
+    lay = BatchStepLayout(B=3, half=4)
+    assert (lay.pos_at, lay.angles_at) == (16, 48)          # both 16-byte aligned for the kernels' loads
+    assert lay.nbytes == 48 + 8 * 3 * 4
+    buf = np.zeros(lay.nbytes, np.uint8)
+    cos = np.arange(12, dtype=np.float32).reshape(3, 4)
+    sin = -cos
+    lay.pack(buf, [7, 8, 9], [0, 41, 5], cos, sin)
+    assert buf[:12].view(np.int32).tolist() == [7, 8, 9]
+    assert buf[16:40].view(np.int32).reshape(3, 2).tolist() == [[0, 1], [41, 42], [5, 6]]   # (position, T)
+    assert lay.pos_offset(1) == 24
+    a = buf[48:].view(np.float32)
+    np.testing.assert_array_equal(a[:12].reshape(3, 4), cos)
+    np.testing.assert_array_equal(a[12:].reshape(3, 4), sin)
+    with pytest.raises(ValueError, match="a step of 3 rows got 2 tokens"):
+        lay.pack(buf, [7, 8], [0, 41, 5], cos, sin)
+    with pytest.raises(ValueError, match="uint8 buffer of 144 bytes"):
+        lay.pack(np.zeros(100, np.uint8), [7, 8, 9], [0, 41, 5], cos, sin)
+    with pytest.raises(ValueError, match="row 3 of a step of 3"):
+        lay.pos_offset(3)
+
+
+
+def test_layout_packs_a_forced_routing_per_moe_layer():
+    from coli.gpu.batch_graphs import batch_route_mode
+    lay = BatchStepLayout(B=2, half=4, moe_layers=(1, 3), K=3)
+    assert lay.route_offset(1) == lay.angles_at + 8 * 2 * 4 and lay.route_offset(3) == lay.route_offset(1) + 8 * 6
+    assert lay.nbytes == lay.route_offset(3) + 8 * 6
+    buf = np.zeros(lay.nbytes, np.uint8)
+    angles = np.zeros((2, 4), np.float32)
+    idx = np.array([[0, 5, 2], [7, 1, 3]])
+    w = np.arange(6, dtype=np.float32).reshape(2, 3) / 8
+    lay.pack(buf, [1, 2], [3, 4], angles, angles, {3: (idx, w)})
+    o = lay.route_offset(3)
+    assert buf[o:o + 24].view(np.int32).reshape(2, 3).tolist() == idx.tolist()
+    np.testing.assert_array_equal(buf[o + 24:o + 48].view(np.float32).reshape(2, 3), w)
+    with pytest.raises(ValueError, match=r"a forced routing of shape \(1, 3\) at layer 1 in a step of 2x3"):
+        lay.pack(buf, [1, 2], [3, 4], angles, angles, {1: (idx[:1], w[:1])})
+    ok = {1: (idx, w), 3: (idx, w)}
+    assert batch_route_mode(ok, 2, 3, 8) is None
+    assert "keeps the router's choice at layer 3" in batch_route_mode({1: (idx, w), 3: None}, 2, 3, 8)
+    assert "dropped slots" in batch_route_mode({1: (np.where(idx == 5, -1, idx), w)}, 2, 3, 8)
+    assert "outside 0..5" in batch_route_mode({1: (idx, w)}, 2, 3, 6)
+    assert "shape (1, 3)" in batch_route_mode({1: (idx[:1], w[:1])}, 2, 3, 8)
+
+
+class _Drv:
+    @staticmethod
+    def pagelocked_empty(n, dtype):
+        return np.empty(n, dtype)
+
+
+class _RecordingRuntime:
+    """Hands out fake device addresses and records every launch with its arguments (no GPU)."""
+
+    sm_count = 132
+    smem_optin = 232448
+    drv = _Drv()
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self._next = 1 << 20
+
+    def function(self, module, name, argtypes):
+        return (module, name, argtypes)
+
+    def allow_smem(self, fn, nbytes):
+        return nbytes <= self.smem_optin
+
+    def resident_blocks(self, fn, threads, smem=0):
+        return self.sm_count * 2
+
+    def empty(self, shape, dtype=np.float32):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ptr, self._next = self._next, self._next + ((n + 255) // 256 + 1) * 256
+        return DeviceArray(ptr, shape, dtype)
+
+    def zero(self, ptr, nbytes):
+        self.launches.append(("zero", (ptr, nbytes)))
+
+    def launch(self, fn, grid, block, *args, smem=0):
+        module, name, argtypes = fn
+        assert len(args) == len(argtypes), f"{name}: {len(args)} arguments for signature {argtypes!r}"
+        self.launches.append((name, args))
+
+
+def _backend():
+    from coli.gpu.cuda_backend import CudaBackend
+    gb = CudaBackend.__new__(CudaBackend)
+    gb.rt, gb.busy, gb.moe_kernels, gb._scratch, gb._mma_usable = _RecordingRuntime(), None, "v2", {}, None
+    gb.step = None
+    return gb
+
+
+def _inputs(gb, B, H=128, Im=64, E=16, K=4):
+    from coli.container.format import RecordLayout
+    lay = RecordLayout.make(H, Im, "int4", 64, 512)
+    slots = gb.rt.empty((4, E), np.uint64)
+    return BatchStepInputs(gb.rt, BatchStepLayout(B, 8, (1, 2, 3), K), slots, E, lay), slots
+
+
+def test_rows_read_their_own_position_span_and_capacity():
+    gb = _backend()
+    st, _ = _inputs(gb, 3)
+    st.positions, st.capacities, st.spans = [10, 20, 30], [64, 128, 64], [64, 64, 128]
+    assert st.check_rows(3, "embed") is st and st.token_ptr == st.dyn.ptr
+    cs, sn = st.angles(8)
+    assert cs.shape == (3, 8) and sn.ptr == cs.ptr + 4 * 3 * 8
+    with pytest.raises(CudaError, match="a position outside a row's attention"):
+        st.pos_ptr
+    with pytest.raises(CudaError, match="write_rows of 1 rows in the batch of a captured batched step"):
+        st.check_rows(1, "write_rows")
+    st.select(2)
+    assert st.check_rows(1, "write_rows") is st
+    assert st.pos_ptr == st.dyn.ptr + 16 + 8 * 2
+    assert (st.pos, st.capacity, st.attn_n_max) == (30, 64, 128)
+    st.check_start(30)
+    with pytest.raises(CudaError, match="a row write at 29 in row 2's step of position 30"):
+        st.check_start(29)
+    with pytest.raises(CudaError, match="embed inside a row's attention"):
+        st.token_ptr
+    with pytest.raises(CudaError, match="rope with 8 angles"):
+        st.angles(8)
+    with pytest.raises(CudaError, match="moe_step of 3 rows in row 2's attention"):
+        st.check_rows(3, "moe_step")
+
+
+@pytest.mark.parametrize("mode", ["router", "forced"])
+def test_a_batched_moe_step_runs_each_rows_fused_decode_on_its_own_rows(mode):
+    from coli.gpu.cuda_backend import DeviceRoute
+    gb = _backend()
+    B, H, K = 3, 128, 4
+    st, slots = _inputs(gb, B, H=H, K=K)
+    st.mode = mode
+    gb.step = st
+    x = gb.rt.empty((B, H))
+    route = DeviceRoute(gb.rt.empty((B, K), np.int32), gb.rt.empty((B, K)), K)
+    out = gb.moe_step(2, x, route)
+    assert out.shape == (B, H)
+    names = [n for n, _ in gb.rt.launches]
+    assert names == ["expert_table", "moe_gateup_int4", "moe_down_int4"] * B
+    # the router's [B, K] choice, or layer 2's forced [B, K] in the step's inputs
+    idx0, w0 = ((route.idx.ptr, route.weights.ptr) if mode == "router" else
+                (st.dyn.ptr + st.layout.route_offset(2), st.dyn.ptr + st.layout.route_offset(2) + 4 * B * K))
+    for r in range(B):
+        tab, gu, dn = (args for _, args in gb.rt.launches[3 * r:3 * r + 3])
+        assert tab[0] == idx0 + 4 * K * r and tab[2] == slots.ptr + 2 * 16 * 8   # row r's top-k, layer 2's slots
+        assert gu[10] == x.ptr + 4 * H * r                                       # row r's activation
+        assert dn[9] == w0 + 4 * K * r and dn[11] == out.ptr + 4 * H * r         # its weights, its output
+        assert dn[12] == 0                                                       # K <= 8: one launch, no sum
+
+
+class _CapturingRuntime(_RecordingRuntime):
+    """_RecordingRuntime with what a whole model needs: uploads, read-backs (zeros) and a stream capture whose
+    graph counts its launches. Like the device runtime, a synchronous call while capturing raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.capture: list | None = None
+        self.graph_launches = 0
+        self.stream = None
+
+    @property
+    def capturing(self) -> bool:
+        return self.capture is not None
+
+    def _not_capturing(self, what):
+        if self.capture is not None:
+            raise CudaError(f"{what} while capturing")
+
+    def module(self, name):
+        return name
+
+    def alloc(self, n):
+        ptr, self._next = self._next, self._next + ((n + 255) // 256 + 1) * 256
+        return ptr
+
+    def empty(self, shape, dtype=np.float32):
+        return DeviceArray(self.alloc(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize), shape, dtype)
+
+    def to_device(self, host, dtype=None):
+        self._not_capturing("a synchronous upload")
+        h = np.asarray(host, dtype=dtype or np.asarray(host).dtype)
+        return self.empty(h.shape, h.dtype)
+
+    to_device_async = to_device
+
+    def upload_bytes(self, raw, dst):
+        self._not_capturing("a synchronous upload")
+
+    def to_host(self, x):
+        self._not_capturing("a read-back")
+        return np.zeros(x.shape, x.dtype)
+
+    def synchronize(self):
+        self._not_capturing("a synchronisation")
+
+    def copy(self, dst, src, nbytes):
+        self.launches.append(("copy", (dst, src, nbytes)))
+
+    def begin_capture(self):
+        self.capture = []
+
+    def end_capture(self):
+        self.capture = None
+        rt = self
+
+        class Graph:
+            keep: list = []
+
+            def launch(self, _rt):
+                rt.graph_launches += 1
+
+            def close(self):
+                pass
+        return Graph()
+
+    def abort_capture(self):
+        self.capture = None
+
+
+_CapturingRuntime.drv = type("Drv", (), {"pagelocked_empty": staticmethod(lambda n, dtype: np.zeros(n, dtype)),
+                                         "memcpy_htod_async": staticmethod(lambda *a: None),
+                                         "memcpy_dtoh_async": staticmethod(lambda *a: None)})()
+
+
+@pytest.fixture(scope="module")
+def oracle_src(tmp_path_factory):
+    from coli.container.writer import ConvertOptions, convert
+    from oracles import load_oracle, oracle_dir
+    d = oracle_dir(tmp_path_factory.mktemp("oracles"), "long-prompt")
+    int4 = tmp_path_factory.mktemp("containers") / "long-prompt-int4"
+    convert(d, int4, ConvertOptions(experts="int4", dense="int8", group=64))
+    return {"f32": d, "int4": int4}, load_oracle(d)
+
+
+class _Forced:
+    """A route override (what the benchmarks' TraceRouting is): fixed experts per layer, every call recorded."""
+
+    def __init__(self, K, E):
+        self.K, self.E, self.calls = K, E, []
+
+    def __call__(self, layer, n):
+        self.calls.append((layer, n))
+        idx = (np.arange(n * self.K).reshape(n, self.K) + layer) % self.E
+        return idx.astype(np.int64), np.full((n, self.K), 1.0 / self.K, np.float32)
+
+
+@pytest.mark.parametrize("routing,fmt", [("router", "f32"), ("forced", "f32"), ("router", "int4")])
+def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing, fmt):
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.batch import BatchRow, batch_graphs, greedy_batch
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    monkeypatch.setenv("COLI_GRAPHS", "1")
+    dirs, o = oracle_src
+    d = dirs[fmt]                                    # the checkpoint, or an int4 container (int8 dense core)
+    rt = _CapturingRuntime()
+    gb = CudaBackend(runtime=rt)
+    w = open_weights(d)
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    p = o["prompt_ids"]
+    caches = [model.new_cache(64) for _ in range(3)]
+    toks = [model.greedy_eager(q, c) for q, c in zip([p, p[:5], p[:20]], caches)]
+    dec = batch_graphs(model)
+    c = model.config
+    forced = _Forced(c.num_experts_per_tok, c.n_routed_experts) if routing == "forced" else None
+    model.route_override = forced
+    marks = []
+    for step in range(4):
+        marks.append(len(rt.launches))
+        toks = greedy_batch(model, [BatchRow(c, [t]) for c, t in zip(caches, toks)])
+        assert [c.length for c in caches] == [len(p) + 1 + step, 6 + step, 21 + step]
+        if step == 0:
+            assert dec.last_reason.startswith("first step of this batch") and rt.graph_launches == 0
+    marks.append(len(rt.launches))
+    assert not dec.failed and (dec.captures, dec.replays, rt.graph_launches) == (1, 3, 3)
+    assert marks[4] == marks[2]                      # replayed steps launch nothing from the host but the graph
+    captured = rt.launches[marks[1]:marks[2]]
+    st = dec.inputs[3]
+    if forced is not None:        # drawn once per MoE layer per step: eager, captured and replayed steps alike
+        assert forced.calls == [(i, 3) for _ in range(4) for i in c.moe_layers]
+        tables = [args[0] for name, args in captured if name == "expert_table"]
+        K = c.num_experts_per_tok
+        assert tables == [st.dyn.ptr + st.layout.route_offset(i) + 4 * K * r for i in c.moe_layers for r in range(3)]
+    bufs = [{int(x.ptr) for lc in cache.layers for x in (lc.lat, lc.k_pe, lc.k_idx) if x is not None}
+            for cache in caches]
+    rows = []
+    for name, args in captured:
+        if name == "kv_put":                          # (src, n, pos_ptr, dst): row r's position, row r's cache
+            r = (args[2] - st.dyn.ptr - st.layout.pos_at) // 8
+            assert args[3] in bufs[r]
+            rows.append(r)
+        elif name == "indexer_scores_dyn":
+            rows.append(("idx", (args[5] - st.dyn.ptr - st.layout.pos_at) // 8))
+        elif name.startswith("embed_"):
+            assert args[-2] == st.dyn.ptr                                     # the B tokens of the step's inputs
+        elif name == "rope":
+            assert args[4] == 3 and args[1] == st.dyn.ptr + st.layout.angles_at   # B rows of angles
+    full = sum(t == "full" for t in c.indexer_types)
+    want = []
+    for i in range(c.num_hidden_layers):             # per layer, rows in order: lat, k_pe (+ k_idx), then the indexer
+        for r in range(3):
+            want += [r, r] + ([r, ("idx", r)] if c.indexer_types[i] == "full" else [])
+    assert rows == want and full > 0
+    # a row leaving: a new key, eager once, then captured
+    for _ in range(3):
+        toks = greedy_batch(model, [BatchRow(c2, [t]) for c2, t in zip(caches[:2], toks[:2])])
+    assert (dec.captures, dec.replays) == (2, 5) and not dec.failed
+    if forced is not None:
+        assert forced.calls[4 * len(c.moe_layers):] == [(i, 2) for _ in range(3) for i in c.moe_layers]
+
+
+def test_a_model_with_batched_graphs_can_be_freed(oracle_src, monkeypatch):
+    """The decoder is kept per model (coli.model.batch.batch_graphs): it must not keep its model -- and the model's
+    device weights -- alive once the caller drops it."""
+    import gc
+    import weakref
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.batch import batch_graphs
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_BATCH_GRAPHS", "1")
+    dirs, _ = oracle_src
+    w = open_weights(dirs["f32"])
+    gb = CudaBackend(runtime=_CapturingRuntime())
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    assert batch_graphs(model) is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

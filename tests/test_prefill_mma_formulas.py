@@ -1,0 +1,282 @@
+"""The tensor-core int4 prefill GEMM (cuda/prefill_mma.cu), transliterated to numpy and checked on the CPU (the
+kernels themselves are checked against numpy on a GPU by tests/gpu/test_gpu_prefill.py):
+
+- pf_split64: the four int8 parts of a 64-column block land at the byte positions the B fragments read, their
+  accumulator starts are MAGIC - 8 sum(b_p), and the parts rebuild x to 2^-27 of the block's largest value;
+- pf_mainloop's fragments for one warp: weight words from the staged rows (low nibbles k = 4t.., high k = 16 + 4t..),
+  the split x as N = 4 tokens x 2 parts, the accumulator started at MAGIC - 8 sum(b) so that the MMA's integer
+  result read as a float is 1.5 * 2^23 + the exact dot product, and the fp32 flush -- against float64 -- with the
+  MMA emulated in PTX's fragment layout (tests/test_kernel_formulas.py);
+- the host's layout check (pf_layout_ok) and shared-memory size (pf_smem).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.container.format import MatrixLayout
+from test_kernel_formulas import _mma_m16n8k32
+
+F32 = np.float32
+MAGIC = 0x4B400000
+MAGIC_F = F32(12582912.0)
+
+
+def pf_split64(v: np.ndarray):
+    """pf_split64 for one block: (q bytes [256] int8, meta words [12] int32: the accumulator starts of parts
+    (0, 1, 0, 1) and (2, 3, 2, 3), then fe's bits)."""
+    v = v.astype(F32)
+    q = np.zeros(256, np.int8)
+    meta = np.zeros(12, np.int64)
+    finite = bool(np.isfinite(v).all())
+    m = F32(np.max(np.abs(v))) if finite else F32(0)
+    E = int(np.frexp(m)[1]) - 1 if m > 0 else 0
+    u = np.ldexp(v, 5 - E).astype(F32) if finite else np.zeros(64, F32)
+    for p in range(4):
+        b = np.rint(u)
+        u = ((u - b) * F32(128)).astype(F32)
+        for col in range(64):
+            t, cc = col >> 4, col & 15
+            w = cc & 7
+            q[p * 64 + t * 16 + 8 * (cc >> 3) + 4 * (w & 1) + (w >> 1)] = int(b[col])
+        meta[4 * (p >> 1) + (p & 1)] = meta[4 * (p >> 1) + (p & 1) + 2] = MAGIC - 8 * int(b.sum())
+    meta[8] = np.array([np.ldexp(F32(1), E - 5) if finite else np.nan], F32).view(np.int32)[0]
+    return q, meta.astype(np.int32)
+
+
+def _block(rng, wide=False):
+    v = rng.standard_normal(64).astype(F32)
+    if wide:
+        v *= np.exp2(rng.integers(-20, 8, 64)).astype(F32)
+    return v
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_bytes_rebuild_the_block_to_2_pow_minus_27(seed):
+    rng = np.random.default_rng(seed)
+    v = _block(rng, wide=seed % 2 == 1)
+    q, meta = pf_split64(v)
+    fe = float(meta[8:9].view(F32)[0])
+    back = np.zeros(64)
+    bsum = np.zeros(4, np.int64)
+    for p in range(4):
+        for col in range(64):
+            # the reader's view (pf_mainloop): piece t, MMA m, low/high nibble side odd, byte j -> column
+            t, m, odd, j = col >> 4, (col >> 3) & 1, col & 1, (col & 7) >> 1
+            byte = int(q[p * 64 + 16 * t + 8 * m + 4 * odd + j])
+            assert abs(byte) <= 64
+            back[col] += fe * 2.0 ** (-7 * p) * byte
+            bsum[p] += byte
+    c = MAGIC - 8 * bsum
+    np.testing.assert_array_equal(meta[:8], [c[0], c[1], c[0], c[1], c[2], c[3], c[2], c[3]])
+    assert np.abs(back - v.astype(np.float64)).max() <= np.abs(v).max() * 2.0 ** -27
+
+
+def test_split_of_a_non_finite_block_gives_nan_factor_and_zero_parts():
+    v = np.ones(64, F32)
+    v[5] = np.inf
+    q, meta = pf_split64(v)
+    assert not q.any() and np.isnan(meta[8:9].view(F32)[0])
+
+
+def _stage(wq: np.ndarray, xblocks: list[tuple[np.ndarray, np.ndarray]], G: int):
+    """One stage's shared memory for block G: weight rows (32 bytes each), split x (256 bytes per activation row),
+    metadata (8 words per activation row) -- as issue() copies them."""
+    ws = np.ascontiguousarray(wq[:, 32 * G:32 * G + 32])
+    xs = np.stack([xb[G][0] for xb in xblocks]).view(np.uint8)          # [tokens, 256]
+    ms = np.stack([xb[G][1] for xb in xblocks])                          # [tokens, 12]
+    return ws, xs, ms
+
+
+def _warp_tile(wq, scales, group, xsplit, ntok_quads=1):
+    """pf_mainloop for one warp, one 16-row MMA tile (i = 0, wr = 0) and `ntok_quads` quads of 4 tokens: the lanes'
+    fragments built with the kernel's index expressions, the MMA emulated, the flush in fp32."""
+    C = wq.shape[1] * 2
+    nG, gsh = C // 64, 1 if group == 128 else 0
+    acc = np.zeros((32, ntok_quads, 2), F32)
+    for G in range(nG):
+        ws, xs, ms = _stage(wq, xsplit, G)
+        a_frags = [[], []]
+        sc = np.zeros((32, 2), F32)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            w0 = ws[g, 8 * t:8 * t + 8].view(np.uint32)
+            w1 = ws[g + 8, 8 * t:8 * t + 8].view(np.uint32)
+            for m in range(2):
+                x0, x1 = int(w0[m]), int(w1[m])
+                a_frags[m].append((x0 & 0x0F0F0F0F, x1 & 0x0F0F0F0F, (x0 >> 4) & 0x0F0F0F0F, (x1 >> 4) & 0x0F0F0F0F))
+            sc[lane] = scales[g, G >> gsh], scales[g + 8, G >> gsh]
+        for q in range(ntok_quads):
+            d = np.zeros((2, 32, 4), np.int64)
+            for ab in range(2):
+                b_frags = [[], []]
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    tb = 4 * q + (g >> 1)
+                    piece = xs[tb, (2 * ab + (g & 1)) * 64 + 16 * t:(2 * ab + (g & 1)) * 64 + 16 * t + 16]
+                    bw = piece.view(np.uint32)
+                    b_frags[0].append((int(bw[0]), int(bw[1])))
+                    b_frags[1].append((int(bw[2]), int(bw[3])))
+                    td = 4 * q + t
+                    d[ab, lane] = ms[td, 4 * ab:4 * ab + 4]          # the MMA's c operand, as loaded
+                for m in range(2):
+                    d[ab] += np.array(_mma_m16n8k32(a_frags[m], b_frags[m]), np.int64)
+            assert (d >= 0).all() and (d < 2 ** 31).all()
+            for lane in range(32):
+                t = lane & 3
+                fe = ms[4 * q + t, 8:9].view(F32)[0]
+                for r in range(2):
+                    f = [np.array([d[ab, lane, 2 * r + c]], np.int64).astype(np.int32).view(F32)[0] - MAGIC_F
+                         for ab in range(2) for c in range(2)]
+                    assert all(float(x).is_integer() and abs(x) <= 2 ** 15 for x in f)    # exact integer dots
+                    g01 = F32(np.float64(f[1]) * 0.0078125 + np.float64(f[0]))
+                    g23 = F32(np.float64(f[3]) * 0.0078125 + np.float64(f[2]))
+                    assert g01 == np.float64(f[1]) / 128 + np.float64(f[0])               # the pair sums are exact
+                    h = F32(np.float64(g23) * 2.0 ** -14 + np.float64(g01))
+                    acc[lane, q, r] = F32(np.float64(sc[lane, r] * fe) * np.float64(h) + np.float64(acc[lane, q, r]))
+    return acc
+
+
+@pytest.mark.parametrize("group,wide", [(64, False), (128, False), (64, True)])
+def test_mainloop_fragments_give_the_dot_products(group, wide):
+    rng = np.random.default_rng(group + wide)
+    C, ntq = 256, 2
+    nib = rng.integers(0, 16, (16, C))
+    scales = rng.uniform(0.5, 1.5, (16, C // group)).astype(np.float16).astype(F32)
+    wq = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)          # byte j: column 2j low, 2j + 1 high
+    x = np.stack([np.concatenate([_block(rng, wide) for _ in range(C // 64)]) for _ in range(4 * ntq)])
+    xsplit = [[pf_split64(row[64 * G:64 * G + 64]) for G in range(C // 64)] for row in x]
+    acc = _warp_tile(wq, scales, group, xsplit, ntq)
+    W = (nib - 8) * np.repeat(scales.astype(np.float64), group, axis=1)    # [16, C]
+    want = W @ x.astype(np.float64).T                                    # [16 rows, tokens]
+    companion = np.abs(W) @ np.abs(x.astype(np.float64)).T
+    # the split's 2^-27 of each block's largest x against that block's |w|, plus two fp32 roundings per block (the
+    # parts' combination and the accumulating FFMA), each at most 2^-24 of the companion
+    nG = C // 64
+    blkmax = np.abs(x.astype(np.float64)).reshape(len(x), nG, 64).max(axis=2)          # [tokens, nG]
+    wblk = np.abs(W).reshape(16, nG, 64).sum(axis=2)                                   # [16, nG]
+    bound = 2.0 ** -27 * wblk @ blkmax.T + 2.5 * nG * 2.0 ** -24 * companion
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for q in range(ntq):
+            for r in range(2):
+                row, tok = g + 8 * r, 4 * q + t
+                assert abs(acc[lane, q, r] - want[row, tok]) <= bound[row, tok], (lane, q, r)
+
+def test_pf_layout_ok_and_shared_memory():
+    from coli.container.format import MatrixLayout, RecordLayout
+    from coli.gpu.cuda_backend import pf_layout_ok, pf_moe_layout_ok, pf_smem
+    assert pf_layout_ok(MatrixLayout.make(2048, 6144, "int4", 64, 512))
+    assert pf_layout_ok(MatrixLayout.make(6144, 16384, "int4", 128, 512))
+    assert not pf_layout_ok(MatrixLayout.make(576, 6144, "int4", 64, 512))           # rows not whole blocks of 256
+    assert not pf_layout_ok(MatrixLayout.make(2048, 6144 + 32, "int4", 32, 512))     # group 32, ragged columns
+    assert not pf_layout_ok(MatrixLayout.make(2048, 6144, "int8", 64, 512))
+    assert pf_moe_layout_ok(RecordLayout.make(6144, 2048, "int4", 64, 512))
+    assert not pf_moe_layout_ok(RecordLayout.make(6144, 2048, "bf16", 0, 512))
+    assert not pf_moe_layout_ok(RecordLayout.make(128, 64, "int4", 64, 512))          # H not whole blocks of 256
+    assert not pf_moe_layout_ok(RecordLayout.make(6144, 2048 + 64, "int4", 64, 512))  # Im not whole blocks of 128
+    # GLM-5: 3 stages of 17.5 KiB + the block's scales (256 rows x 96 groups x 2 bytes) + its tables: 2 blocks per SM
+    assert pf_smem(6144, 64) == 3 * (256 * 32 + 32 * 256 + 32 * 48) + 256 * 96 * 2 + 256 * 16 + 32 * 4
+    assert 2 * pf_smem(6144, 64) <= 227 * 1024 and 2 * pf_smem(2048, 64) <= 227 * 1024
+
+
+# ---- the host side, on the recording stand-in runtime of tests/test_decode_launches.py ----------------------------
+def _prefill_backend(version="mma"):
+    from test_decode_launches import _RecordingRuntime, _backend
+
+    class Rt(_RecordingRuntime):
+        def to_device_async(self, host, dtype=None):
+            return self.empty(np.asarray(host).shape, np.asarray(host).dtype)
+
+        def zero(self, dst, nbytes):
+            self.launches.append(("zero", (), 0, 0))
+
+    gb = _backend()
+    gb.rt = Rt()
+    gb.prefill_kernels, gb._pf_usable = version, True
+    gb.faults = gb.on_kernel_error = gb._route = None
+    return gb
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group,version,want", [
+    (2048, 6144, "int4", 64, "mma", ["pf_split_rows", "pf_linear_int4"]),
+    (6144, 16384, "int4", 128, "mma", ["pf_split_rows", "pf_linear_int4"]),
+    (2048, 6144, "int4", 64, "v1", ["gemm_nt_int4"]),
+    (576, 6144, "int4", 64, "mma", ["gemm_nt_int4"]),          # rows not whole blocks of 128
+    (2048, 6144, "int8", 64, "mma", ["gemm_nt_int8"]),
+])
+def test_prefill_linear_launches(rows, cols, fmt, group, version, want):
+    from coli.gpu.cuda_backend import pf_smem
+    from coli.gpu.cuda_weights import QWeight
+    gb = _prefill_backend(version)
+    lay = MatrixLayout.make(rows, cols, fmt, group, 512)
+    w = QWeight(gb.rt.empty((lay.nbytes,), np.uint8).ptr, lay, (rows, cols))
+    S = 300
+    assert gb.linear(gb.rt.empty((S, cols)), w).shape == (S, rows)
+    assert [x[0] for x in gb.rt.launches] == want
+    if want[-1] == "pf_linear_int4":
+        _, grid, block, smem = gb.rt.launches[-1]
+        assert grid == (rows // 256, 10) and block == 256 and smem == pf_smem(cols, group)
+        assert gb.rt.launches[0][1] == (S * cols // 64 // 8,)      # a warp per 64-column block
+
+
+def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
+    """A 300-token prefill over 40 GLM-5 experts: x split once, one gate/up and one down launch over every expert's
+    32-pair tiles, then the slot sum; an f32 record (a host expert) in the same batch takes the fp32 GEMMs after."""
+    from coli.container.format import RecordLayout
+    from coli.gpu.cuda_weights import DeviceRecord
+    gb = _prefill_backend()
+    lay = RecordLayout.make(6144, 2048, "int4", 64, 512)
+    lay32 = RecordLayout.make(6144, 2048, "f32", 64, 512)
+    E, K, S = 40, 8, 300
+    rng = np.random.default_rng(0)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1, (S, K)).astype(F32)
+    recs = [(e, DeviceRecord(gb.rt.empty((16,), np.uint8).ptr, lay32 if e == 7 else lay)) for e in range(E)]
+    gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(recs))
+    names = [x[0] for x in gb.rt.launches]
+    assert names[:5] == ["pf_split_rows", "zero", "pf_gateup_int4", "pf_down_int4", "moe_reduce"]
+    assert names[5:] == ["zero", "moe_gateup_gemm_f32", "moe_down_gemm_f32", "moe_reduce"]
+    pairs = np.isin(idx, [e for e in range(E) if e != 7])
+    counts = np.bincount(idx[pairs], minlength=E)
+    tiles = int(sum(-(-c // 32) for c in counts))
+    assert gb.rt.launches[2][1] == (2048 // 128, tiles)
+    assert gb.rt.launches[3][1] == (6144 // 256, tiles)
+
+
+def _pair_tiles_loop(idx, members, tile):
+    """The grouped MoE's work list written as the plain loop it replaces (the reference)."""
+    g_of = {e: g for g, e in enumerate(members)}
+    tok, slot = np.nonzero(np.isin(idx, members))
+    gid = np.array([g_of[int(idx[t, k])] for t, k in zip(tok, slot)], np.int64)
+    order = np.argsort(gid, kind="stable")
+    tok, slot, gid = tok[order], slot[order], gid[order]
+    bounds = np.searchsorted(gid, np.arange(len(members) + 1))
+    tiles = [(g, p0, min(tile, int(bounds[g + 1]) - p0)) for g in range(len(members))
+             for p0 in range(int(bounds[g]), int(bounds[g + 1]), tile)]
+    return tok, slot, gid, np.array(tiles, np.int32).reshape(-1, 3)
+
+
+@pytest.mark.parametrize("seed,tile", [(0, 32), (1, 64), (2, 32), (3, 1)])
+def test_moe_pair_tiles_match_the_plain_loop(seed, tile):
+    """Pruned slots (-1), experts of other launches (not members), members nobody routes to, members out of order."""
+    from coli.gpu.cuda_backend import moe_pair_tiles
+    rng = np.random.default_rng(seed)
+    S, K, E = int(rng.integers(1, 300)), int(rng.integers(1, 9)), 40
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    idx[rng.random((S, K)) < 0.1] = -1
+    members = [int(e) for e in rng.permutation(E + 5)[:25]]          # some ids beyond any routed expert
+    got, want = moe_pair_tiles(idx, members, tile), _pair_tiles_loop(idx, members, tile)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    tiles = got[3]
+    assert (tiles[:, 2] >= 1).all() and (tiles[:, 2] <= tile).all() and tiles[:, 2].sum() == got[0].size
+
+
+def test_the_prefill_kernel_setting_must_name_a_version():
+    from coli.errors import ColiError
+    from coli.gpu.cuda_backend import PREFILL_VERSIONS, kernel_choice
+    assert kernel_choice("COLI_PREFILL_KERNELS", "v1", PREFILL_VERSIONS) == "v1"
+    with pytest.raises(ColiError, match=r"COLI_PREFILL_KERNELS='fast' is not a kernel version: use one of mma, v1"):
+        kernel_choice("COLI_PREFILL_KERNELS", "fast", PREFILL_VERSIONS)
