@@ -41,6 +41,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
+    mtp: dict | None = None       # speculative decoding's figures (coli.model.mtp.MtpStats) when it was on
 
     @property
     def decode_tps(self) -> float:
@@ -50,7 +51,8 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                 "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
-                "decode_tokens_per_s": round(self.decode_tps, 3), "finish_reason": self.finish_reason}
+                "decode_tokens_per_s": round(self.decode_tps, 3), "finish_reason": self.finish_reason,
+                **({"mtp": self.mtp} if self.mtp is not None else {})}
 
 
 @dataclass
@@ -66,6 +68,12 @@ class Generation:
     ignore_eos: bool = False
     cache: KVCache | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # speculative decoding with the MTP head (coli.model.mtp): (MtpHead, drafts 1..3 | "auto"[, MtpCarry]); None =
+    # off. The tokens are the same as without it (greedy) or distributed the same (sampling). With a cache that
+    # already holds positions it drafts only given the MtpCarry of the turn before (`mtp_carry` after a turn);
+    # otherwise that turn decodes without drafts, the same tokens.
+    mtp: tuple | None = None
+    mtp_carry: object = None      # after a speculative turn: the MtpCarry to continue this cache with
 
     def __iter__(self) -> Iterator[int]:
         if self.max_tokens < 0:
@@ -89,6 +97,12 @@ class Generation:
         pending = list(self.prompt_ids)
         if not pending:
             raise ValueError("nothing to continue from: give at least one new prompt token")
+        if self.mtp is not None:
+            from coli.model.mtp import SpeculativeDecoder
+            carry = self.mtp[2] if len(self.mtp) > 2 else None
+            if SpeculativeDecoder.can_continue(self.cache, carry):
+                yield from self._speculative(pending, sampler, eos, t0, carry)
+                return
         tok = self._next(pending, sampler)
         self.stats.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -103,6 +117,38 @@ class Generation:
                 return
             tok = self._next([tok], sampler)
         self.stats.decode_s = time.perf_counter() - t1
+
+    def _speculative(self, prompt: list[int], sampler: Sampler, eos: set[int], t0: float, carry) -> Iterator[int]:
+        """The decode loop with MTP drafts: each round yields 1..k+1 tokens. Stopping inside a round (eos,
+        max_tokens, an abandoned stream) leaves the cache as the one-token loop would: the prompt and every
+        yielded token but the last."""
+        from coli.model.mtp import SpeculativeDecoder
+
+        head, drafts = self.mtp[:2]
+        base = self.cache.length
+        dec = SpeculativeDecoder(head, self.cache, sampler, drafts, carry)
+        out = [dec.prefill(prompt)]
+        self.stats.prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        n = 0
+        try:
+            while True:
+                for tok in out:
+                    n += 1
+                    self.stats.new_tokens = n
+                    self.stats.decode_s = time.perf_counter() - t1
+                    self.stats.mtp = dec.stats.to_dict()
+                    yield tok
+                    if tok in eos:
+                        self.stats.finish_reason = "stop"
+                        return
+                    if n == self.max_tokens:
+                        return
+                out = dec.step(self.max_tokens - n)
+        finally:
+            self.cache.truncate(min(self.cache.length, base + len(prompt) + n - 1))
+            self.stats.mtp = dec.stats.to_dict()
+            self.mtp_carry = dec.carry_out()
 
     def _next(self, ids: Sequence[int], sampler: Sampler) -> int:
         """The token after ids. Greedy takes the argmax on the backend (the same first maximum as the sampler's):

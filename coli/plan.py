@@ -179,9 +179,13 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     rec = m.record
     group, tile_kb = int(m.args.get("group") or 64), int(m.args.get("tile_kb") or 512)
     params, per_token = _dense_params(cfg)
-    return ModelSizes(name=d.name, source=f"container {d} (manifest sizes)", moe_layers=len(cfg.moe_layers),
+    from coli.model.tensors import layer_of
+    # the MTP layer's dense tensors (kept by coli convert, after the main ones) are not the dense core decode reads
+    mtp_dense = sum(e.length for n, e in m.dense.items() if layer_of(n) == cfg.num_hidden_layers)
+    note = f"; the MTP layer's {mtp_dense / 1e6:.1f} MB dense not counted" if mtp_dense else ""
+    return ModelSizes(name=d.name, source=f"container {d} (manifest sizes{note})", moe_layers=len(cfg.moe_layers),
                       experts_per_layer=cfg.n_routed_experts, experts_per_token=cfg.num_experts_per_tok,
-                      expert_bytes=rec.nbytes, dense_bytes=m.dense_file.size,
+                      expert_bytes=rec.nbytes, dense_bytes=m.dense_file.size - mtp_dense,
                       kv_values_per_token=cfg.kv_values_per_token(), max_context=cfg.max_position_embeddings,
                       expert_format=_fmt(rec.gate.fmt, rec.gate.group),
                       dense_format=_fmt(str(m.args.get("dense", "?")), int(m.args.get("group") or 0)),

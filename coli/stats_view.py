@@ -71,6 +71,11 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                 ("executor", "tokens/s (now)", f"{_rate(e, prev.get('executor'), 'tokens'):8.2f}"),
                 ("", "tokens/s (last request)", f"{e.get('last_tokens_per_s', 0.0):8.2f}"),
                 ("", "tokens / requests", f"{e.get('tokens', 0)} / {e.get('requests', 0)}")]
+        if e.get("mtp_rounds"):   # MTP speculative decoding ran (docs/mtp.md)
+            acc = [e.get(f"mtp_accepted_{j}", 0) / e[f"mtp_drafted_{j}"] for j in (1, 2, 3)
+                   if e.get(f"mtp_drafted_{j}")]
+            out += [("MTP drafts", "tokens per step", f"{e.get('mtp_tokens', 0) / e['mtp_rounds']:8.2f}"),
+                    ("", "acceptance per position", " / ".join(_pct(a).strip() for a in acc) or "-")]
     if e and "steps" in e:
         out += batch_rows(e, prev.get("executor"), snap.get("supervisor"))
     s = snap.get("supervisor")

@@ -1,8 +1,9 @@
 """Weights from a Hugging Face checkpoint directory (one safetensors file or shards + index).
 
 `HFCheckpoint` memory-maps every shard, checks at open that every tensor the forward needs is
-present with the right shape, skips layers >= num_hidden_layers (the MTP layer) with one report,
-and hands tensors out as float32. FP8-e4m3 tensors with a `weight_scale_inv` companion are
+present with the right shape, keeps the MTP layer (layer num_hidden_layers) apart from the forward's tensors
+(`mtp_layer` is its index when it is complete, `mtp_problem` says why not otherwise), skips layers beyond it with
+one report, and hands tensors out as float32. FP8-e4m3 tensors with a `weight_scale_inv` companion are
 dequantised by block multiplication (reference §5.2), ragged edge blocks included.
 
 Both weight sources (this and the container reader) implement the same small interface the
@@ -21,7 +22,9 @@ import numpy as np
 
 from coli.config import ModelConfig, load_config
 from coli.errors import WeightError
-from coli.model.tensors import dense_shapes, expert_shapes, expert_tensor_name, layer_of
+from coli.model.tensors import (
+    MTP_DUPLICATES, dense_shapes, expert_shapes, expert_tensor_name, layer_of, mtp_dense_shapes,
+)
 from coli.safetensors_io import SafetensorsFile, TensorInfo
 
 log = logging.getLogger("coli.weights")
@@ -93,6 +96,7 @@ class HFCheckpoint:
         shards, _ = find_shards(self.dir)
         self._files = [SafetensorsFile(p) for p in shards]
         self._where: dict[str, SafetensorsFile] = {}
+        self._mtp_where: dict[str, SafetensorsFile] = {}   # the MTP layer's tensors: never read by the forward pass
         skipped: set[int] = set()
         L = self.config.num_hidden_layers
         for f in self._files:
@@ -100,16 +104,50 @@ class HFCheckpoint:
                 layer = layer_of(name)
                 if layer is not None and layer >= L:
                     skipped.add(layer)
+                    if layer == L and not name.endswith(MTP_DUPLICATES):
+                        self._mtp_where[name] = f
                     continue
                 if name in self._where:
                     raise WeightError(f"tensor {name!r} appears in both {self._where[name].path.name} and {f.path.name}")
                 self._where[name] = f
         self.skipped_layers = sorted(skipped)
-        if skipped:
-            (report or log.info)(f"skipping tensors of layer(s) {self.skipped_layers} "
-                                 f"(>= num_hidden_layers {L}: the MTP layer, unused by the forward pass)")
         self._fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in self._where)
         self._check_complete()
+        self.mtp_problem: str | None = self._mtp_check() if self._mtp_where else "the checkpoint has no MTP layer"
+        self.mtp_layer: int | None = L if self.mtp_problem is None else None
+        # a complete MTP layer is what GLM-5 checkpoints carry: nothing to say; anything else is said once
+        if skipped and (self.mtp_layer is None or self.skipped_layers != [L]):
+            use = "complete (the draft head of --mtp)" if self.mtp_layer is not None else f"not usable: {self.mtp_problem}"
+            (report or log.info)(f"skipping tensors of layer(s) {[x for x in self.skipped_layers if x != self.mtp_layer]} "
+                                 f"(>= num_hidden_layers {L}: unused by the forward pass); the MTP layer is {use}")
+
+    def _mtp_check(self) -> str | None:
+        """None when the MTP layer is complete with the shapes the config implies, else what is wrong (the layer
+        is then left out: the main model does not need it)."""
+        c, L = self.config, self.config.num_hidden_layers
+        want = dict(mtp_dense_shapes(c))
+        p = f"model.layers.{L}.mlp.experts."
+        if p + "gate_up_proj" in self._mtp_where:
+            want[p + "gate_up_proj"] = (c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)
+            want[p + "down_proj"] = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
+        else:
+            for e in range(c.n_routed_experts):
+                for part, shape in expert_shapes(c).items():
+                    want[expert_tensor_name(L, e, part)] = shape
+        for name, shape in want.items():
+            f = self._mtp_where.get(name)
+            if f is None:
+                return f"MTP layer {L} is incomplete: tensor {name!r} is missing"
+            if f.tensors[name].shape != tuple(shape):
+                return (f"MTP layer {L}: tensor {name!r} has shape {list(f.tensors[name].shape)}, "
+                        f"the config needs {list(shape)}")
+        return None
+
+    def _file(self, name: str) -> SafetensorsFile:
+        f = self._where.get(name) or self._mtp_where.get(name)
+        if f is None:
+            raise WeightError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+        return f
 
     # ---- validation ------------------------------------------------------------------------
     def _shape_of(self, name: str) -> tuple[int, ...]:
@@ -142,42 +180,47 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def mtp_names(self) -> list[str]:
+        """The MTP layer's tensors (empty unless it is complete)."""
+        return list(self._mtp_where) if self.mtp_layer is not None else []
+
     def dtype_of(self, name: str) -> str:
-        return self._where[name].tensors[name].dtype
+        return self._file(name).tensors[name].dtype
 
     def file_of(self, name: str) -> Path:
-        return self._where[name].path
+        return self._file(name).path
 
     def nbytes_of(self, name: str) -> int:
-        return self._where[name].tensors[name].nbytes
+        return self._file(name).tensors[name].nbytes
 
     def raw(self, name: str) -> np.ndarray:
-        return self._where[name].raw(name)
+        return self._file(name).raw(name)
 
     def tensor_info(self, name: str) -> tuple[Path, TensorInfo]:
         """(shard path, header entry) of a tensor, for readers that stream it themselves (the converter)."""
-        f = self._where[name]
+        f = self._file(name)
         return f.path, f.tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._where or name in self._mtp_where
 
     def dense(self, name: str) -> np.ndarray:
         """float32 tensor; FP8 weights dequantised with their block scales."""
-        if name not in self._where:
-            raise WeightError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        f = self._where[name]
+        f = self._file(name)
         w = f.float32(name)
         if f.tensors[name].dtype == "F8_E4M3":
             sname = name + "_scale_inv"
-            if sname not in self._where:
+            if not self.has(sname):
                 raise WeightError(f"{f.path}: FP8 tensor {name!r} has no {sname!r} companion")
-            w = dequant_fp8_blocks(w, self._where[sname].float32(sname), name=name)
+            w = dequant_fp8_blocks(w, self._file(sname).float32(sname), name=name)
         return w
 
     def expert(self, layer: int, e: int) -> ExpertWeights:
-        if self._fused_experts:
-            p = f"model.layers.{layer}.mlp.experts."
-            gu = self._where[p + "gate_up_proj"].float32(p + "gate_up_proj")[e]
+        p = f"model.layers.{layer}.mlp.experts."
+        if self.has(p + "gate_up_proj"):
+            gu = self._file(p + "gate_up_proj").float32(p + "gate_up_proj")[e]
             Im = self.config.moe_intermediate_size
-            return ExpertWeights(gu[:Im], gu[Im:], self._where[p + "down_proj"].float32(p + "down_proj")[e])
+            return ExpertWeights(gu[:Im], gu[Im:], self._file(p + "down_proj").float32(p + "down_proj")[e])
         g, u, d = (self.dense(expert_tensor_name(layer, e, part)) for part in ("gate_proj", "up_proj", "down_proj"))
         return ExpertWeights(g, u, d)
 

@@ -206,6 +206,9 @@ class Heartbeat(Message):
 # generation: client <-> supervisor <-> executor
 
 
+MTP_MODES = ("off", "on", "auto", "1", "2", "3")
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest(Message):
     """Client -> executor (through the supervisor): generate up to `max_tokens` after `prompt_ids`.
@@ -231,9 +234,12 @@ class GenerateRequest(Message):
     session: str | None = None
     new_session: bool = False
     ephemeral: bool = False
+    mtp: str | None = None  # MTP speculative decoding: off | on | 1..3 | auto (docs/mtp.md); None = the run's --mtp
 
     def __post_init__(self) -> None:
         _name("request_id", self.request_id)
+        _need(self.mtp is None or self.mtp in MTP_MODES,
+              f"mtp must be one of {', '.join(MTP_MODES)}, got {short(self.mtp)}")
         _indices("prompt_ids", self.prompt_ids)
         _need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _need(

@@ -30,9 +30,20 @@ Pipeline (every step is seeded, so one ``--seed`` gives the same files on the sa
 4. Output. ``save_pretrained`` files, ``tokenizer.json``, ``tokenizer_config.json`` (with the chat
    template) and ``training.json`` (figures and a greedy sample) in ``--out``.
 
+5. MTP head (``--mtp-head``, run after 1-4): GLM-5's draft layer (reference glm5.md §4, DeepSeek-V3 layout:
+   ``eh_proj(concat[enorm(embed(t+1)), hnorm(h_t)])`` -> one decoder layer with MoE and a full indexer ->
+   ``shared_head.norm`` -> the shared lm_head) trained on top of the **frozen** main model saved in ``--out``
+   (its files are not rewritten: the main weights stay byte-identical). The MTP layer's decoder is transformers'
+   own GlmMoeDsaDecoderLayer (a one-layer model whose final norm plays shared_head.norm), warm-started from
+   the main model's last layer; loss: cross-entropy of the token two ahead, on the same corpus and targets.
+   Written to ``model-mtp.safetensors`` (layer index = num_hidden_layers, per-expert names) with a
+   ``model.safetensors.index.json`` over both files; figures (held-out loss, first-draft acceptance against
+   the main model's greedy choice, seconds) go to ``training-mtp.json``.
+
 Usage (the command that produced the shipped model is recorded in coli/demo/README.md):
 
     .venv/bin/python scripts/train_demo_model.py --seed 0
+    .venv/bin/python scripts/train_demo_model.py --seed 0 --mtp-head
 """
 
 from __future__ import annotations
@@ -832,11 +843,17 @@ def parse_args(argv=None):
     g.add_argument("--log-every", type=int, default=20)
     g.add_argument("--eval-every", type=int, default=100)
     g.add_argument("--sample-tokens", type=int, default=40)
+    g = p.add_argument_group("MTP head (--mtp-head: train only the draft layer on the frozen model in --out)")
+    g.add_argument("--mtp-head", action="store_true")
+    g.add_argument("--mtp-steps", type=int, default=400)
+    g.add_argument("--mtp-lr", type=float, default=2e-3)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.mtp_head:
+        return train_mtp_head(args, argv)
     t_start = time.time()
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -994,6 +1011,212 @@ def main(argv=None) -> int:
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     log(f"saved to {out} ({size / 2**20:.1f} MiB); train {train_seconds:.0f}s, total {time.time() - t_start:.0f}s")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The MTP head (step 5)
+# --------------------------------------------------------------------------------------------------
+MTP_FILE = "model-mtp.safetensors"
+
+
+class MtpDraft(torch.nn.Module):
+    """GLM-5's MTP layer in torch: enorm / hnorm / eh_proj around a one-layer GlmMoeDsaForCausalLM whose layer 0 is
+    the MTP decoder layer (MoE, full indexer) and whose final norm is shared_head.norm; its lm_head is the main
+    model's (frozen, shared)."""
+
+    def __init__(self, main):
+        super().__init__()
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRMSNorm
+
+        c = main.config
+        d = c.to_dict()
+        d.update(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["sparse"], first_k_dense_replace=0,
+                 layer_types=["indexed_attention"])
+        for k in ("index_topk_pattern", "index_topk_freq"):
+            d.pop(k, None)
+        H = c.hidden_size
+        self.layer = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**d)).float()
+        last = main.model.layers[c.num_hidden_layers - 1]                 # warm start: the main model's last layer
+        self.layer.model.layers[0].load_state_dict(last.state_dict())
+        self.layer.model.norm.load_state_dict(main.model.norm.state_dict())
+        self.layer.lm_head.weight = main.lm_head.weight                    # shared and frozen
+        self.layer.model.embed_tokens = None
+        self.enorm = GlmMoeDsaRMSNorm(H, c.rms_norm_eps)
+        self.hnorm = GlmMoeDsaRMSNorm(H, c.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+        with torch.no_grad():   # start as "the hidden state, nudged by the next token": [0.1 I | I]
+            self.eh_proj.weight.zero_()
+            self.eh_proj.weight[:, :H] = 0.1 * torch.eye(H)
+            self.eh_proj.weight[:, H:] = torch.eye(H)
+
+    def forward(self, emb_next, h):
+        """emb_next [B, S, H] embeddings of t_{i+1}, h [B, S, H] the main model's final-normed h_i -> logits [B, S, V]
+        of t_{i+2}."""
+        x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h)], dim=-1))
+        return self.layer(inputs_embeds=x, use_cache=False).logits
+
+    def tensors(self, L: int) -> dict[str, torch.Tensor]:
+        """The layer's tensors under their checkpoint names (model.layers.L.*, routed experts one by one)."""
+        p = f"model.layers.{L}."
+        out = {p + "enorm.weight": self.enorm.weight, p + "hnorm.weight": self.hnorm.weight,
+               p + "eh_proj.weight": self.eh_proj.weight,
+               p + "shared_head.norm.weight": self.layer.model.norm.weight}
+        for n, v in self.layer.model.layers[0].state_dict().items():
+            if n == "mlp.experts.gate_up_proj":
+                Im = v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    out[p + f"mlp.experts.{e}.gate_proj.weight"] = v[e, :Im]
+                    out[p + f"mlp.experts.{e}.up_proj.weight"] = v[e, Im:]
+            elif n == "mlp.experts.down_proj":
+                for e in range(v.shape[0]):
+                    out[p + f"mlp.experts.{e}.down_proj.weight"] = v[e]
+            else:
+                out[p + n] = v
+        return {n: v.detach().float().contiguous() for n, v in out.items()}
+
+
+def mtp_loss(main, draft, batch, targets, reduce: bool = True):
+    """Cross-entropy of the MTP layer's guess of t_{i+2} from (h_i, t_{i+1}) over the target tokens; with
+    reduce=False also the first-draft acceptance counts: the guess equals the main model's greedy choice at i+1."""
+    with torch.no_grad():
+        h_all = main.model(input_ids=batch[:, :-1], use_cache=False).last_hidden_state  # h_0..h_{T-2}, final-normed
+        main_next = main.lm_head(h_all[:, 1:]).argmax(-1)                              # greedy t_2..t_{T-1}
+        hs = h_all[:, :-1]                                                             # h_0..h_{T-3}
+        emb = main.model.embed_tokens(batch[:, 1:-1])                                  # t_1..t_{T-2}
+    logits = draft(emb, hs)                                                            # [B, T-2, V]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1), reduction="none")
+    mask = targets[:, 2:].reshape(-1).float()
+    if reduce:
+        return (ce * mask).sum() / mask.sum().clamp(min=1)
+    agree = (logits.argmax(-1) == main_next).reshape(-1).float()
+    return (ce * mask).sum(), mask.sum(), (agree * mask).sum()
+
+
+def train_mtp_head(args, argv) -> int:
+    """Step 5: the MTP layer on the frozen model in --out (see the module docstring)."""
+    import tokenizers
+    import transformers
+    from tokenizers import Tokenizer
+    from transformers import GlmMoeDsaForCausalLM
+
+    from coli.safetensors_io import write_safetensors
+    transformers.logging.set_verbosity_error()
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    def log(msg: str):
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    out: Path = args.out
+    main_bytes = (out / "model.safetensors").read_bytes()
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    # the same corpus, chats and held-out split as the main model's training (same seeds)
+    rng = random.Random(args.seed)
+    train_mods, heldout_mods, _ = gather_corpus(args.heldout_every)
+    train_chats = make_chats(train_mods, rng, args.small_talk_share)
+    heldout_chats = make_chats(heldout_mods, random.Random(args.seed + 1), 0.0)
+    prose, chat = build_streams(tok, train_mods, train_chats, rng)
+    h_prose, h_chat = build_streams(tok, heldout_mods, heldout_chats, random.Random(args.seed + 2))
+    heldout = sample_batch(h_prose, h_chat, args.heldout_rows, args.seq_len, args.chat_share,
+                           torch.Generator().manual_seed(args.seed + 3))
+    log(f"corpus: {len(prose)} prose + {len(chat)} chat tokens; held out {len(h_prose)} + {len(h_chat)}")
+
+    main = GlmMoeDsaForCausalLM.from_pretrained(out).float().eval()
+    for q in main.parameters():
+        q.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    draft = MtpDraft(main)
+    draft.train()
+    params = [q for n, q in draft.named_parameters() if q.requires_grad and "lm_head" not in n]
+    n_params = sum(q.numel() for q in params)
+    log(f"MTP layer: {n_params / 1e6:.3f} M trainable parameters")
+    decay = [q for q in params if q.ndim >= 2]
+    no_decay = [q for q in params if q.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.mtp_lr, betas=(0.9, 0.95))
+    routers = RouterTap(draft.layer)
+    attn_tap = AttentionTap(draft.layer, args.indexer_kl_rows)
+    indexer_params = {id(q) for m in attn_tap.layers for q in m.indexer.parameters()}
+    gen = torch.Generator().manual_seed(args.seed + 10)
+
+    @torch.no_grad()
+    def evaluate_mtp(chunk: int = 8) -> tuple[float, float]:
+        draft.eval()
+        tot = cnt = agree = 0.0
+        for i in range(0, len(heldout[0]), chunk):
+            s_, n_, a_ = mtp_loss(main, draft, heldout[0][i:i + chunk], heldout[1][i:i + chunk], reduce=False)
+            tot, cnt, agree = tot + s_.item(), cnt + n_.item(), agree + a_.item()
+        draft.train()
+        return tot / cnt, agree / cnt
+
+    history = []
+    short_steps = int(args.mtp_steps * args.short_frac)
+    t_train = time.time()
+    with dense_indexer_shortcut():
+        loss0, acc0 = evaluate_mtp()
+        log(f"held-out MTP loss at init {loss0:.3f}, first-draft acceptance {acc0:.3f}")
+        for step in range(args.mtp_steps):
+            seq = args.short_seq_len if step < short_steps else args.seq_len
+            batch, targets = sample_batch(prose, chat, max(1, args.batch_tokens // seq), seq, args.chat_share, gen)
+            lr = lr_at(step, args.mtp_steps, args.mtp_lr, args.warmup, args.min_lr_frac)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            routers.reset()
+            attn_tap.enabled = True
+            loss = mtp_loss(main, draft, batch, targets)
+            attn_tap.enabled = False
+            kl = attn_tap.loss()
+            total = loss + kl if kl is not None else loss
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            torch.nn.utils.clip_grad_norm_([q for q in params if id(q) not in indexer_params], args.clip)
+            opt.step()
+            if args.bias_update_rate:
+                routers.balance(args.bias_update_rate)
+            if step % args.log_every == 0 or step == args.mtp_steps - 1:
+                rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6),
+                       "elapsed_s": round(time.time() - t_train, 1)}
+                if step and (step % args.eval_every == 0 or step == args.mtp_steps - 1):
+                    rec["heldout_loss"], rec["heldout_first_draft_acceptance"] = (round(v, 4) for v in evaluate_mtp())
+                history.append(rec)
+                log(f"step {step:4d}  MTP loss {loss.item():.3f}  lr {lr:.2e}" +
+                    (f"  held-out {rec['heldout_loss']:.3f}, acceptance {rec['heldout_first_draft_acceptance']:.3f}"
+                     if "heldout_loss" in rec else ""))
+    train_seconds = time.time() - t_train
+    final_loss, final_acc = evaluate_mtp()
+
+    L = main.config.num_hidden_layers
+    tensors = draft.tensors(L)
+    write_safetensors(out / MTP_FILE, {n: ("F32", v.numpy()) for n, v in tensors.items()})
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        main_names = list(f.keys())
+    weight_map = {**{n: "model.safetensors" for n in main_names}, **{n: MTP_FILE for n in tensors}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": (out / "model.safetensors").stat().st_size + (out / MTP_FILE).stat().st_size},
+         "weight_map": dict(sorted(weight_map.items()))}, indent=1) + "\n")
+    assert (out / "model.safetensors").read_bytes() == main_bytes, "the main weights changed"
+    record = {
+        "command": "python scripts/train_demo_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seed": args.seed, "steps": args.mtp_steps, "lr": args.mtp_lr, "batch_tokens": args.batch_tokens,
+        "trainable_parameters": n_params, "mtp_layer": L,
+        "initial_heldout_loss": round(loss0, 4), "initial_heldout_first_draft_acceptance": round(acc0, 4),
+        "heldout_loss": round(final_loss, 4), "heldout_first_draft_acceptance": round(final_acc, 4),
+        "acceptance_note": "teacher-forced on held-out rows: the MTP guess of t+2 equals the main model's greedy "
+                           "choice there (what a first draft is accepted on in greedy decoding)",
+        "train_wall_seconds": round(train_seconds, 1), "total_wall_seconds": round(time.time() - t_start, 1),
+        "threads": args.threads,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+        "history": history,
+    }
+    (out / "training-mtp.json").write_text(json.dumps(record, indent=1) + "\n")
+    log(f"saved {MTP_FILE} ({(out / MTP_FILE).stat().st_size / 2**20:.1f} MiB); held-out first-draft acceptance "
+        f"{final_acc:.3f}; train {train_seconds:.0f}s")
     return 0
 
 

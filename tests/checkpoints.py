@@ -42,3 +42,56 @@ def write_checkpoint(d: Path, c: ModelConfig, tensors: dict[str, np.ndarray], sh
         weight_map.update({names[i]: fname for i in part})
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return d
+
+
+def mtp_layer_tensors(c: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """A complete random MTP layer (layer num_hidden_layers: eh_proj, enorm, hnorm, a decoder layer with a full
+    indexer and MoE, shared_head.norm), scaled like scripts/make_oracle.py's model: linears N(0, 0.02), norms
+    1 + N(0, 0.1), the router N(0, 0.1) and its correction bias N(0, 0.05) (routing away from ties)."""
+    from coli.model.tensors import mtp_dense_shapes, mtp_layer
+
+    rng = np.random.default_rng(seed)
+    L = mtp_layer(c)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in mtp_dense_shapes(c).items():
+        if name.endswith("e_score_correction_bias"):
+            v = rng.normal(0, 0.05, shape)
+        elif name.endswith("mlp.gate.weight"):
+            v = rng.normal(0, 0.1, shape)
+        elif name.endswith("k_norm.bias"):
+            v = rng.normal(0, 0.1, shape)
+        elif len(shape) == 1:
+            v = 1 + rng.normal(0, 0.1, shape)
+        else:
+            v = rng.normal(0, 0.02, shape)
+        out[name] = v.astype(np.float32)
+    for e in range(c.n_routed_experts):
+        for part, s in expert_shapes(c).items():
+            out[expert_tensor_name(L, e, part)] = rng.normal(0, 0.02, s).astype(np.float32)
+    return out
+
+
+def with_mtp_layer(src: Path, dst: Path, seed: int = 0, tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """A copy of the single-file checkpoint `src` (e.g. a transformers-saved oracle) with an MTP layer added to its
+    model.safetensors (random, or `tensors`); config.json gets `num_nextn_predict_layers: 1` like GLM-5's."""
+    import shutil
+
+    from coli.config import load_config
+    from coli.safetensors_io import SafetensorsFile
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.is_file() and p.name != "model.safetensors":
+            shutil.copy(p, dst / p.name)
+    f = SafetensorsFile(src / "model.safetensors")
+    try:
+        main = {n: (f.tensors[n].dtype, np.array(f.raw(n))) for n in f.keys()}
+    finally:
+        f.close()
+    extra = tensors if tensors is not None else mtp_layer_tensors(load_config(src), seed)
+    main.update({n: ("F32", v) for n, v in extra.items()})
+    write_safetensors(dst / "model.safetensors", main)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst

@@ -40,6 +40,16 @@ def test_requests_running_and_cancelled_are_their_own_counts():
     assert t[("", "done / cancelled / failed")] == "4 / 3 / 1"
 
 
+def test_mtp_rows_show_tokens_per_step_and_acceptance_per_position():
+    now, prev = cpu_snaps()
+    assert not any(k[0] == "MTP drafts" for k in table(now, prev))        # no MTP: no rows
+    now["executor"].update(mtp_rounds=10, mtp_tokens=18, mtp_drafted_1=10, mtp_accepted_1=6, mtp_drafted_2=10,
+                           mtp_accepted_2=2)
+    t = table(now, prev)
+    assert t[("MTP drafts", "tokens per step")].strip() == "1.80"
+    assert t[("", "acceptance per position")] == "60.0 % / 20.0 %"
+
+
 def test_the_batch_shows_running_and_waiting_sequences_tokens_per_step_and_the_prefill_share():
     prev = {"executor": {"t": 10.0, "steps": 100, "rows": 300, "prefill_tokens_fed": 500, "decode_tokens_fed": 300}}
     now = {"executor": {"t": 12.0, "steps": 150, "rows": 550, "prefill_tokens_fed": 600, "decode_tokens_fed": 700,

@@ -17,7 +17,7 @@ Formats (--experts for the routed experts, --dense for the rest):
   int2  2-bit, fp16 scale and offset per --group inputs
   bf16  bfloat16 (lossless for bf16 checkpoints)
   f32   float32 (lossless; for exact tests)
-Norms, routers, the router correction bias and the indexer's weights_proj always stay float32. The MTP layer (layers >= num_hidden_layers) is skipped.
+Norms, routers, the router correction bias and the indexer's weights_proj always stay float32. The MTP layer (layer num_hidden_layers, GLM-5's draft head for `coli run --mtp`) is kept when the checkpoint has a complete one: its experts as records of that layer, the rest in the dense core (--no-mtp leaves it out; from hf:// it is kept when the repo's index names all of it).
 
 Interrupted (Ctrl-C, SIGKILL, power loss, full disk)? Run the same command again: it resumes and ends byte-identical to an uninterrupted run. Different options on an unfinished DST are refused.
 
@@ -42,21 +42,23 @@ def convert(
                                                                   "this many MiB written, and every 2 s: the most "
                                                                   "work a crash can cost."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    no_mtp: bool = typer.Option(False, "--no-mtp", help="Leave the MTP layer (the draft head) out of the container."),
     max_shards_on_disk: int = typer.Option(2, "--max-shards-on-disk", min=1,
                                            help="hf:// only: checkpoint shards kept on disk at once (each is "
                                                 "deleted once converted)."),
 ) -> None:
     if src.startswith("hf://"):
         return _convert_hf(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb,
-                           no_progress, max_shards_on_disk)
-    _convert(Path(src), dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress)
+                           no_progress, max_shards_on_disk, no_mtp)
+    _convert(Path(src), dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress, no_mtp)
 
 
 @clean_errors
-def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress):
+def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress, no_mtp=False):
     from coli.container.writer import ConvertOptions, convert as run_convert
 
-    opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb, expert_file_mb=expert_file_mb)
+    opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb, expert_file_mb=expert_file_mb,
+                          mtp=not no_mtp)
     opts.validate()
     if no_progress:
         result = run_convert(src, dst, opts, report=stderr_note, threads=threads, commit_bytes=commit_mb << 20)
@@ -77,12 +79,14 @@ def _convert(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, 
 
 # ---- hf://ORG/REPO[@REVISION]: shard by shard from the Hub (coli/hub/stream.py) ----
 @clean_errors
-def _convert_hf(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress, max_shards):
+def _convert_hf(src, dst, experts, dense, group, tile_kb, expert_file_mb, threads, commit_mb, no_progress, max_shards,
+                no_mtp=False):
     from coli.container.writer import ConvertOptions
     from coli.hub.progress import transfer_bars
     from coli.hub.stream import convert_hf
 
-    opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb, expert_file_mb=expert_file_mb)
+    opts = ConvertOptions(experts=experts, dense=dense, group=group, tile_kb=tile_kb, expert_file_mb=expert_file_mb,
+                          mtp=not no_mtp)
     opts.validate()
     with transfer_bars(not no_progress, ("downloading", "bytes"), ("converting", "units")) as (note, dl, cv):
         r = convert_hf(src, dst, opts, max_shards=max_shards, threads=threads, report=note, on_download=dl,

@@ -65,6 +65,11 @@ def _inspect(model, as_json):
     for row in s["experts_per_layer"]:
         lt.add_row(str(row["layer"]), str(row["experts"]), ", ".join(row["files"]))
     con.print(lt)
+    mtp = s.get("mtp")
+    con.print(f"MTP layer: layer {mtp['layer']}, dense {_b(mtp['dense_bytes'])}, {mtp['experts']} experts "
+              f"{_b(mtp['expert_bytes'])}; a draft reads {_b(mtp['bytes_per_draft_cold'])} of experts cold"
+              if mtp else "MTP layer: none (the checkpoint had none, or it was converted with --no-mtp): "
+                          "`--mtp` cannot draft with this container")
     con.print(f"bytes per token, cold: routed {_b(cold['routed'])} ({cold['note']}); "
               f"{_b(cold['routed_plus_dense_core'])} if the dense core is streamed too")
 

@@ -37,18 +37,24 @@ def run(
     topp: Optional[float] = typer.Option(None, "--topp", "--expert-topp", min=0.0, max=1.0, metavar="P",
                                          help="APPROXIMATE: per token and layer keep only the fewest routed experts "
                                               "carrying routing weight share >= P (not --top-p sampling). Off = exact."),
+    mtp: str = typer.Option("off", "--mtp", metavar="off|on|N|auto",
+                            help="Speculative decoding with the model's MTP draft head: on = 1 draft per step, N = 1..3 "
+                                 "chained drafts, auto = draft only while the measured step times say it pays. "
+                                 "Lossless: the same tokens (greedy) or the same distribution (sampling)."),
 ) -> None:
     """Generate from a model in this process and print the result."""
     from coli.loader import GpuOptions
     gpu = GpuOptions(vram_gb=vram_gb, vram_slots=vram_slots, max_context=max_context, policy=vram_policy,
                      tile_kb=stream_tile_kb)
     _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
-         record_routing, topp, gpu)
+         record_routing, topp, gpu, mtp)
 
 
 @clean_errors
 def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_k, seed, ignore_eos, as_json, device,
-         record_routing=None, topp=None, gpu=None):
+         record_routing=None, topp=None, gpu=None, mtp="off"):
+    from coli.model.mtp import load_mtp_head, parse_mtp
+
     from coli.generate import ContextTooLong, Generation, context_problem
     from coli.loader import load_model
     from coli.model_store import check_model_dir
@@ -57,6 +63,7 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
     if (prompt is None) == (prompt_ids is None):
         raise ColiError("give exactly one of --prompt or --prompt-ids")
     params = sampling_from_options(greedy, temperature, top_p, top_k, seed)
+    drafts = parse_mtp(mtp)      # a bad --mtp is refused before the model loads
     model = check_model_dir(model, names=True)   # a missing or half-converted --model is said as such, not as "no tokenizer.json"
     require_device(device)
 
@@ -89,7 +96,8 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
         recorder.new_sequence()
         lm.routing_hook = recorder
 
-    gen = Generation(lm, ids, max_tokens, params, eos_ids=config.eos_token_ids, ignore_eos=ignore_eos)
+    spec = (load_mtp_head(lm), drafts) if drafts is not None else None
+    gen = Generation(lm, ids, max_tokens, params, eos_ids=config.eos_token_ids, ignore_eos=ignore_eos, mtp=spec)
     tokens: list[int] = []
     stream = StreamDecoder(tok) if (tok is not None and not as_json) else None
     try:
@@ -124,6 +132,10 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
         s = gen.stats
         stderr_note(f"[{s.new_tokens} tokens, finish: {s.finish_reason}, prefill {s.prefill_s:.3f} s, "
                     f"decode {s.decode_tps:.1f} tok/s]")
+        if s.mtp is not None:
+            acc = ", ".join("-" if a is None else f"{100 * a:.0f}%" for a in s.mtp["acceptance_per_position"])
+            stderr_note(f"[MTP {mtp}: {s.mtp['tokens_per_step']:.2f} tokens per step, acceptance per draft position "
+                        f"{acc}, {s.mtp['plain_rounds']} of {s.mtp['rounds']} steps without drafts]")
         if vstats is not None:
             stderr_note(f"[VRAM cache: {vstats['hits']} hits, {vstats['misses']} misses, {vstats['evictions']} evictions, "
                         f"{vstats['cpu_fallbacks']} CPU fallbacks, copy lane busy {100 * vstats['copy_busy']:.0f}%]")

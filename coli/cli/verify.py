@@ -35,13 +35,14 @@ def _verify(model, as_json, fail_fast, no_progress):
         with LazyProgress("verifying") as bar:   # appears once the container has opened
             rep = verify_container(model, progress=bar.update, stop_at_first=fail_fast)
     if as_json:
-        print(json.dumps({"ok": rep.ok, "checked": rep.checked, "bytes": rep.bytes,
+        print(json.dumps({"ok": rep.ok, "checked": rep.checked, "bytes": rep.bytes, "mtp_layer": rep.mtp_layer,
                           "bad": [{"file": b.file, "offset": b.offset, "length": b.length, "what": b.what,
                                    "expected_xxh64": f"{b.expected:016x}", "xxh64": f"{b.got:016x}"}
                                   for b in rep.bad]}))
     if rep.ok:
         if not as_json:
-            print(f"{model}: OK ({rep.checked} checksums, {rep.bytes / 1e9:.3f} GB)")
+            mtp = f"; MTP layer {rep.mtp_layer} included" if rep.mtp_layer is not None else "; no MTP layer"
+            print(f"{model}: OK ({rep.checked} checksums, {rep.bytes / 1e9:.3f} GB{mtp})")
         return
     if not as_json:
         typer.secho(f"error: {rep.bad[0].describe()}", err=True, fg=typer.colors.RED)

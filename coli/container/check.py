@@ -33,6 +33,7 @@ class BadExtent:
 @dataclass
 class VerifyReport:
     dir: Path
+    mtp_layer: int | None = None      # the MTP layer, whose tensors and records were checked with the rest
     checked: int = 0
     bytes: int = 0
     bad: list[BadExtent] = field(default_factory=list)
@@ -62,7 +63,7 @@ def verify_container(model_dir: str | Path, progress: Callable[[int, int], None]
     d = Path(model_dir)
     r = ContainerReader(d, cache_dense=False, check_copied=False)  # copied files are checked (and listed) below
     m = r.manifest
-    rep = VerifyReport(d)
+    rep = VerifyReport(d, r.mtp_layer)
     total = sum(e.length for e in m.dense.values()) + len(r.index) * m.record.nbytes
     buf = np.empty(_READ_CHUNK, np.uint8)
     done = 0
@@ -150,6 +151,13 @@ def summarize(model_dir: str | Path) -> dict:
                   for _, v in sorted(per_layer.items())]
         n_moe = len(c.moe_layers)
         cold = c.num_experts_per_tok * n_moe * rec.nbytes
+        mtp = None
+        if r.mtp_layer is not None:
+            p = f"model.layers.{r.mtp_layer}."
+            mtp_dense = sum(e.length for n, e in m.dense.items() if n.startswith(p))
+            mtp = {"layer": r.mtp_layer, "experts": c.n_routed_experts, "dense_bytes": mtp_dense,
+                   "expert_bytes": c.n_routed_experts * rec.nbytes,
+                   "bytes_per_draft_cold": c.num_experts_per_tok * rec.nbytes}
         return {
             "dir": str(d),
             "format_version": 1,
@@ -179,6 +187,7 @@ def summarize(model_dir: str | Path) -> dict:
                              for p, lay in zip(("gate_proj", "up_proj", "down_proj"), rec.matrices)},
             },
             "experts_per_layer": layers,
+            "mtp": mtp,     # None: the container has no MTP layer (`--mtp` is refused)
             "bytes_per_token_cold": {"routed": cold, "routed_plus_dense_core": cold + dense_bytes,
                                      "note": f"{c.num_experts_per_tok} experts x {n_moe} MoE layers x "
                                              f"{rec.nbytes} B records; the dense core is read once if it stays resident"},

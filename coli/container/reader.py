@@ -2,6 +2,7 @@
 
     r = ContainerReader(dir)                  # checks manifest, config, file sizes/headers, index checksum
     r.config                                  # ModelConfig (from the copied config.json)
+    r.mtp_layer                               # the MTP layer's index (num_hidden_layers) if it was kept, else None
     r.dense(name) -> float32 ndarray          # dequantised on first use, checksum-verified then, cached
     r.experts(layer, ids) -> {id: ExpertWeights}   # each record read with pread and checksum-verified
     r.record_location(layer, e) -> RecordLocation(path, offset, length, xxh64)
@@ -33,7 +34,7 @@ from coli.container.format import (
 )
 from coli.container.quant import decode_matrix
 from coli.errors import ConfigError
-from coli.model.tensors import dense_shapes
+from coli.model.tensors import dense_shapes, layer_of, mtp_dense_shapes, mtp_layer
 from coli.weights import ExpertWeights
 
 
@@ -88,8 +89,12 @@ class ContainerReader:
             raise ContainerError(str(e)) from None
         c = self.config
         mp = self.dir / MANIFEST_NAME
-        # the manifest must describe exactly the tensors this config needs
-        want = dense_shapes(c)
+        # the manifest must describe exactly the tensors this config needs, plus the whole MTP layer or none of it
+        want = dict(dense_shapes(c))
+        L = mtp_layer(c)
+        self.mtp_layer: int | None = L if any(layer_of(n) == L for n in m.dense) else None
+        if self.mtp_layer is not None:
+            want.update(mtp_dense_shapes(c))
         if set(want) != set(m.dense):
             missing = sorted(set(want) - set(m.dense))
             extra = sorted(set(m.dense) - set(want))
@@ -127,7 +132,8 @@ class ContainerReader:
         if len(raw) != m.index_file.size or xxhash.xxh64(raw).intdigest() != m.index_file.xxh64:
             raise ContainerError(f"{ip}: size/xxh64 differ from the manifest's field 'experts.index' (damaged index)")
         self.index: np.ndarray = parse_index(ip, raw)
-        expected = len(c.moe_layers) * c.n_routed_experts
+        self.expert_layers: list[int] = c.moe_layers + ([L] if self.mtp_layer is not None else [])
+        expected = len(self.expert_layers) * c.n_routed_experts
         if len(self.index) != expected or m.n_records != expected:
             raise ContainerError(f"{ip}: {len(self.index)} records, config.json needs {expected}")
         self._slot: dict[tuple[int, int], int] = {}
@@ -138,7 +144,7 @@ class ContainerReader:
                     int(row["offset"]) + int(row["length"]) > m.expert_files[f].size or int(row["offset"]) % 4096:
                 raise ContainerError(f"{ip}: entry {i} (layer {key[0]} expert {key[1]}) points outside its file")
             self._slot[key] = i
-        for layer in c.moe_layers:
+        for layer in self.expert_layers:
             for e in range(c.n_routed_experts):
                 if (layer, e) not in self._slot:
                     raise ContainerError(f"{ip}: no record for layer {layer} expert {e}")

@@ -50,7 +50,7 @@ from coli.container.format import (
 )
 from coli.container.quant import QuantError, fp8_to_float32, pack_tiles, quantize, quantize_fp8_int4
 from coli.errors import WeightError
-from coli.model.tensors import dense_shapes, expert_tensor_name, keep_full_precision
+from coli.model.tensors import dense_shapes, expert_tensor_name, keep_full_precision, mtp_dense_shapes, mtp_layer
 from coli.safetensors_io import FLOAT_DTYPES, TensorInfo, to_float32
 from coli.weights import FP8_BLOCK, HFCheckpoint, find_shards
 
@@ -70,6 +70,7 @@ class ConvertOptions:
     group: int = 64
     tile_kb: int = 512
     expert_file_mb: int = 16384
+    mtp: bool = True          # keep the MTP layer (when the source has a complete one); --no-mtp leaves it out
 
     def validate(self) -> None:
         for opt, v in (("--experts", self.experts), ("--dense", self.dense)):
@@ -83,11 +84,14 @@ class ConvertOptions:
             raise ContainerError(f"--expert-file-mb {self.expert_file_mb} must be at least 1")
 
     def to_dict(self) -> dict:
-        return {"experts": self.experts, "dense": self.dense, "group": self.group, "tile_kb": self.tile_kb,
-                "expert_file_mb": self.expert_file_mb}
+        d = {"experts": self.experts, "dense": self.dense, "group": self.group, "tile_kb": self.tile_kb,
+             "expert_file_mb": self.expert_file_mb}
+        if not self.mtp:   # only when off: containers and journals made before the MTP layer was kept match
+            d["mtp"] = False
+        return d
 
     def flags(self) -> str:
-        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.to_dict().items())
+        return " ".join("--no-mtp" if k == "mtp" else f"--{k.replace('_', '-')} {v}" for k, v in self.to_dict().items())
 
 
 # ---- the source ------------------------------------------------------------------------------------------
@@ -122,9 +126,9 @@ class Source:
     def __init__(self, src: Path, report: Callable[[str], None] | None = None):
         self.dir = src
         self.config: ModelConfig = load_config(src)
-        self.ck = HFCheckpoint(src, self.config, report=report)   # completeness + shapes + MTP skip
+        self.ck = HFCheckpoint(src, self.config, report=report)   # completeness + shapes + the MTP layer apart
         self.shards, _ = find_shards(src)
-        self._names = set(self.ck.names())
+        self._names = set(self.ck.names()) | set(self.ck.mtp_names())
         self._fds: dict[Path, int] = {}
         for p in self.shards:   # opened up front: worker threads read concurrently
             try:
@@ -258,11 +262,16 @@ def dense_format(name: str, shape: tuple[int, ...], opts: ConvertOptions) -> str
     return "f32" if len(shape) != 2 or keep_full_precision(name) else opts.dense
 
 
-def make_plan(c: ModelConfig, opts: ConvertOptions) -> Plan:
+def make_plan(c: ModelConfig, opts: ConvertOptions, mtp: bool = False) -> Plan:
+    """The layout; `mtp` adds the MTP layer: its dense tensors after the main ones in dense.coli, its routed experts
+    as records of layer num_hidden_layers after the main layers' (a source without it plans exactly as before)."""
     units = [Unit("header", DENSE_NAME, 0, FILE_HEADER_BYTES, file_number=0)]
     dense: dict[str, tuple[tuple[int, ...], MatrixLayout]] = {}
     off = FILE_HEADER_BYTES
-    for name, shape in dense_shapes(c).items():
+    shapes = dict(dense_shapes(c))
+    if mtp:
+        shapes.update(mtp_dense_shapes(c))
+    for name, shape in shapes.items():
         rows, cols = shape if len(shape) == 2 else (1, int(np.prod(shape)))
         lay = MatrixLayout.make(rows, cols, dense_format(name, shape, opts), opts.group, opts.tile_kb, off)
         dense[name] = (tuple(shape), lay)
@@ -273,7 +282,7 @@ def make_plan(c: ModelConfig, opts: ConvertOptions) -> Plan:
     limit = opts.expert_file_mb << 20
     files: list[str] = []
     cur = None
-    for layer in c.moe_layers:
+    for layer in c.moe_layers + ([mtp_layer(c)] if mtp else []):
         for e in range(c.n_routed_experts):
             if cur is None or (sizes[cur] + record.nbytes > limit and sizes[cur] > FILE_HEADER_BYTES):
                 cur = expert_file_name(len(files))
@@ -503,7 +512,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, *,
 
 
 def _convert(source: Source, src: Path, dst: Path, opts: ConvertOptions, progress, report, threads, t_start, commit):
-    plan = make_plan(source.config, opts)
+    keep_mtp = opts.mtp and source.ck.mtp_layer is not None
+    if source.ck.mtp_layer is not None and not opts.mtp:
+        report("leaving the MTP layer out (--no-mtp): the container cannot draft with `--mtp`")
+    plan = make_plan(source.config, opts, mtp=keep_mtp)
     # every tensor is looked up (dtype, FP8 companion, shapes) here, so bad input fails before a byte is written
     in_bytes = [unit_input_bytes(source, plan, u) for u in plan.units]
     header = {"journal": "coli-convert", "format_version": VERSION, "writer": f"coli {__version__}",

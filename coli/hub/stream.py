@@ -38,7 +38,9 @@ from coli.errors import WeightError
 from coli.hub.client import HubClient, HubError, HubRef, hub_errors
 from coli.hub.journal import JOURNAL, JournalWriter, read_journal
 from coli.hub.progress import human_bytes as _size
-from coli.model.tensors import dense_shapes, expert_shapes, expert_tensor_name, layer_of
+from coli.model.tensors import (
+    MTP_DUPLICATES, dense_shapes, expert_shapes, expert_tensor_name, layer_of, mtp_dense_shapes, mtp_layer,
+)
 from coli.safetensors_io import SafetensorsFile, TensorInfo
 
 STAGE_DIR = ".coli-hub-stage"
@@ -61,7 +63,8 @@ class HubConvertResult:
 class StreamSource(Source):
     """The writer's Source over whatever shards and staging files are on disk at the moment."""
 
-    def __init__(self, config, names: set[str]):   # noqa: D107 - Source.__init__ opens a whole checkpoint
+    def __init__(self, config, names: set[str], keep_mtp: bool = False):   # noqa: D107 - Source.__init__ opens a whole checkpoint
+        self.keep_mtp = keep_mtp       # the MTP layer's tensors are read too (writer.make_plan(mtp=True))
         self.dir = None
         self.config = config
         self.ck = None
@@ -77,7 +80,8 @@ class StreamSource(Source):
         tensors = dict(f.tensors)
         f.close()
         L = self.config.num_hidden_layers
-        kept = [n for n in tensors if (layer_of(n) is None or layer_of(n) < L)]
+        kept = [n for n in tensors if (layer_of(n) is None or layer_of(n) < L) or
+                (self.keep_mtp and layer_of(n) == L and not n.endswith(MTP_DUPLICATES))]
         try:
             self._fds[path] = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -146,10 +150,12 @@ def unit_ready(src: StreamSource, u) -> bool:
     return not any(n in src._names for n in per) and src.has(p + "gate_up_proj") and src.has(p + "down_proj")
 
 
-def expected_shapes(c) -> dict[str, tuple[int, ...]]:
+def expected_shapes(c, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     want = dict(dense_shapes(c))
+    if mtp:
+        want.update(mtp_dense_shapes(c))
     es = expert_shapes(c)
-    for layer in c.moe_layers:
+    for layer in c.moe_layers + ([mtp_layer(c)] if mtp else []):
         p = f"model.layers.{layer}.mlp.experts."
         want[p + "gate_up_proj"] = (c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size)
         want[p + "down_proj"] = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
@@ -172,6 +178,18 @@ def check_complete(c, names: set[str], where: str) -> None:
         for name in need:
             if name not in names:
                 raise WeightError(f"{where}: tensor {name!r} is missing from the checkpoint")
+
+
+def mtp_complete(c, names: set[str]) -> bool:
+    """The index names every tensor of the MTP layer (as HFCheckpoint's check, by name; shapes are checked as each
+    shard opens): then the container keeps it, as `coli convert` of the same files does."""
+    L = mtp_layer(c)
+    if not set(mtp_dense_shapes(c)) <= names:
+        return False
+    p = f"model.layers.{L}.mlp.experts."
+    if p + "gate_up_proj" in names:
+        return p + "down_proj" in names
+    return all(expert_tensor_name(L, e, part) in names for e in range(c.n_routed_experts) for part in _PARTS)
 
 
 def shard_fingerprint(path: Path, name: str) -> dict:
@@ -340,7 +358,10 @@ class _Run:
         client.sweep_partials()
         shards, weight_map, snap = plan_shards(client)
         config = load_config(snap)
-        plan = make_plan(config, self.opts)
+        L = config.num_hidden_layers
+        # the MTP layer is kept when the index names all of it (a repo without an index: left out, said below)
+        keep_mtp = self.opts.mtp and weight_map is not None and mtp_complete(config, set(weight_map))
+        plan = make_plan(config, self.opts, mtp=keep_mtp)
         header = {"journal": "coli-hub-convert", "repo": self.ref.repo, "revision": self.ref.revision,
                   "commit": client.listing().commit, "args": self.opts.to_dict(), "plan": plan.digest(),
                   "format_version": VERSION, "writer": f"coli {__version__}"}
@@ -349,13 +370,14 @@ class _Run:
                                  f"({old.get('args')}); rerun with the original options to resume, or choose "
                                  f"another DST")
         names = set(weight_map or ())
-        L = config.num_hidden_layers
         if weight_map is not None:
-            names = {n for n in names if layer_of(n) is None or layer_of(n) < L}
+            names = {n for n in names if layer_of(n) is None or layer_of(n) < L or
+                     (keep_mtp and layer_of(n) == L and not n.endswith(MTP_DUPLICATES))}
             check_complete(config, names, str(ref))
-        src = self.src = StreamSource(config, names)
+        src = self.src = StreamSource(config, names, keep_mtp)
+        self.keep_mtp = keep_mtp
         self.plan, self.shards, self.weight_map, self.snap, self.state = plan, shards, weight_map, snap, state
-        self.want_shapes = expected_shapes(config)
+        self.want_shapes = expected_shapes(config, keep_mtp)
         try:
             return self._convert(header, old is not None)
         finally:
@@ -459,7 +481,7 @@ class _Run:
         for n, info in tensors.items():
             want = self.want_shapes.get(n)
             if want is not None and info.shape != want and (layer_of(n) is None or layer_of(n) <
-                                                            self.src.config.num_hidden_layers):
+                                                            self.src.config.num_hidden_layers + self.keep_mtp):
                 raise WeightError(f"{self.ref}: {name}: tensor {n!r} has shape {list(info.shape)}, the config "
                                   f"needs {list(want)}")
             if self.weight_map is not None and self.weight_map.get(n, name) != name:
@@ -475,10 +497,11 @@ class _Run:
             skipped = sorted({layer_of(n) for n in tensors if layer_of(n) is not None and layer_of(n) >= L})
             self.journal.append({"shard": name, "fp": shard_fingerprint(path, name), "skipped": skipped})
             self.state.shards[name] = {"fp": shard_fingerprint(path, name), "skipped": skipped}
-            if set(skipped) - self._skip_reported:
-                self._skip_reported |= set(skipped)
-                self.report(f"skipping tensors of layer(s) {skipped} in {name} (>= num_hidden_layers {L}: the MTP "
-                            f"layer, unused by the forward pass)")
+            dropped = [x for x in skipped if not (self.keep_mtp and x == L)]
+            if set(dropped) - self._skip_reported:
+                self._skip_reported |= set(dropped)
+                self.report(f"skipping tensors of layer(s) {dropped} in {name} (>= num_hidden_layers {L}: the MTP "
+                            f"layer is left out{' (--no-mtp)' if not self.opts.mtp else ''})")
 
     def _pending_inputs(self) -> set[str]:
         if not hasattr(self, "_inputs"):   # per unit, once: GLM-5 has ~20k units

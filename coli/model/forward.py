@@ -96,7 +96,12 @@ class LayerWeights:
     shared_down: Array | None = None  # [H, Im*ns]
 
 
-def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: int) -> LayerWeights:
+def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: int, indexer: str | None = None,
+                       mlp: str | None = None) -> LayerWeights:
+    """Decoder layer i's weights; `indexer`/`mlp` override the config's kinds (the MTP layer lies outside them)."""
+    indexer = indexer or c.indexer_types[i]
+    mlp = mlp or c.mlp_layer_types[i]
+
     def up(name: str) -> Array:        # a vector (norm weight/bias), float32
         return backend.upload(src.dense(name))
 
@@ -117,7 +122,7 @@ def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: i
         w_vb=w_vb,
         o=mat(a + "o_proj.weight"),
     )
-    if c.indexer_types[i] == "full":
+    if indexer == "full":
         x = a + "indexer."
         attn.idx_wq_b = mat(x + "wq_b.weight")
         attn.idx_wk = mat(x + "wk.weight")
@@ -125,7 +130,7 @@ def load_layer_weights(c: ModelConfig, src: WeightSource, backend: Backend, i: i
         attn.idx_k_norm_b = up(x + "k_norm.bias")
         attn.idx_weights = mat(x + "weights_proj.weight")
     lw = LayerWeights(up(p + "input_layernorm.weight"), up(p + "post_attention_layernorm.weight"), attn)
-    if c.mlp_layer_types[i] == "dense":
+    if mlp == "dense":
         lw.mlp_gate, lw.mlp_up, lw.mlp_down = (mat(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
     else:
         lw.router = mat(p + "mlp.gate.weight")
@@ -160,6 +165,7 @@ class GlmMoeDsaModel:
                  experts: ExpertSource | None = None):
         self.config = c = config
         self.backend = backend
+        self.weights = weights        # kept for the MTP draft head (coli.model.mtp), which loads on demand
         self.experts = experts if experts is not None else WeightExperts(weights)
         self.embed = backend.weight(weights, "model.embed_tokens.weight")             # [V, H]
         self.layers = [load_layer_weights(c, weights, backend, i) for i in range(c.num_hidden_layers)]
@@ -205,7 +211,16 @@ class GlmMoeDsaModel:
         """The last position's logits [1, V], left on the backend (what a captured decode step computes)."""
         return self._logits(ids, cache, False)
 
+    def forward_hidden(self, ids: Sequence[int], cache: KVCache) -> tuple[Array, Array]:
+        """Every new position's final-normed hidden state [S, H] and logits [S, V], both left on the backend: a
+        speculative verification step (coli.model.mtp) reads all S logits and drafts from the hidden states."""
+        hn = self._final_hidden(ids, cache, True)
+        return hn, self.backend.linear(hn, self.lm_head)
+
     def _logits(self, ids: Sequence[int], cache: KVCache, all_logits: bool) -> Array:
+        return self.backend.linear(self._final_hidden(ids, cache, all_logits), self.lm_head)   # [S or 1, V]
+
+    def _final_hidden(self, ids: Sequence[int], cache: KVCache, all_rows: bool) -> Array:
         c, b = self.config, self.backend
         ids = np.asarray(ids, dtype=np.int64)
         S = int(ids.shape[0])
@@ -229,10 +244,9 @@ class GlmMoeDsaModel:
             h = b.add(h, self._mlp(i, lw, x2, h))
         cache.length = start + S
 
-        if not all_logits:
+        if not all_rows:
             h = b.last_row(h)                                           # [1, H]
-        hn = b.rms_norm(h, self.final_norm, c.rms_norm_eps)
-        return b.linear(hn, self.lm_head)                               # [S or 1, V]
+        return b.rms_norm(h, self.final_norm, c.rms_norm_eps)          # [S or 1, H]
 
     # ------------------------------------------------------------------------------------------
     def _attention(self, i, w: AttentionWeights, x, positions, cos, sin, cache: KVCache, start, prev_allowed):
@@ -247,7 +261,7 @@ class GlmMoeDsaModel:
         S = x.shape[0]
         nh, dn, dr, Lkv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
 
-        full = c.indexer_types[i] == "full"
+        full = w.idx_wq_b is not None      # the layer's kind, from its weights (the MTP layer is outside the config)
         # the projections that read the same input are asked for together (the CUDA backend: one launch each)
         of_x = b.linear_many(x, [w.q_a, w.kv_a] + ([w.idx_wk, w.idx_weights] if full else []))
         q_lat = b.rms_norm(of_x[0], w.q_a_norm, 1e-6)                  # [S, Lq]  (also feeds the indexer)
@@ -275,7 +289,7 @@ class GlmMoeDsaModel:
         T = start + p.q.shape[0]
         cache.write(i, start, p.lat, p.k_pe, p.k_idx)
         lat_all, kpe_all, kidx_all = cache.view(i, T)                  # [T, Lkv], [T, dr], [T, ihd]
-        if c.indexer_types[i] == "full":
+        if w.idx_wq_b is not None:   # a "full" layer (from its weights: the MTP layer is outside the config's kinds)
             allowed = b.indexer_select(p.iq, kidx_all, p.head_w, positions, c.index_topk)   # [S, T] bool, host
         else:
             allowed = prev_allowed                                      # shared layer reuses the top-k

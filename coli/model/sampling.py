@@ -37,9 +37,18 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits [V] float32 -> token id."""
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return int(np.argmax(logits))
+        return self.draw(self.distribution(logits))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token from a distribution [V] float64 (summing to 1), with this sampler's generator."""
+        return int(self.rng.choice(probs.shape[0], p=probs))
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution [V] float64 a sampled token is drawn from: temperature, then top-k, then top-p
+        (speculative sampling compares the target's and the draft's, coli.model.mtp)."""
+        p = self.params
         z = logits.astype(np.float64) / p.temperature
         if p.top_k and p.top_k < z.shape[0]:
             kth = np.partition(z, -p.top_k)[-p.top_k]
@@ -56,4 +65,4 @@ class Sampler:
             mask = np.zeros_like(probs)
             mask[keep] = probs[keep]
             probs = mask / mask.sum()
-        return int(self.rng.choice(probs.shape[0], p=probs))
+        return probs

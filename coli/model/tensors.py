@@ -35,9 +35,14 @@ def expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (Im, H), "up_proj": (Im, H), "down_proj": (H, Im)}
 
 
-def layer_dense_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """Every non-routed tensor of decoder layer i (attention, indexer, norms, dense MLP or router + shared expert)."""
+def layer_dense_shapes(c: ModelConfig, i: int, indexer: str | None = None,
+                       mlp: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Every non-routed tensor of decoder layer i (attention, indexer, norms, dense MLP or router + shared expert).
+    `indexer` ("full" | "shared") and `mlp` ("dense" | "sparse") default to the config's kinds of layer i; the MTP
+    layer (i = num_hidden_layers, outside those lists) passes them."""
     H, nh = c.hidden_size, c.num_attention_heads
+    indexer = indexer or c.indexer_types[i]
+    mlp = mlp or c.mlp_layer_types[i]
     p = f"model.layers.{i}."
     s: dict[str, tuple[int, ...]] = {
         p + "input_layernorm.weight": (H,),
@@ -50,7 +55,7 @@ def layer_dense_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         p + "self_attn.kv_b_proj.weight": (nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
         p + "self_attn.o_proj.weight": (H, nh * c.v_head_dim),
     }
-    if c.indexer_types[i] == "full":
+    if indexer == "full":
         s.update({
             p + "self_attn.indexer.wq_b.weight": (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
             p + "self_attn.indexer.wk.weight": (c.index_head_dim, H),
@@ -58,7 +63,7 @@ def layer_dense_shapes(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.indexer.k_norm.bias": (c.index_head_dim,),
             p + "self_attn.indexer.weights_proj.weight": (c.index_n_heads, H),
         })
-    if c.mlp_layer_types[i] == "dense":
+    if mlp == "dense":
         s.update({
             p + "mlp.gate_proj.weight": (c.intermediate_size, H),
             p + "mlp.up_proj.weight": (c.intermediate_size, H),
@@ -84,6 +89,28 @@ def dense_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     s["model.norm.weight"] = (c.hidden_size,)
     if not c.tie_word_embeddings:
         s["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return s
+
+
+# The MTP layer (reference §4; DeepSeek-V3 layout, as vLLM's deepseek_mtp.py and SGLang's deepseek_nextn.py load
+# it): layer index num_hidden_layers, a full decoder layer whose indexer is always "full" (vLLM builds a full indexer
+# for it whatever the pattern says) and whose MLP is MoE, plus eh_proj / enorm / hnorm / shared_head.norm. Its
+# `embed_tokens` and `shared_head.head` copies, where a checkpoint has them, equal the main embedding and lm_head
+# (both engines load the main ones instead): they are not part of the layer here.
+MTP_DUPLICATES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_layer(c: ModelConfig) -> int:
+    return c.num_hidden_layers
+
+
+def mtp_dense_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every non-routed tensor of the MTP layer (its routed experts are named like any layer's)."""
+    L, H = mtp_layer(c), c.hidden_size
+    p = f"model.layers.{L}."
+    s: dict[str, tuple[int, ...]] = {p + "enorm.weight": (H,), p + "hnorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H)}
+    s.update(layer_dense_shapes(c, L, indexer="full", mlp="sparse"))
+    s[p + "shared_head.norm.weight"] = (H,)
     return s
 
 

@@ -260,14 +260,15 @@ class AsyncClient:
     async def submit(self, prompt_ids: list[int], max_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
                      session: str | None = None, new_session: bool = False,
-                     request_id: str | None = None, max_backlog: int | None = None) -> RequestStream:
+                     request_id: str | None = None, max_backlog: int | None = None,
+                     mtp: str | None = None) -> RequestStream:
         if self.dead is not None:
             raise self.dead
         rid = request_id or f"req-{uuid.uuid4().hex}"
         extra = {"new_session": new_session} if _HAS_NEW_SESSION else {}
         try:
             req = GenerateRequest(rid, list(prompt_ids), max_tokens, temperature, top_p, top_k, seed, greedy,
-                                  ignore_eos, session, **extra)
+                                  ignore_eos, session, **extra, **({"mtp": mtp} if mtp is not None else {}))
         except ValueError as e:
             raise RequestError("bad_request", str(e)) from None
         if rid in self._streams:

@@ -122,7 +122,7 @@ def parse_messages(body: Any, count_only: bool = False) -> tuple[list[dict], Par
     p = parse_params({"model": body.get("model"), "max_tokens": body.get("max_tokens") if not count_only else None,
                       "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                       "top_k": body.get("top_k"), "stop": stops or None, "stream": body.get("stream"),
-                      "user": user})
+                      "user": user, "mtp": body.get("mtp")})
     get_int(body, "max_tokens", None, lo=1)
     thinking = body.get("thinking")
     enable = False

@@ -154,13 +154,14 @@ class Client:
     def stream(self, prompt_ids: list[int], max_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
                session: str | None = None, new_session: bool = False, ephemeral: bool = False,
-               request_id: str | None = None, token_timeout: float | None = 300.0) -> Iterator[int | Done]:
+               request_id: str | None = None, token_timeout: float | None = 300.0,
+               mtp: str | None = None) -> Iterator[int | Done]:
         """Yields token ids as they are generated, then the Done message. Raises StageDeadError or
         RequestError. Closing the iterator early cancels the request."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         try:
             req = GenerateRequest(rid, list(prompt_ids), max_tokens, temperature, top_p, top_k, seed, greedy,
-                                  ignore_eos, session, new_session, ephemeral)
+                                  ignore_eos, session, new_session, ephemeral, mtp=mtp)
         except ValueError as e:
             raise ColiError(f"invalid request: {e}") from None
         send(self.sock, req)

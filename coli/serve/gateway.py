@@ -76,6 +76,12 @@ class GatewayConfig:
     connect_timeout: float = 10.0
 
 
+def _mtp_of(p: Any) -> dict:
+    """The request's MTP choice (the body's "mtp"), or nothing."""
+    mtp = getattr(p, "mtp", None)
+    return {"mtp": mtp} if mtp is not None else {}
+
+
 class ClientGone(Exception):
     """The HTTP client hung up before its answer was ready."""
 
@@ -478,7 +484,8 @@ class Gateway:
             stream = await lane.submit(prompt_ids, max_tokens, greedy=p.greedy, temperature=p.temperature,
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        session=p.session, new_session=p.new_session, request_id=rid,
-                                       max_backlog=self.cfg.max_stream_backlog if p.stream else None)
+                                       max_backlog=self.cfg.max_stream_backlog if p.stream else None,
+                                       **_mtp_of(p))
         except ApiError as e:
             return self._fail(endpoint, e, t0, fields, shape)
         except (ColiError, OSError) as e:

@@ -116,6 +116,7 @@ class Params:
     new_session: bool
     ignore_eos: bool
     return_token_ids: bool
+    mtp: str | None = None  # MTP speculative decoding for this request (docs/mtp.md); None = the run's --mtp
     max_tokens_param: str = "max_tokens"  # the name the client used (chat also takes max_completion_tokens)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -185,7 +186,23 @@ def parse_params(body: Any, max_tokens_names: tuple[str, ...] = ("max_tokens",))
                   temperature=temperature, top_p=top_p if top_p > 0 else 1.0, top_k=top_k, seed=seed, stop=stop,
                   stream=stream, include_usage=include_usage, user=get_str(body, "user", None),
                   session=session, new_session=new_session, ignore_eos=get_bool(body, "ignore_eos", False),
-                  return_token_ids=get_bool(body, "return_token_ids", False), max_tokens_param=max_tokens_param)
+                  return_token_ids=get_bool(body, "return_token_ids", False), mtp=_mtp(body),
+                  max_tokens_param=max_tokens_param)
+
+
+def _mtp(body: dict) -> str | None:
+    """`"mtp"`: "off" | "on" | "auto" | 1..3 (a number or its string), or absent (the run's --mtp)."""
+    from coli.protocol.messages import MTP_MODES
+    v = body.get("mtp")
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        v = "on" if v else "off"
+    elif isinstance(v, int):
+        v = "off" if v == 0 else str(v)
+    if not isinstance(v, str) or v.strip().lower() not in MTP_MODES:
+        raise _bad("mtp", f"'mtp' must be one of off, on, auto, 1, 2, 3, got {v!r}")
+    return v.strip().lower()
 
 
 def _content_text(content: Any, i: int) -> str:

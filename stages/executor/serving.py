@@ -57,6 +57,11 @@ class BatchServer:
             self.send(peer, Error(ERROR_BAD_REQUEST, f"prompt token id {bad[0]} is outside the vocabulary "
                                                      f"(0..{self.cfg.vocab_size - 1})", req.request_id))
             return
+        if req.mtp not in (None, "off"):    # said, not ignored: the batched step does not draft yet (docs/mtp.md)
+            self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp {req.mtp!r}: the batched executor does not draft with "
+                                                     f"the MTP head yet; `coli run --mtp` does (docs/mtp.md)",
+                                  req.request_id))
+            return
         params = SamplingParams(greedy=req.greedy or req.temperature == 0.0, temperature=req.temperature or 1.0,
                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed)
         eos = frozenset() if req.ignore_eos else frozenset(int(e) for e in self.cfg.eos_token_ids)

@@ -37,7 +37,14 @@ def test_f32_container_is_exact(fp8_ckpt, tmp_path):
         for e in range(16):
             for part in ("gate", "up", "down"):
                 assert np.array_equal(getattr(got[e], part), getattr(want[e], part))
-    assert not any(n.startswith("model.layers.4.") for n in rd.dense_names())   # MTP skipped
+    # the MTP layer (layer 4) is kept, exactly: its dense tensors and its experts as records of layer 4
+    assert rd.mtp_layer == 4 and ck.mtp_layer == 4
+    assert {n for n in rd.dense_names() if n.startswith("model.layers.4.")} == set(ck.mtp_names()) - {
+        n for n in ck.mtp_names() if ".mlp.experts." in n or n.endswith("_scale_inv")}
+    got, want = rd.experts(4, range(16)), ck.experts(4, range(16))
+    for e in range(16):
+        for part in ("gate", "up", "down"):
+            assert np.array_equal(getattr(got[e], part), getattr(want[e], part))
     assert {"config.json", "tokenizer.json", "generation_config.json"} <= {p.name for p in dst.iterdir()}
 
 
@@ -123,14 +130,48 @@ def test_inspect_and_verify(small_fp8, tmp_path):
     coli("convert", small_fp8, dst, "--experts", "int4", "--group", "32", "--dense", "int8", check=True)
     s = json.loads(coli("inspect", dst, "--json", check=True).stdout)
     assert s["formats"]["experts"] == "int4 g32" and s["formats"]["dense"] == "int8"
-    assert s["experts_per_layer"] == [{"layer": 1, "experts": 4, "files": ["experts-00000.coli"]}]
+    # layer 2 is the MTP layer (small_fp8 has 2 layers): kept, its experts after the main layer's
+    assert s["experts_per_layer"] == [{"layer": 1, "experts": 4, "files": ["experts-00000.coli"]},
+                                      {"layer": 2, "experts": 4, "files": ["experts-00000.coli"]}]
     rec = s["record"]["bytes"]
-    assert s["bytes_per_token_cold"]["routed"] == 2 * 1 * rec
-    assert s["tiers"]["expert_store_bytes"] == 4096 + 4 * rec
+    assert s["bytes_per_token_cold"]["routed"] == 2 * 1 * rec       # the main model's: the MTP layer is per draft
+    assert s["tiers"]["expert_store_bytes"] == 4096 + 8 * rec
+    assert s["mtp"]["layer"] == 2 and s["mtp"]["expert_bytes"] == 4 * rec and s["mtp"]["bytes_per_draft_cold"] == 2 * rec
     human = coli("inspect", dst, check=True).stdout
-    assert "bytes per token, cold" in human and "experts per layer" in human
+    assert "bytes per token, cold" in human and "experts per layer" in human and "MTP layer: layer 2" in human
     v = coli("verify", dst, "--no-progress")
-    assert v.returncode == 0 and "OK" in v.stdout
+    assert v.returncode == 0 and "OK" in v.stdout and "MTP layer 2 included" in v.stdout
+
+
+def test_no_mtp_leaves_the_mtp_layer_out(small_fp8, tmp_path):
+    dst = tmp_path / "c"
+    r = coli("convert", small_fp8, dst, "--experts", "int4", "--no-mtp", "--no-progress", check=True)
+    assert "--no-mtp" in r.stderr
+    s = json.loads(coli("inspect", dst, "--json", check=True).stdout)
+    assert s["mtp"] is None and [row["layer"] for row in s["experts_per_layer"]] == [1]
+    assert "MTP layer: none" in coli("inspect", dst, check=True).stdout
+    rd = ContainerReader(dst)
+    assert rd.mtp_layer is None and not any(n.startswith("model.layers.2.") for n in rd.dense_names())
+    assert "no MTP layer" in coli("verify", dst, "--no-progress", check=True).stdout
+
+
+def test_flipped_byte_in_an_mtp_record_is_caught(small_fp8, tmp_path):
+    dst = tmp_path / "c"
+    convert(small_fp8, dst, ConvertOptions(experts="int4"))
+    loc = ContainerReader(dst).record_location(2, 3)           # layer 2 = the MTP layer
+    _flip(Path(loc.path), loc.offset + 100)
+    v = coli("verify", dst, "--no-progress")
+    assert v.returncode == 1 and f"record layer 2 expert 3 at offset {loc.offset}" in v.stderr
+
+
+def test_a_container_with_part_of_the_mtp_layer_is_refused(small_fp8, tmp_path):
+    dst = tmp_path / "c"
+    convert(small_fp8, dst, ConvertOptions(experts="int4"))
+    raw = json.loads((dst / MANIFEST_NAME).read_text())
+    del raw["dense"]["tensors"]["model.layers.2.eh_proj.weight"]
+    (dst / MANIFEST_NAME).write_text(json.dumps(raw))
+    with pytest.raises(ColiError, match=r"dense\.tensors.*missing \['model\.layers\.2\.eh_proj\.weight'\]"):
+        ContainerReader(dst)
 
 
 def _flip(path: Path, offset: int) -> None:

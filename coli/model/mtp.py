@@ -1,0 +1,406 @@
+"""MTP speculative decoding with GLM-5's own draft head (the MTP layer, reference §4), lossless.
+
+The MTP layer (index L = num_hidden_layers) predicts the token after next. At position i it combines the main
+model's final-normed hidden state h_i with the embedding of the token at i+1, in the DeepSeek-V3 layout that vLLM
+(`vllm/model_executor/models/deepseek_mtp.py`) and SGLang (`srt/models/deepseek_nextn.py`) implement:
+
+    x   = eh_proj(concat[enorm(embed(t_{i+1})), hnorm(h_i)])        # [S, 2H] -> [S, H]; embedding first
+    x   = decoder layer L (MLA + full DSA indexer + MoE) over x      # its own KV cache, position i
+    g_i = shared_head.norm(x)                                        # [S, H]
+    q   = lm_head(g_i)                                               # the shared lm_head: logits for t_{i+2}
+
+h_i is the main model's output *after* its final norm (vLLM's DeepseekV2Model.forward returns `self.norm(...)`
+and the proposer feeds that to the MTP layer). For drafts 2..k the layer is chained on its own output g (SGLang
+feeds its shared_head-normed output back; vLLM the un-normed one: we follow SGLang, matching the main model's
+normed h). vLLM also zeroes the embedding at position 0; we do not (it only touches the first cached position).
+
+One decoding round, from P processed positions and the sampled token `last` at position P:
+
+    draft   MTP over the pending pairs (h_j, t_{j+1}) its cache lacks, then k-1 chained single steps -> d_1..d_k
+    verify  main forward([last, d_1..d_k]) at positions P..P+k, all logits (one multi-token step)
+    accept  greedy: the longest prefix with d_j == argmax(row j-1), plus the bonus argmax(row a);
+            sampling: d_j kept with probability min(1, p_j(d_j) / q_j(d_j)), the first rejection resampled from
+            norm(max(p_j - q_j, 0)); all kept: the bonus from row k — the output distribution is the target's
+    rollback main cache -> P + a + 1 positions, MTP cache -> P (its draft positions used draft hiddens)
+
+so greedy output equals decoding without MTP by construction, and a round costs one main step of k+1 positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from coli.errors import ColiError
+from coli.model.backend import Array, cos_sin_table
+from coli.model.forward import GlmMoeDsaModel, LayerWeights, WeightExperts, load_layer_weights
+from coli.model.kv_cache import KVCache
+from coli.model.sampling import Sampler
+from coli.model.tensors import mtp_layer
+
+MAX_DRAFTS = 3
+
+
+class MtpUnavailable(ColiError):
+    """`--mtp` asked of a model without a (complete) MTP layer."""
+
+
+def parse_mtp(value: str | int | None) -> int | str | None:
+    """`--mtp off|on|N|auto` -> None (off), a draft count 1..3, or "auto". `on` is 1 draft (the depth the layer
+    was trained for); N chains the layer N times."""
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v in ("off", "0", "none", "false", "no"):
+        return None
+    if v in ("on", "true", "yes"):
+        return 1
+    if v == "auto":
+        return "auto"
+    if v.isdigit() and 1 <= int(v) <= MAX_DRAFTS:
+        return int(v)
+    raise ColiError(f"--mtp {value!r} is not off, on, auto or a draft count 1..{MAX_DRAFTS}")
+
+
+def mtp_mode(value: str | int | None) -> str:
+    """`--mtp` checked and spelled canonically for the stages and the wire (protocol MTP_MODES): "off", "on",
+    "auto" or "1".."3"."""
+    k = parse_mtp(value)
+    if k is None:
+        return "off"
+    if k == "auto":
+        return "auto"
+    return "on" if str(value).strip().lower() in ("on", "true", "yes") else str(k)
+
+
+def _matrix(backend, host: np.ndarray) -> Array:
+    """A host float32 matrix as a backend weight (the CUDA backend wraps it in its weight type)."""
+    make = getattr(backend, "matrix", None)
+    return make(np.ascontiguousarray(host, np.float32)) if make is not None else backend.upload(host)
+
+
+@dataclass
+class MtpWeights:
+    enorm: Array        # [H]
+    hnorm: Array        # [H]
+    eh_emb: Array       # [H, H]  eh_proj columns that multiply enorm(embedding)
+    eh_hid: Array       # [H, H]  eh_proj columns that multiply hnorm(h)
+    layer: LayerWeights
+    head_norm: Array    # [H]     shared_head.norm
+
+
+class MtpHead:
+    """The MTP layer on the model's backend; the embedding and lm_head are the main model's."""
+
+    def __init__(self, model: GlmMoeDsaModel, weights: Any, experts: Any = None):
+        c, b = model.config, model.backend
+        L = mtp_layer(c)
+        if getattr(weights, "mtp_layer", None) != L:
+            why = getattr(weights, "mtp_problem", None) or "it has no MTP layer (the checkpoint had none, or it was " \
+                                                             "converted with --no-mtp)"
+            where = getattr(weights, "dir", "the model")
+            raise MtpUnavailable(f"--mtp: {where} cannot draft: {why}; run with --mtp off, or convert a checkpoint "
+                                 f"that has its MTP layer (model.layers.{L}.*)")
+        self.model, self.layer_index = model, L
+        p = f"model.layers.{L}."
+        eh = weights.dense(p + "eh_proj.weight")                                   # [H, 2H]
+        H = c.hidden_size
+        self.w = MtpWeights(
+            enorm=b.upload(weights.dense(p + "enorm.weight")),
+            hnorm=b.upload(weights.dense(p + "hnorm.weight")),
+            eh_emb=_matrix(b, eh[:, :H]), eh_hid=_matrix(b, eh[:, H:]),
+            layer=load_layer_weights(c, weights, b, L, indexer="full", mlp="sparse"),
+            head_norm=b.upload(weights.dense(p + "shared_head.norm.weight")),
+        )
+        # the MTP layer's own cache: one layer, always a full indexer
+        self.cache_config = dataclasses.replace(c, num_hidden_layers=1, indexer_types=("full",),
+                                                mlp_layer_types=("sparse",))
+        self.experts = experts if experts is not None else WeightExperts(weights)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache.empty(self.cache_config, self.model.backend, capacity)
+
+    def step(self, ids: Sequence[int], h: Array, cache: KVCache) -> tuple[Array, Array]:
+        """S MTP positions after the cache's: ids [S] are the tokens one ahead of the hidden states h [S, H].
+        -> (g [S, H] the normed output, for chaining; logits [S, V] of the token two ahead), on the backend."""
+        m, c, b, w = self.model, self.model.config, self.model.backend, self.w
+        ids = np.asarray(ids, dtype=np.int64)
+        S = int(ids.shape[0])
+        e = b.rms_norm(b.embed(m.embed, ids), w.enorm, c.rms_norm_eps)           # [S, H]
+        hh = b.rms_norm(h, w.hnorm, c.rms_norm_eps)                               # [S, H]
+        x = b.add(b.linear(e, w.eh_emb), b.linear(hh, w.eh_hid))                  # = eh_proj(concat[e, hh])
+        start = cache.length
+        cache.reserve(S)
+        positions = np.arange(start, start + S)
+        cos, sin = cos_sin_table(positions, c.qk_rope_head_dim, c.rope_theta)
+        lw = w.layer
+        xn = b.rms_norm(x, lw.input_norm, c.rms_norm_eps)
+        a, _ = m._attention(0, lw.attn, xn, positions, cos, sin, cache, start, None)   # cache layer 0 = the MTP layer
+        x = b.add(x, a)
+        x2 = b.rms_norm(x, lw.post_norm, c.rms_norm_eps)
+        idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
+                           c.norm_topk_prob, c.routed_scaling_factor)              # [S, K], [S, K]
+        wanted = sorted(set(idx.ravel().tolist()))
+        routed = b.moe(x2, idx, wts, self.experts.stream(self.layer_index, wanted))
+        x = b.add(x, b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)))
+        cache.length = start + S
+        g = b.rms_norm(x, w.head_norm, c.rms_norm_eps)                            # [S, H]
+        return g, b.linear(g, m.lm_head)                                          # [S, H], [S, V]
+
+
+def load_mtp_head(model: GlmMoeDsaModel) -> MtpHead:
+    """The model's MTP head on its backend (its experts resident on the GPU, like the main layers' by default), or
+    MtpUnavailable naming why the model has none."""
+    experts = None
+    if model.backend.name == "cuda" and getattr(model.weights, "mtp_layer", None) is not None:
+        from coli.gpu.cuda_weights import ResidentExperts
+        experts = ResidentExperts(model.backend.rt, model.weights, layers=[mtp_layer(model.config)])
+    return MtpHead(model, model.weights, experts)
+
+
+# ---- acceptance ---------------------------------------------------------------------------------------------
+def accept_greedy(drafts: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
+    """drafts [k], target_argmax [k+1] (the main model's argmax after each verified position) -> the tokens this
+    round emits: the longest matching prefix of the drafts, then the target's own next token."""
+    out = []
+    for j, d in enumerate(drafts):
+        if int(target_argmax[j]) != int(d):
+            break
+        out.append(int(d))
+    out.append(int(target_argmax[len(out)]))
+    return out
+
+
+def accept_sampled(drafts: Sequence[int], q: Sequence[np.ndarray], p: Sequence[np.ndarray],
+                   rng: np.random.Generator) -> list[int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023). drafts [k] were drawn from q[j] [V]; p [k+1]
+    are the target's distributions after each verified position. Draft j is kept with probability
+    min(1, p_j(d)/q_j(d)); the first rejected one is replaced by a draw from norm(max(p_j - q_j, 0)) and ends the
+    round; with every draft kept the last token is drawn from p[k]. Each emitted token is distributed as the
+    target's, whatever q is."""
+    out = []
+    for j, d in enumerate(drafts):
+        pj, qj = p[j], q[j]
+        if rng.random() * qj[d] < pj[d]:           # u < p/q without dividing (q[d] > 0: d was drawn from q)
+            out.append(int(d))
+            continue
+        resid = np.maximum(pj - qj, 0.0)
+        total = resid.sum()
+        # p == q up to rounding: the rejection had probability ~0, the residual is empty; p itself is then right
+        dist = resid / total if total > 0 else pj
+        out.append(int(rng.choice(dist.shape[0], p=dist)))
+        return out
+    k = len(drafts)
+    out.append(int(rng.choice(p[k].shape[0], p=p[k])))
+    return out
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------
+@dataclass
+class MtpStats:
+    drafts: int                                        # k (the most drafted per round)
+    rounds: int = 0                                    # verification steps (plain steps included, k = 0)
+    tokens: int = 0                                    # tokens emitted by the rounds
+    drafted: list[int] = field(default_factory=list)   # per draft position: rounds that drafted it
+    accepted: list[int] = field(default_factory=list)  # per draft position: rounds that accepted it
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    plain_rounds: int = 0                              # auto: rounds run without drafting
+
+    def __post_init__(self):
+        self.drafted = self.drafted or [0] * self.drafts
+        self.accepted = self.accepted or [0] * self.drafts
+
+    def record(self, k: int, n_accepted: int) -> None:
+        self.rounds += 1
+        self.tokens += n_accepted + 1
+        if k == 0:
+            self.plain_rounds += 1
+        for j in range(k):
+            self.drafted[j] += 1
+            self.accepted[j] += j < n_accepted
+
+    @property
+    def acceptance(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.accepted, self.drafted)]
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"drafts": self.drafts, "rounds": self.rounds, "plain_rounds": self.plain_rounds,
+                "tokens": self.tokens, "tokens_per_step": round(self.tokens_per_step, 4),
+                "acceptance_per_position": [None if a is None else round(a, 4) for a in self.acceptance],
+                "drafted": list(self.drafted), "accepted": list(self.accepted),
+                "draft_s": round(self.draft_s, 6), "verify_s": round(self.verify_s, 6)}
+
+
+class AutoChoice:
+    """`--mtp auto`: per round, draft (k = 1) or not (k = 0), whichever the measured figures say yields more tokens
+    per second: a plain round emits 1 token in its measured time, a drafting round its measured tokens per round in
+    its measured time (draft + verify). The other choice is re-measured every `explore` rounds so a change (experts
+    turning resident, acceptance falling) is seen."""
+
+    def __init__(self, explore: int = 8):
+        self.explore = explore
+        self.time = {0: [0.0, 0], 1: [0.0, 0]}       # k -> [seconds, rounds]
+        self.tokens = {0: 0, 1: 0}
+        self.n = 0
+
+    def choose(self) -> int:
+        self.n += 1
+        for k in (0, 1):                               # measure both first
+            if self.time[k][1] == 0:
+                return k
+        rate = {k: self.tokens[k] / self.time[k][0] if self.time[k][0] > 0 else float("inf") for k in (0, 1)}
+        best = 1 if rate[1] > rate[0] else 0
+        return 1 - best if self.n % self.explore == 0 else best
+
+    def record(self, k: int, seconds: float, tokens: int) -> None:
+        self.time[k][0] += seconds
+        self.time[k][1] += 1
+        self.tokens[k] += tokens
+
+
+@dataclass
+class MtpCarry:
+    """What the MTP side keeps between the turns of one conversation (one main KV cache): its own cache of positions
+    [0, mtp_cache.length) and the main model's hidden states of the positions after it up to the main cache's end
+    [m, H], with the tokens one ahead of them but the last (that one opens the next turn's prompt)."""
+
+    cache_ref: Any                # weakref.ref to the main KVCache it is in step with
+    mtp_cache: KVCache
+    hidden: np.ndarray            # [m, H] host float32
+    ids: list[int]                # [m - 1] (empty when m = 0)
+
+
+class SpeculativeDecoder:
+    """The main model's cache plus the MTP head's, kept in step (see the module docstring for one round)."""
+
+    def __init__(self, head: MtpHead, cache: KVCache, sampler: Sampler, drafts: int | str,
+                 carry: MtpCarry | None = None):
+        self.head, self.model, self.cache, self.sampler = head, head.model, cache, sampler
+        self.auto = AutoChoice() if drafts == "auto" else None
+        self.k = 1 if drafts == "auto" else int(drafts)
+        if not 1 <= self.k <= MAX_DRAFTS:
+            raise ColiError(f"MTP drafts must be 1..{MAX_DRAFTS} (got {drafts})")
+        self.carry = carry if carry is not None and self.can_continue(cache, carry) else None
+        self.mtp_cache = self.carry.mtp_cache if self.carry else head.new_cache(max(16, cache.capacity))
+        # The MTP cache holds positions [0, mtp_cache.length); the pairs after it wait here: main hidden states of
+        # positions mtp_cache.length .. P-1 [m, H] and the tokens one ahead of them (the last one is `last`).
+        self.pending_h: Array | None = None
+        self.pending_ids: list[int] = []
+        self.last: int | None = None
+        self.stats = MtpStats(self.k)
+
+    @staticmethod
+    def can_continue(cache: KVCache, carry: MtpCarry | None) -> bool:
+        """Whether drafting can go on over this cache: it is new, or `carry` is in step with it."""
+        # the cache may have been cut back since (a session's shorter common prefix), not grown without MTP
+        return cache.length == 0 or (carry is not None and carry.cache_ref() is cache
+                                     and cache.length <= carry.mtp_cache.length + carry.hidden.shape[0])
+
+    def carry_out(self) -> MtpCarry:
+        """The state to continue with after the main cache was cut back to the positions the turn's tokens cover
+        (Generation does that when it stops): the queued hidden states and tokens are cut to match."""
+        b, R = self.model.backend, self.cache.length
+        M = min(self.mtp_cache.length, R)
+        self.mtp_cache.truncate(M)
+        h = np.zeros((0, self.model.config.hidden_size), np.float32)
+        ids: list[int] = []
+        if R > M and self.pending_h is not None:
+            h = np.array(b.to_host(self.pending_h))[:R - M]
+            ids = self.pending_ids[:R - M - 1]
+        return MtpCarry(weakref.ref(self.cache), self.mtp_cache, h, ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler.params.greedy
+
+    def _pick(self, logits_host: np.ndarray) -> tuple[int, np.ndarray | None]:
+        if self.greedy:
+            return int(np.argmax(logits_host)), None
+        q = self.sampler.distribution(logits_host)
+        return self.sampler.draw(q), q
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        """Run the prompt (after whatever the caches hold) and return the first new token."""
+        b = self.model.backend
+        R = self.cache.length
+        if not self.can_continue(self.cache, self.carry):
+            raise ColiError("the MTP cache is out of step with the model's cache (a session continued without MTP)")
+        hn, logits = self.model.forward_hidden(ids, self.cache)                  # [S, H], [S, V]
+        tok, _ = self._pick(b.to_host(b.last_row(logits))[0])
+        M = min(self.mtp_cache.length, R)
+        self.mtp_cache.truncate(M)              # (the conversation may have been cut back below it)
+        if R > M:   # an earlier turn's queued pairs: hidden states of M..R-1, tokens M+1..R-1, then this prompt's
+            c = self.carry
+            self.pending_h = b.upload(np.concatenate([c.hidden[:R - M], b.to_host(hn)]))
+            self.pending_ids = c.ids[:R - M - 1] + list(ids) + [tok]
+        else:
+            self.pending_h, self.pending_ids = hn, list(ids[1:]) + [tok]
+        self.last = tok
+        return tok
+
+    def step(self, room: int) -> list[int]:
+        """One round: at least 1 and at most min(k + 1, room) new tokens (room >= 1: what max_tokens leaves)."""
+        k = self.auto.choose() if self.auto is not None else self.k
+        k = max(0, min(k, room - 1))
+        t0 = time.perf_counter()
+        drafts, q = self._draft(k)
+        t1 = time.perf_counter()
+        out = self._verify(drafts, q)
+        t2 = time.perf_counter()
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        self.stats.record(k, len(out) - 1)
+        if self.auto is not None:
+            self.auto.record(min(k, 1), t2 - t0, len(out))
+        return out
+
+    def _draft(self, k: int) -> tuple[list[int], list[np.ndarray]]:
+        b, head = self.model.backend, self.head
+        drafts: list[int] = []
+        qs: list[np.ndarray] = []
+        if k == 0:
+            return drafts, qs
+        g, logits = head.step(self.pending_ids, self.pending_h, self.mtp_cache)    # catch up, then draft 1
+        for j in range(k):
+            if j:
+                g, logits = head.step([drafts[-1]], g, self.mtp_cache)             # chained on its own output
+            d, q = self._pick(b.to_host(b.last_row(logits))[0])
+            drafts.append(d)
+            if q is not None:
+                qs.append(q)
+            g = b.last_row(g)
+        return drafts, qs
+
+    def _verify(self, drafts: list[int], qs: list[np.ndarray]) -> list[int]:
+        b = self.model.backend
+        P = self.cache.length
+        hn, logits = self.model.forward_hidden([self.last] + drafts, self.cache)  # [k+1, H], [k+1, V]
+        if self.greedy:
+            out = accept_greedy(drafts, b.argmax(logits))
+        else:
+            host = b.to_host(logits)
+            ps = [self.sampler.distribution(host[j]) for j in range(len(drafts) + 1)]
+            out = accept_sampled(drafts, qs, ps, self.sampler.rng)
+        a = len(out) - 1
+        self.cache.truncate(P + a + 1)                  # keep `last` and the accepted drafts
+        if drafts:
+            # the MTP cache ran to P + k - 1; positions from P on were built on draft hiddens: drop them, and
+            # queue the verified hidden states of P..P+a with the tokens one ahead of them
+            self.mtp_cache.truncate(P)
+            self.pending_h, self.pending_ids = b.rows(hn, a + 1), out
+        else:
+            # a plain step: the MTP cache did not move; its queue grows by this position (host concat: rare, small)
+            both = np.concatenate([b.to_host(self.pending_h), b.to_host(hn)])
+            self.pending_h, self.pending_ids = b.upload(both), self.pending_ids + out
+        self.last = out[-1]
+        return out

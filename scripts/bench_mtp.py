@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""MTP speculative decoding, measured: decode tok/s without drafts and with k = 1..3 and auto, in one run, on the same
+prompts, plus the acceptance per draft position and tokens per step (greedy, so every mode yields the same tokens;
+the script checks that).
+
+    .venv/bin/python scripts/bench_mtp.py [--model DIR] [--device cpu|gpu] [--tokens 64] [--repeat 2] [--json OUT]
+
+Prompts: chat questions about the demo model's held-out modules (training.json `modules_heldout`: never trained on)
+plus a few about trained ones, in the demo's chat template. Timing is the decode part only (the prefill is the same
+in every mode); each mode runs `--repeat` times and the best is kept (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "coli" / "demo" / "model"
+
+HELDOUT = ["What does mimetypes.guess_type do?", "What is fractions.Fraction?", "Tell me about the pty module.",
+           "What does code.interact do?", "Tell me about the modulefinder module.",
+           "What does concurrent.futures.wait do?"]
+TRAINED = ["What does os.path.join do?", "What does str.split do?", "Tell me about the json module."]
+
+
+def run(model, head, ids, n, mode):
+    from coli.generate import Generation
+    g = Generation(model, ids, n, ignore_eos=True, mtp=None if mode == "off" else (head, mode))
+    toks = list(g)
+    return toks, g.stats
+
+
+def step_costs(model, head, context: int = 64, reps: int = 30) -> dict:
+    """Median seconds of a main step of S = 1..4 positions after `context` cached ones (a verify step of k drafts
+    is S = k + 1) and of one MTP draft step, plus what they imply: tokens/s with k drafts at acceptance a (each
+    draft kept with probability a, independently: E[tokens per step] = (1 - a^(k+1)) / (1 - a)) over plain decoding,
+    and the break-even acceptance."""
+    import numpy as np
+    b = model.backend
+    cache = model.new_cache(context + 8)
+    ids = list(range(10, 10 + context))
+    hn, _ = model.forward_hidden(ids, cache)
+    mcache = head.new_cache(context + 8)
+    head.step(ids[1:], b.rows(hn, context - 1), mcache)
+    out = {}
+    for S in (1, 2, 3, 4):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            h, lg = model.forward_hidden(ids[:S], cache)
+            b.argmax(lg)
+            ts.append(time.perf_counter() - t)
+            cache.truncate(context)
+        out[f"main_S{S}_s"] = float(np.median(ts))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        g, lg = head.step([5], b.last_row(hn), mcache)
+        b.to_host(b.last_row(lg))
+        ts.append(time.perf_counter() - t)
+        mcache.truncate(context - 1)
+    out["mtp_step_s"] = float(np.median(ts))
+    t1 = out["main_S1_s"]
+    for k in (1, 2, 3):
+        cost = out[f"main_S{k + 1}_s"] + k * out["mtp_step_s"]
+        gain = {}
+        for a in (0.6, 0.8, 0.9):
+            gain[str(a)] = round((1 - a ** (k + 1)) / (1 - a) * t1 / cost, 3)
+        # break-even: E(a) = cost / t1
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if (1 - mid ** (k + 1)) / (1 - mid) < cost / t1 else (lo, mid)
+        out[f"k{k}"] = {"round_s": round(cost, 6), "speedup_at_acceptance": gain,
+                        "break_even_acceptance": round(hi, 3) if (k + 1) > cost / t1 else None}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEMO)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--modes", default="off,1,2,3,auto")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--costs-only", action="store_true", help="only the step costs and what they imply")
+    a = ap.parse_args(argv)
+
+    from coli.chat_template import load_chat_template
+    from coli.loader import load_model
+    from coli.model.mtp import load_mtp_head
+    from coli.tokenizer import load_tokenizer
+
+    model, _ = load_model(a.model, a.device)
+    head = load_mtp_head(model)
+    tok, tpl = load_tokenizer(a.model), load_chat_template(a.model)
+    modes = [m if m in ("off", "auto") else int(m) for m in a.modes.split(",")]
+    costs = step_costs(model, head)
+    print(json.dumps({"step_costs": costs}, indent=1), flush=True)
+    if a.costs_only:
+        if a.json:
+            a.json.write_text(json.dumps({"step_costs": costs}, indent=1))
+        return 0
+    result = {"model": str(a.model), "device": a.device, "backend": model.backend.name, "tokens": a.tokens,
+              "step_costs": costs, "prompts": {}, "modes": {}}
+    totals = {str(m): {"decode_s": 0.0, "tokens": 0, "rounds": 0, "drafted": [0, 0, 0], "accepted": [0, 0, 0]}
+              for m in modes}
+    for group, qs in (("heldout", HELDOUT), ("trained", TRAINED)):
+        for q in qs:
+            ids = tok.encode(tpl.render([{"role": "user", "content": q}]))
+            run(model, head, ids, 4, "off")                            # warm (graphs, caches)
+            ref = None
+            for m in modes:
+                best = None
+                for _ in range(a.repeat):
+                    toks, st = run(model, head, ids, a.tokens, m)
+                    if ref is None:
+                        ref = toks
+                    if toks != ref:
+                        print(f"MISMATCH: mode {m} on {q!r}", file=sys.stderr)
+                        return 1
+                    if best is None or st.decode_s < best.decode_s:
+                        best = st
+                t = totals[str(m)]
+                t["decode_s"] += best.decode_s
+                t["tokens"] += best.new_tokens - 1
+                if best.mtp:
+                    t["rounds"] += best.mtp["rounds"]
+                    for j, (d, c) in enumerate(zip(best.mtp["drafted"], best.mtp["accepted"])):
+                        t["drafted"][j] += d
+                        t["accepted"][j] += c
+                result["prompts"].setdefault(group, {}).setdefault(q, {})[str(m)] = {
+                    "decode_tokens_per_s": round(best.decode_tps, 2), **({"mtp": best.mtp} if best.mtp else {})}
+            print(f"{group:8s} {q[:40]:40s} " + "  ".join(
+                f"{m}: {result['prompts'][group][q][str(m)]['decode_tokens_per_s']:7.1f}" for m in modes), flush=True)
+    base = totals["off"]["tokens"] / totals["off"]["decode_s"] if "off" in totals else None
+    for m, t in totals.items():
+        tps = t["tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        result["modes"][m] = {"decode_tokens_per_s": round(tps, 2),
+                              "speedup_vs_off": round(tps / base, 3) if base else None,
+                              "tokens_per_step": round((t["tokens"] + 0) / t["rounds"], 3) if t["rounds"] else None,
+                              "acceptance_per_position": [round(c / d, 3) if d else None
+                                                          for d, c in zip(t["drafted"], t["accepted"])]}
+    print(json.dumps(result["modes"], indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

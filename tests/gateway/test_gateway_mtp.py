@@ -1,0 +1,28 @@
+"""The HTTP body field "mtp" through a real `coli serve` beside a run of the demo model: "off" is served as usual; the
+batched executor does not draft yet, so anything else is a 400 saying so (not silently served without); a value
+that is not one is a 400 naming 'mtp'."""
+
+from __future__ import annotations
+
+PROMPT = [4089, 4090, 4094, 198, 3527, 1018, 311, 13]     # [gMASK]<sop><|user|> and a few words
+
+
+def _post(gateway, **extra):
+    return gateway.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                            "ignore_eos": True, "return_token_ids": True, **extra})
+
+
+def test_mtp_off_is_served_as_without_it(gateway):
+    s0, plain = _post(gateway)
+    s1, off = _post(gateway, mtp="off")
+    assert s0 == s1 == 200 and off["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+
+
+def test_mtp_on_is_a_400_saying_the_executor_does_not_draft_yet(gateway):
+    status, body = _post(gateway, mtp="on")
+    assert status == 400 and "does not draft with the MTP head yet" in body["error"]["message"], body
+
+
+def test_a_bad_mtp_field_is_a_400_naming_it(gateway):
+    status, body = gateway.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "mtp": "fast"})
+    assert status == 400 and body["error"]["param"] == "mtp" and "'mtp' must be one of" in body["error"]["message"]

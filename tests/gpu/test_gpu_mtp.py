@@ -1,0 +1,76 @@
+"""MTP speculative decoding on the GPU (CUDA backend, whole model resident, the MTP layer's experts too): greedy tokens
+with drafts equal transformers' on an f32 container of an oracle with an MTP layer added, and the numpy backend's on
+an int4 container; the MTP layer's logits equal the numpy backend's within the float32 bound of its size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from checkpoints import with_mtp_layer
+from gpu_helpers import container
+from oracles import load_oracle, oracle_dir
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu-mtp")
+
+
+@pytest.fixture(scope="module")
+def src(root):
+    o = oracle_dir(root, "default")
+    return o, with_mtp_layer(o, root / "with-mtp", seed=17)
+
+
+@pytest.mark.parametrize("drafts", [1, 3, "auto"])
+def test_gpu_greedy_tokens_with_mtp_match_transformers(root, src, drafts):
+    from coli.generate import Generation
+    from coli.loader import load_model
+    from coli.model.mtp import load_mtp_head
+
+    o = load_oracle(src[0])
+    d = container(root, src[1], "f32", experts="f32", dense="f32")
+    model, _ = load_model(d, "gpu")
+    assert model.backend.name == "cuda"
+    gen = Generation(model, o["prompt_ids"], 32, ignore_eos=True, mtp=(load_mtp_head(model), drafts))
+    assert list(gen) == o["greedy_tokens"]
+
+
+def test_gpu_mtp_layer_logits_match_numpy(root, src):
+    from coli.loader import load_model
+    from coli.model.mtp import load_mtp_head
+
+    o = load_oracle(src[0])
+    d = container(root, src[1], "f32", experts="f32", dense="f32")
+    out = {}
+    for dev in ("cpu", "gpu"):
+        model, _ = load_model(d, dev)
+        head = load_mtp_head(model)
+        hn, _ = model.forward_hidden(o["prompt_ids"], model.new_cache())
+        n = len(o["prompt_ids"])
+        _, logits = head.step(o["prompt_ids"][1:], model.backend.rows(hn, n - 1), head.new_cache(64))
+        out[dev] = np.asarray(model.backend.to_host(logits), np.float64)
+    scale = float(np.abs(out["cpu"]).max())
+    assert float(np.abs(out["gpu"] - out["cpu"]).max()) <= 1e-4 * max(1.0, scale)
+    assert np.array_equal(out["gpu"].argmax(-1), out["cpu"].argmax(-1))
+
+
+def test_gpu_int4_container_with_mtp_equals_numpy(root, src):
+    from coli.generate import Generation
+    from coli.loader import load_model
+    from coli.model.mtp import load_mtp_head
+
+    d = container(root, src[1], "int4", experts="int4", dense="int8", group=32)
+    prompt = [5, 9, 13, 2, 77, 3]
+    cpu, _ = load_model(d, "cpu")
+    want = list(Generation(cpu, prompt, 24, ignore_eos=True))
+    model, _ = load_model(d, "gpu")
+    head = load_mtp_head(model)
+    plain = list(Generation(model, prompt, 24, ignore_eos=True))
+    for k in (1, 3):
+        got = list(Generation(model, prompt, 24, ignore_eos=True, mtp=(head, k)))
+        assert got == plain, k
+    assert plain == want
