@@ -3,7 +3,8 @@
 # the whole call stays under ~7 min: the GPU suite (tests + nvcc compile for sm_86/89/90/120), `coli bench stream`
 # on the 2-layer GLM-5 slice with convert's int8 dense core (warm, cold-ram, sync, spec on/off, the 16/24/32 GB
 # budgets; --batch 1,4,8,16 where the bench has it), the batched warm decode with replayed
-# batched graphs (scripts/bench_batch.py, COLI_BATCH_GRAPHS=1), then scripts/bench_kernels.py.
+# batched graphs (scripts/bench_batch.py, COLI_BATCH_GRAPHS=1), MTP on the demo model (scripts/bench_mtp.py),
+# then scripts/bench_kernels.py.
 # The slice is made in the background while the tests run. Everything lands in $OUT/results.tgz (re-packed after each
 # step, so a call cut short still returns what finished) and $OUT/summary.txt.
 set -uo pipefail
@@ -37,6 +38,10 @@ pack
 COLI_BATCH_GRAPHS=1 timeout 50 python3 scripts/bench_batch.py --model "$SLICE" --device gpu --batch 1,8 --steps 8 \
     >"$R/bench_batch.jsonl" 2>"$R/bench_batch.err"
 say "bench batch exit $?"
+pack
+timeout 60 python3 scripts/bench_mtp.py --device gpu --tokens 32 --repeat 1 --json "$R/bench_mtp.json" \
+    >"$R/bench_mtp.log" 2>&1
+say "bench mtp exit $?"
 pack
 timeout 120 python3 scripts/bench_kernels.py --json-out "$R/bench_kernels.json" >"$R/bench_kernels.log" 2>&1
 say "bench kernels exit $?"
