@@ -6,6 +6,7 @@
 # in one batched step, experts asked per step, whether the tokens agree, the replay counters.
 # Budget (~3 min on the H200): make-slice ~60 s when /tmp has no slice; each run loads 10 GB of experts.
 set -uo pipefail
+source "$(dirname "$0")/bench_slice.sh"
 OUT=${OUT:-/tmp/bench_batch_out}
 SLICE=${SLICE:-/tmp/coli_slice2}
 STEPS=${STEPS:-16}
@@ -16,12 +17,7 @@ mkdir -p "$OUT"
 LOG="$OUT/bench_batch.log"
 {
   echo "== $(date -u +%FT%TZ) batched decode: 2-layer slice, glm52 trace, --vocab 4096, steps=$STEPS, B=$BATCH"
-  if [ ! -f "$SLICE/coli-manifest.json" ]; then
-    t0=$(date +%s)
-    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
-      --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
-    echo "make-slice: $(( $(date +%s) - t0 )) s"
-  fi
+  ensure_bench_slice
   for g in 1 0; do
     t0=$(date +%s)
     COLI_BATCH_GRAPHS=$g timeout 240 "$PY" scripts/bench_batch.py --model "$SLICE" --device gpu --batch "$BATCH" \

@@ -4,6 +4,7 @@
 # default) and then eager (COLI_GRAPHS=0), in the same call; JSON + log to $OUT, a short table last.
 # Budget (~2.5 min on the H200): make-slice ~60 s when /tmp has no slice, then ~40 s per warm run.
 set -uo pipefail
+source "$(dirname "$0")/bench_slice.sh"
 OUT=${OUT:-/tmp/bench_graphs_out}
 SLICE=${SLICE:-/tmp/coli_slice2}
 N=${N:-16}
@@ -13,12 +14,7 @@ mkdir -p "$OUT"
 LOG="$OUT/bench_graphs.log"
 {
   echo "== $(date -u +%FT%TZ) replayed vs eager decode step: 2-layer slice, glm52 trace, --vocab 4096, N=$N"
-  if [ ! -f "$SLICE/coli-manifest.json" ]; then
-    t0=$(date +%s)
-    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
-      --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
-    echo "make-slice: $(( $(date +%s) - t0 )) s"
-  fi
+  ensure_bench_slice
   SCEN=${SCEN:-warm,cold-ram}
   for g in 1 0; do
     t0=$(date +%s)

@@ -13,6 +13,7 @@ import pytest
 from coli.errors import ColiError
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, batch_graphs_enabled
 from coli.gpu.cuda_runtime import CudaError, DeviceArray
+from recording_runtime import RecordingRuntime
 
 
 def test_the_setting_is_off_by_default_and_must_be_0_or_1():
@@ -75,37 +76,15 @@ class _Drv:
         return np.empty(n, dtype)
 
 
-class _RecordingRuntime:
+class _RecordingRuntime(RecordingRuntime):
     """Hands out fake device addresses and records every launch with its arguments (no GPU)."""
 
-    sm_count = 132
-    smem_optin = 232448
     drv = _Drv()
-
-    def __init__(self):
-        self.launches: list[tuple] = []
-        self._next = 1 << 20
-
-    def function(self, module, name, argtypes):
-        return (module, name, argtypes)
-
-    def allow_smem(self, fn, nbytes):
-        return nbytes <= self.smem_optin
-
-    def resident_blocks(self, fn, threads, smem=0):
-        return self.sm_count * 2
-
-    def empty(self, shape, dtype=np.float32):
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        ptr, self._next = self._next, self._next + ((n + 255) // 256 + 1) * 256
-        return DeviceArray(ptr, shape, dtype)
 
     def zero(self, ptr, nbytes):
         self.launches.append(("zero", (ptr, nbytes)))
 
-    def launch(self, fn, grid, block, *args, smem=0):
-        module, name, argtypes = fn
-        assert len(args) == len(argtypes), f"{name}: {len(args)} arguments for signature {argtypes!r}"
+    def record(self, name, argtypes, grid, block, args, smem):
         self.launches.append((name, args))
 
 

@@ -10,33 +10,13 @@ import pytest
 
 from coli.container.format import MatrixLayout
 from coli.gpu.cuda_runtime import DeviceArray
+from recording_runtime import RecordingRuntime
 
 
-class _RecordingRuntime:
-    sm_count = 132
-    smem_optin = 232448
+class _RecordingRuntime(RecordingRuntime):
+    """Records each launch's grid, block and shared memory, after checking every argument is a plain number."""
 
-    def __init__(self):
-        self.launches: list[tuple] = []
-        self._next = 1 << 20
-
-    def function(self, module, name, argtypes):
-        return (module, name, argtypes)
-
-    def allow_smem(self, fn, nbytes):
-        return nbytes <= self.smem_optin
-
-    def resident_blocks(self, fn, threads, smem=0):
-        return self.sm_count * 2
-
-    def empty(self, shape, dtype=np.float32):
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        ptr, self._next = self._next, self._next + ((n + 255) // 256 + 1) * 256   # 256-byte aligned, like the pool
-        return DeviceArray(ptr, shape, dtype)
-
-    def launch(self, fn, grid, block, *args, smem=0):
-        module, name, argtypes = fn
-        assert len(args) == len(argtypes), f"{name}: {len(args)} arguments for signature {argtypes!r}"
+    def record(self, name, argtypes, grid, block, args, smem):
         for a, t in zip(args, argtypes):
             assert isinstance(a, (int, np.integer, np.floating, float)), (name, a)
             if t in "Piq":

@@ -145,8 +145,9 @@ def decode_batch(model, route, firsts: list[int], tokens: int, warmup: int,
         model.route_override = saved
 
 
-class _Dropped:
-    """Every routed slot dropped (idx -1): the step without its routed experts."""
+class DropAllExperts:
+    """Route override with every routed slot dropped (idx -1): the step without its routed experts (the batched
+    and the streaming benchmarks' no-routed-expert decode)."""
 
     def __init__(self, k: int):
         self.k = k
@@ -168,7 +169,7 @@ class BatchBench:
 
     def nomoe_step_s(self, B: int) -> float:
         if B not in self._nomoe:
-            d = decode_batch(self.model, _Dropped(self.K), first_tokens(B, self.V), self.N, self.warmup, self.sync)
+            d = decode_batch(self.model, DropAllExperts(self.K), first_tokens(B, self.V), self.N, self.warmup, self.sync)
             self._nomoe[B] = float(np.mean(d["step_s"]))
         return self._nomoe[B]
 

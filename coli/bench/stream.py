@@ -213,16 +213,6 @@ class OraclePilot:
         self.vx.prefetch(nxt, want)
 
 
-class _DropExperts:
-    """Route override for the no-routed-expert decode: every slot dropped (idx -1)."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def __call__(self, layer: int, n: int):
-        return np.full((n, self.k), -1, np.int64), np.zeros((n, self.k), np.float32)
-
-
 class _NoExperts:
     def stream(self, layer, ids):
         if ids:
@@ -529,8 +519,9 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     head_full = head_slice * GLM5_VOCAB / r.cfg.vocab_size
     res["head_s_slice"], res["head_s_full"] = head_slice, head_full
     nomoe, dense_layer = None, None
+    from coli.bench.batch_decode import DropAllExperts
     try:
-        t = r.decode(override=_DropExperts(r.K))
+        t = r.decode(override=DropAllExperts(r.K))
         nomoe = float(np.mean(t))
         _, dense_layer = split_times(nomoe, nomoe, r.L, head_slice)
         res["nomoe_token_ms"] = summarise([x * 1e3 for x in t])

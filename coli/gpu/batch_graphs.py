@@ -297,18 +297,14 @@ class BatchGraphDecoder:
     def _eager(self, rows, routes, reason: str) -> list[int] | None:
         """Say why, and run the step eagerly: here with the routes already drawn from the override (None: the
         caller runs it, nothing was drawn)."""
-        from coli.gpu.graphs import _Replay
+        from coli.gpu.graphs import replaying_routes
         from coli.model.batch import step_logits
         self.last_reason = reason
         if routes is None:
             return None
-        m = self.model
-        saved, m.route_override = m.route_override, _Replay(routes)
-        try:
-            logits, _ = step_logits(m, rows, all_positions=False)
+        with replaying_routes(self.model, routes):
+            logits, _ = step_logits(self.model, rows, all_positions=False)
             return [int(t) for t in self.b.argmax(logits)]
-        finally:
-            m.route_override = saved
 
     def _why_not(self, rows, ids) -> str | None:
         m = self.model

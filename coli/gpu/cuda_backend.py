@@ -371,21 +371,28 @@ class CudaBackend:
         self.rt.launch(fn, (blocks,), GEMV_THREADS, *mats, len(ws), x, *outs, ks, smem=smem)
         return True
 
+    def _compiles_once(self, attr: str, module: str, kernels: str, fallback: str) -> bool:
+        """Whether `module` compiles here, checked once and kept in self.<attr> (None: not yet checked): a toolkit
+        that rejects it logs one warning and leaves the `fallback` kernels, not the CPU."""
+        usable = getattr(self, attr)
+        if usable is None:
+            try:
+                self.rt.module(module)
+                usable = True
+            except CudaError as e:
+                usable = False
+                logging.getLogger("coli.cuda").warning("%s kernels unavailable, using the %s: %s", kernels, fallback,
+                                                       str(e)[:300])
+            setattr(self, attr, usable)
+        return usable
+
     # ---- int4 prefill on the tensor cores (cuda/prefill_mma.cu) ------------------------------------------------
     def _pf_ok(self, smem: int) -> bool:
         """The tensor-core prefill applies: chosen (prefill_kernels), its shared memory fits this device, and its
         module compiles here (checked once; a toolkit that rejects it leaves the fp32 GEMMs, not the CPU)."""
         if self.prefill_kernels != "mma" or smem > self.rt.smem_optin:
             return False
-        if self._pf_usable is None:
-            try:
-                self.rt.module("prefill_mma")
-                self._pf_usable = True
-            except CudaError as e:
-                self._pf_usable = False
-                logging.getLogger("coli.cuda").warning("tensor-core prefill kernels unavailable, using the fp32 "
-                                                       "GEMMs: %s", str(e)[:300])
-        return self._pf_usable
+        return self._compiles_once("_pf_usable", "prefill_mma", "tensor-core prefill", "fp32 GEMMs")
 
     def _pf_split(self, x: int, R: int, C: int) -> tuple[DeviceArray, DeviceArray]:
         """x [R, C] fp32 at device address x -> its int8 parts and metadata (prefill_mma.cu's split layout)."""
@@ -905,15 +912,7 @@ class CudaBackend:
         down_smem = mma_down_smem(Im, K) + MMA_DOWN_STATIC_SMEM
         if max(gate_smem, down_smem) > self.rt.smem_optin:
             return False
-        if self._mma_usable is None:
-            try:
-                self.rt.module("moe_mma")
-                self._mma_usable = True
-            except CudaError as e:
-                self._mma_usable = False
-                logging.getLogger("coli.cuda").warning("tensor-core MoE kernels unavailable, using the scalar "
-                                                       "ones: %s", str(e)[:300])
-        return self._mma_usable
+        return self._compiles_once("_mma_usable", "moe_mma", "tensor-core MoE", "scalar ones")
 
     def moe_gateup(self, sc: "MoeScratch", table: int, x: int) -> bool:
         lay, K = sc.lay, sc.K

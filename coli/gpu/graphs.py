@@ -27,6 +27,7 @@ dropped slots) runs eagerly: `GraphDecoder.last_reason` says why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -284,6 +285,17 @@ class _Replay:
         return self.routes.get(layer)
 
 
+@contextlib.contextmanager
+def replaying_routes(model, routes: dict):
+    """Run the body with the model routed by `routes` (layer -> routes already drawn from its override), so an
+    eager fallback takes the same experts the draw did; the model's own override is back afterwards."""
+    saved, model.route_override = model.route_override, _Replay(routes)
+    try:
+        yield
+    finally:
+        model.route_override = saved
+
+
 class GraphDecoder:
     """Greedy decode steps of one model replayed from CUDA graphs (see the module docstring)."""
 
@@ -464,12 +476,8 @@ class GraphDecoder:
         self.last_reason = reason
         if routes is None:
             return None
-        m = self.model
-        saved, m.route_override = m.route_override, _Replay(routes)
-        try:
-            return m.greedy_eager(ids, cache)
-        finally:
-            m.route_override = saved
+        with replaying_routes(self.model, routes):
+            return self.model.greedy_eager(ids, cache)
 
     def _bind_experts(self) -> str | None:
         """Build the slot table of model.experts (again when the model's expert source changed); None when every

@@ -14,9 +14,10 @@ from coli.bench.trace_router import TRACE_NAME, TraceRouting
 from coli.cli.main import app
 from coli.container.reader import ContainerReader
 from coli.errors import ColiError
-from coli.model.forward import GlmMoeDsaModel, WeightExperts
+from coli.model.forward import GlmMoeDsaModel
 from coli.model.numpy_backend import NumpyBackend
 from coli.trace import read_trace
+from slice_helpers import AskedExperts
 
 
 def test_parse_batches():
@@ -70,18 +71,6 @@ def test_cli_refuses_a_bad_batch_before_the_gpu(tiny_slice3, nogpu, args, culpri
 def test_cli_default_batch_reaches_the_gpu_check(tiny_slice3, nogpu):
     res = CliRunner().invoke(app, ["bench", "stream", str(tiny_slice3), "--scenario", "disk"])
     assert res.exit_code == 2 and "needs a CUDA GPU" in res.output          # --batch 1: no batch check at all
-
-
-class AskedExperts(WeightExperts):
-    """The model's expert source, recording the ids each stream() call asks for."""
-
-    def __init__(self, weights):
-        super().__init__(weights)
-        self.asked: list[tuple[int, list[int]]] = []
-
-    def stream(self, layer, ids):
-        self.asked.append((layer, list(ids)))
-        return super().stream(layer, ids)
 
 
 @pytest.fixture()

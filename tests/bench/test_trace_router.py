@@ -11,10 +11,10 @@ from coli.bench.trace_router import (TRACE_NAME, SliceTraceError, TraceRouting, 
                                      source_layer_map)
 from coli.container.reader import ContainerReader
 from coli.errors import ColiError
-from coli.model.forward import GlmMoeDsaModel, WeightExperts
+from coli.model.forward import GlmMoeDsaModel
 from coli.model.numpy_backend import NumpyBackend
 from coli.trace import read_trace, write_trace
-from slice_helpers import write_tiny
+from slice_helpers import AskedExperts, write_tiny
 from tolerances import U16, assert_within
 
 
@@ -25,18 +25,6 @@ class CountingBackend(NumpyBackend):
     def route(self, *a, **kw):
         self.routes += 1
         return super().route(*a, **kw)
-
-
-class AskedExperts(WeightExperts):
-    """Records the ids every MoE layer asks its expert source for."""
-
-    def __init__(self, weights):
-        super().__init__(weights)
-        self.asked: list[tuple[int, list[int]]] = []
-
-    def stream(self, layer, ids):
-        self.asked.append((layer, list(ids)))
-        return super().stream(layer, ids)
 
 
 @pytest.fixture()

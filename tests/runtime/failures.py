@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 from coli.serve.client import Client
@@ -26,3 +27,13 @@ def drain_until_error(it, exc_type, timeout=5.0):
     except exc_type as e:
         return e, time.monotonic() - t0
     raise AssertionError(f"the stream ended without {exc_type.__name__}")
+
+
+def inject_seed_for(pattern, rate=0.5):
+    """A COLI_INJECT_SEED whose first hits come out as `pattern` (True = the fault fires), for a COLI_INJECT
+    fault drawn at that rate with random.Random(seed), as stages/faults.py draws it."""
+    for seed in range(10_000):
+        rng = random.Random(seed)
+        if all((rng.random() < rate) == want for want in pattern):
+            return seed
+    raise AssertionError("no seed found")

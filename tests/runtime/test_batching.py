@@ -3,12 +3,12 @@ that join and leave a running batch each get exactly the tokens they get alone (
 oracle prompt; sampled: the same seed alone), a cancelled one stops at a token boundary while the others go on, a
 session's turn continues from its cache, and a request that fails in a batch fails alone."""
 
-import random
 import threading
 
 import pytest
 
 from batch_streams import Stream, alone, executor_stats
+from failures import inject_seed_for
 from coli.model.sampling import SamplingParams
 from coli.serve.client import Client, RequestError
 from oracles import load_oracle
@@ -49,20 +49,12 @@ def test_requests_joining_and_leaving_a_batch_get_their_solo_tokens(default_orac
     assert t2.timing["reused_tokens"] == len(p) + 31
 
 
-def _seed_for(pattern, rate=0.5):
-    for seed in range(10_000):
-        rng = random.Random(seed)
-        if all((rng.random() < rate) == want for want in pattern):
-            return seed
-    raise AssertionError("no seed found")
-
-
 @pytest.mark.timeout(240)
 def test_a_request_that_fails_in_a_batch_fails_alone(default_oracle, start_run):
     o = load_oracle(default_oracle)
     p = o["prompt_ids"]
     # the fault is drawn at each request's first token: the long one passes, the one joining it fails
-    seed = _seed_for([False, True, False])
+    seed = inject_seed_for([False, True, False])
     run = start_run(default_oracle, extra_env={"COLI_INJECT": "request_error:0.5", "COLI_INJECT_SEED": str(seed)})
     started = threading.Event()
     a = Stream(run, p, 32, started=started)

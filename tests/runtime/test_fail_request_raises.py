@@ -3,21 +3,12 @@ typed Error for that request naming the cause; the same executor serves the next
 failed turn was using comes back as of its last finished turn, not half-written."""
 
 import json
-import random
 
 import pytest
 
 from coli.serve.client import Client, RequestError
+from failures import inject_seed_for
 from oracles import load_oracle
-
-
-def _seed_for(pattern, rate=0.5):
-    """A COLI_INJECT_SEED whose first hits come out as `pattern` (True = the fault fires)."""
-    for seed in range(10_000):
-        rng = random.Random(seed)
-        if all((rng.random() < rate) == want for want in pattern):
-            return seed
-    raise AssertionError("no seed found")
 
 
 @pytest.mark.timeout(240)
@@ -25,7 +16,7 @@ def test_a_failing_request_fails_alone_and_its_session_keeps_the_last_good_turn(
     o = load_oracle(default_oracle)
     p1, extra = o["prompt_ids"], o["continuation"]["extra_ids"]
     # hits: turn 1 ok, turn 2 fails, plain request ok, turn 2 again ok
-    seed = _seed_for([False, True, False, False])
+    seed = inject_seed_for([False, True, False, False])
     run = start_run(default_oracle, extra_env={"COLI_INJECT": "request_error:0.5", "COLI_INJECT_SEED": str(seed)})
     executor = run.stage_pids["executor"]
     with Client(run.name, base=str(run.run_base)) as c:
