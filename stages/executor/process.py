@@ -164,11 +164,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     def publish_stats() -> None:
         if state["supervisor"] is None:
             return
-        c = dict(counters)
-        c.update(experts.stats, uptime_s=time.time() - t_start)
-        c.update(sched.snapshot())
-        if state["vx"] is not None:
-            c.update(state["vx"].snapshot())
+        vx = state["vx"].snapshot() if state["vx"] is not None else {}
+        c = merged_stats(counters, experts.stats, vx, sched.snapshot(), uptime_s=time.time() - t_start)
         send_stats(sock, state["supervisor"], STAGE, c)
 
     def finish_vram() -> None:
@@ -246,6 +243,18 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             except Exception as e:
                 log.warning("arena_close", error=str(e))
         log.info("stopped", **{k: v for k, v in counters.items() if isinstance(v, int)})
+
+
+def merged_stats(counters: dict, expert_stats: dict, vram: dict, batch: dict, **extra) -> dict:
+    """The executor's published stats: its counters, the RAM-tier client's, the VRAM engine's and the batch
+    scheduler's, in that order of precedence from low to high. The scheduler's go last: the VRAM engine also counts
+    "steps" (its per-MoE-layer stream calls), and `coli stats` reads the batch's steps per token from this key."""
+    c = dict(counters)
+    c.update(expert_stats)
+    c.update(vram)
+    c.update(batch)
+    c.update(extra)
+    return c
 
 
 def _gpu_fatal(e: Exception) -> bool:
