@@ -56,6 +56,7 @@ class Sequence:
     t_begin: float | None = None
     t_first: float | None = None
     t_last: float | None = None
+    external: bool = False          # its tokens come from outside the batched step (an MTP round: serving.py)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.sampling)   # validates the settings; its rng is this sequence's alone
@@ -181,7 +182,8 @@ class Scheduler:
     def plan(self) -> list[Row]:
         """The next step's rows: every decoding sequence's token, then prompt chunks, oldest first, within
         the budget left (at least one prompt token when any prompt is pending)."""
-        live = [s for s in self.running if s.cache is not None and s.pending and not s.cancel_requested]
+        live = [s for s in self.running if s.cache is not None and s.pending and not s.cancel_requested
+                and not s.external]
         rows = [Row(s, list(s.pending), True) for s in live if len(s.pending) == 1 and not s.prefilling]
         budget = max(1, self.step_tokens - len(rows))
         for s in live:
@@ -214,21 +216,39 @@ class Scheduler:
                 continue
             if tok is None:
                 raise ValueError(f"row of {seq.request_id!r} samples but no token was given")
-            if seq.t_first is None:
-                seq.t_first = now
-            seq.t_last = now
-            seq.out.append(int(tok))
-            out.tokens.append((seq, int(tok), len(seq.out) - 1))
-            if int(tok) in seq.eos:
-                seq.finish = "stop"
-            elif len(seq.out) >= seq.max_tokens:
-                seq.finish = "length"
-            else:
-                seq.pending = [int(tok)]
-                continue
-            self._remove(seq)
-            out.finished.append(seq)
+            self._take(seq, int(tok), now, out)
         return out
+
+    def commit_tokens(self, seq: Sequence, toks: list[int], now: float) -> StepOutcome:
+        """An external sequence's tokens of one round (an MTP round emits 1..k+1 at once), taken in order up to the
+        first that finishes it (eos, max_tokens): none past it is sent. The last one taken is its pending token."""
+        out = StepOutcome([], [])
+        if seq.finish is not None or seq.cancel_requested:
+            return out              # it left (or is leaving) during the round: what it computed is dropped
+        self.counters["prefill_tokens_fed" if seq.prefilling else "decode_tokens_fed"] += len(seq.pending)
+        seq.pending = []
+        for tok in toks:
+            if self._take(seq, int(tok), now, out):
+                break
+        return out
+
+    def _take(self, seq: Sequence, tok: int, now: float, out: StepOutcome) -> bool:
+        """One sampled token into `seq`'s output; True when it finished the sequence (which then leaves)."""
+        if seq.t_first is None:
+            seq.t_first = now
+        seq.t_last = now
+        seq.out.append(tok)
+        out.tokens.append((seq, tok, len(seq.out) - 1))
+        if tok in seq.eos:
+            seq.finish = "stop"
+        elif len(seq.out) >= seq.max_tokens:
+            seq.finish = "length"
+        else:
+            seq.pending = [tok]
+            return False
+        self._remove(seq)
+        out.finished.append(seq)
+        return True
 
     # ---- observing ---------------------------------------------------------------------------------
     def snapshot(self) -> dict:

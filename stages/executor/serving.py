@@ -4,16 +4,24 @@ they come. No sockets here: answers leave through `send(peer, message)`; the pro
 (stages/executor/process.py) owns the sockets, the control messages and the GPU demotion.
 
 A failing request costs that request only: a batched step that raises is retried row by row from the caches'
-lengths before it, and only the rows that fail alone fail (their requests get the Error; the others go on)."""
+lengths before it, and only the rows that fail alone fail (their requests get the Error; the others go on).
+
+A request that asks for MTP (`mtp` on/1..3/auto, or the run's default) drafts with the model's MTP head: each step
+it runs one round of its own SpeculativeDecoder (coli/model/mtp.py: draft, verify [last, d1..dk] in one multi-token
+forward, accept, roll back) beside the batched rows, and streams the round's accepted tokens, none past eos or
+max_tokens. Its greedy tokens are those it gets without MTP; the batch's other sequences are untouched."""
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from coli.errors import WeightError
 from coli.generate import ContextTooLong, context_problem
+from coli.errors import ColiError
+from coli.model.mtp import MtpUnavailable, SpeculativeDecoder, load_mtp_head, parse_mtp
 from coli.model.sampling import SamplingParams
 from coli.protocol.messages import ERROR_BAD_REQUEST, ERROR_INTERNAL, Done, Error, GenerateRequest, Token
 from coli.stages.executor.batch_step import choose_alone, choose_tokens
@@ -32,19 +40,24 @@ class Ticket:
     peer: bytes
     req: GenerateRequest
     sess: Any = None      # the Session this turn runs on, or None
+    drafts: int | str | None = None     # MTP: the draft count 1..3 or "auto"; None: no drafting
+    spec: Any = None      # its SpeculativeDecoder (with drafts), over its cache
 
 
 class BatchServer:
     def __init__(self, sched: Scheduler, cfg, sessions, model: Callable[[], Any], send: Callable[[bytes, Any], None],
                  counters: dict, log, faults=None, recorder=None, on_step_error: Callable[[Exception], bool] | None = None,
-                 after_batch: Callable[[], None] | None = None):
+                 after_batch: Callable[[], None] | None = None, mtp: str = "off"):
         """`model()` is the model in use (it changes when the GPU is lost); `on_step_error(e)` may handle a failed
         step (the GPU wrapper demotes to the CPU) and return True, after which every running sequence restarts on
-        a new cache; `after_batch()` runs whenever the batch empties (the GPU's copies are reaped)."""
+        a new cache; `after_batch()` runs whenever the batch empties (the GPU's copies are reaped); `mtp` is the
+        run's default for a request that does not say (`coli up --mtp`)."""
         self.sched, self.cfg, self.sessions, self.model, self.send = sched, cfg, sessions, model, send
         self.counters, self.log, self.faults, self.recorder = counters, log, faults, recorder
         self.on_step_error, self.after_batch = on_step_error, after_batch
         self.drop_after: set[str] = set()       # sessions asked to be dropped while a turn held them
+        self.mtp = parse_mtp(mtp)               # checked when the run starts: a bad default never reaches a request
+        self._heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> its MtpHead
 
     @property
     def busy(self) -> bool:
@@ -57,17 +70,25 @@ class BatchServer:
             self.send(peer, Error(ERROR_BAD_REQUEST, f"prompt token id {bad[0]} is outside the vocabulary "
                                                      f"(0..{self.cfg.vocab_size - 1})", req.request_id))
             return
-        if req.mtp not in (None, "off"):    # said, not ignored: the batched step does not draft yet (docs/mtp.md)
-            self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp {req.mtp!r}: the batched executor does not draft with "
-                                                     f"the MTP head yet; `coli run --mtp` does (docs/mtp.md)",
-                                  req.request_id))
+        try:
+            drafts = self.mtp if req.mtp is None else parse_mtp(req.mtp)
+        except ColiError as e:
+            self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp: {e}", req.request_id))
+            return
+        if req.session is not None and req.mtp is None:
+            drafts = None       # the run's default does not apply to session turns yet (docs/mtp.md)
+        if drafts is not None and req.session is not None:   # asked for: said, not ignored
+            self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp {req.mtp!r} with session {req.session!r}: "
+                                                     f"the executor does not draft over a session's cache yet; "
+                                                     f"send mtp \"off\" for session turns", req.request_id))
             return
         params = SamplingParams(greedy=req.greedy or req.temperature == 0.0, temperature=req.temperature or 1.0,
                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed)
         eos = frozenset() if req.ignore_eos else frozenset(int(e) for e in self.cfg.eos_token_ids)
         try:
             seq = Sequence(req.request_id, list(req.prompt_ids), req.max_tokens, params, eos, req.session,
-                           Ticket(peer, req), t_submit=time.perf_counter())
+                           Ticket(peer, req, drafts=drafts), t_submit=time.perf_counter(),
+                           external=drafts is not None)
             self.sched.submit(seq)
         except ValueError as e:
             self.send(peer, Error(ERROR_BAD_REQUEST, str(e), req.request_id))
@@ -90,15 +111,47 @@ class BatchServer:
         rows = self.sched.plan()
         chosen = self._run(rows) if rows else None
         if chosen is not None:
-            out = self.sched.commit(rows, chosen, time.perf_counter())
-            for seq, tok, index in out.tokens:
-                self._token(seq, tok, index)
-            for seq in out.finished:
-                if seq.finish != "failed":
-                    self._finish(seq)
+            self._emit(self.sched.commit(rows, chosen, time.perf_counter()))
+        rounds = [s for s in self.sched.running if s.external and s.cache is not None and s.finish is None
+                  and not s.cancel_requested]
+        for seq in rounds:
+            self._mtp_round(seq)
         self._drop_released_sessions()
-        if (rows or reaped) and not self.sched.running and self.after_batch is not None:
+        if (rows or rounds or reaped) and not self.sched.running and self.after_batch is not None:
             self.after_batch()          # the batch just emptied
+
+    def _emit(self, out) -> None:
+        for seq, tok, index in out.tokens:
+            self._token(seq, tok, index)
+        for seq in out.finished:
+            if seq.finish != "failed":
+                self._finish(seq)
+
+    def _mtp_round(self, seq: Sequence) -> None:
+        """One MTP round of a drafting sequence (its prompt first): its accepted tokens out, or its request fails
+        alone."""
+        spec: SpeculativeDecoder = seq.payload.spec
+        t0 = time.perf_counter()
+        try:
+            if spec.last is None:       # the prompt (or, after a restart, prompt + tokens sent) -> its next token
+                toks = [spec.prefill(seq.pending)]
+            else:
+                toks = spec.step(seq.max_tokens - len(seq.out))
+        except StopRequested:
+            raise
+        except Exception as e:
+            self._failed(seq, e)
+            return
+        finally:
+            self.counters["step_s"] += time.perf_counter() - t0
+        self._emit(self.sched.commit_tokens(seq, toks, time.perf_counter()))
+
+    def _head(self):
+        """The MTP head of the model in use (loaded once per model: the GPU's, or the CPU's after a demotion)."""
+        m = self.model()
+        if m not in self._heads:
+            self._heads[m] = load_mtp_head(m)
+        return self._heads[m]
 
     def fail_all(self, e: Exception) -> None:
         """A step broke outside the model (a bug in this loop): every sequence here fails with it, the executor
@@ -129,8 +182,13 @@ class BatchServer:
                 self.recorder.new_sequence()
             self.counters["requests"] += 1
             self.sched.begin(seq, cache, new_ids, time.perf_counter())
+            if t.drafts is not None:
+                t.spec = SpeculativeDecoder(self._head(), cache, seq.sampler, t.drafts)
         except StopRequested:
             raise
+        except MtpUnavailable as e:     # the request's own choice: a bad_request naming why, the run goes on
+            self.sched.fail(seq)
+            self.send(t.peer, Error(ERROR_BAD_REQUEST, str(e), req.request_id))
         except Exception as e:
             self._failed(seq, e)
 
@@ -188,6 +246,8 @@ class BatchServer:
                     new_ids = full
                     cache = self.model().new_cache(max(16, len(full) + seq.max_tokens - len(seq.out)))
                 self.sched.restart(seq, cache, new_ids)
+                if t.drafts is not None:    # its MTP cache went with the old one: drafting starts over on the new
+                    t.spec = SpeculativeDecoder(self._head(), cache, seq.sampler, t.drafts)
             except StopRequested:
                 raise
             except Exception as e:

@@ -1,11 +1,14 @@
-"""MTP through the stage processes: the batched executor does not draft yet, so a request asking for MTP is a
-`bad_request` saying so (never silently decoded without), `"off"` is served as usual, and the run goes on; the HTTP
-body field `"mtp"` is parsed and checked by the gateway."""
+"""MTP through the stage processes: a request asking for MTP drafts with the model's MTP head in the batched executor
+(stages/executor/serving.py: one SpeculativeDecoder round per step beside the batched rows), and its greedy tokens
+are those it gets without MTP, concurrent with a request that does not draft; max_tokens is honoured inside a
+round; a model without the layer, or a session turn asking for MTP, is a one-line bad_request and the run goes on;
+the HTTP body field `"mtp"` is parsed and checked by the gateway."""
 
 from __future__ import annotations
 
 import pytest
 
+from batch_streams import Stream, alone
 from checkpoints import with_mtp_layer
 from coli.serve.client import Client, RequestError
 from oracles import load_oracle, oracle_dir
@@ -17,16 +20,43 @@ def mtp_model(oracle_root, tmp_path_factory):
     return src, with_mtp_layer(src, tmp_path_factory.mktemp("rt-mtp") / "default-mtp", seed=11)
 
 
-def test_a_request_for_mtp_is_refused_by_the_batched_executor_and_the_run_goes_on(start_run, mtp_model):
+@pytest.mark.timeout(300)
+def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(start_run, mtp_model):
     src, d = mtp_model
     o = load_oracle(src)
-    run = start_run(d)
+    p = o["prompt_ids"]
+    run = start_run(d, args=("--max-batch", "3"))
+    drafting = Stream(run, p, 32, greedy=True, mtp="3")
+    plain = Stream(run, p[2:14], 24, greedy=True)
+    for s in (drafting, plain):
+        s.start()
+    for s in (drafting, plain):
+        s.join(240)
+        assert s.error is None, s.error
+    assert drafting.tokens == o["greedy_tokens"]           # transformers' tokens, drafted and verified
+    assert plain.tokens == alone(d, p[2:14], 24)
     with Client(run.name, base=str(run.run_base)) as c:
-        for mode in ("on", "3", "auto"):
-            with pytest.raises(RequestError, match=r"does not draft with the MTP head yet; `coli run --mtp` does"):
-                c.generate(o["prompt_ids"], 8, greedy=True, mtp=mode)
-        assert c.generate(o["prompt_ids"], 32, greedy=True, ignore_eos=True, mtp="off").tokens == o["greedy_tokens"]
-        assert c.generate(o["prompt_ids"], 32, greedy=True, ignore_eos=True).tokens == o["greedy_tokens"]
+        for mode in ("on", "2", "auto"):
+            assert c.generate(p, 32, greedy=True, ignore_eos=True, mtp=mode).tokens == o["greedy_tokens"], mode
+        # max_tokens inside a round: exactly that many, the first of the plain run's
+        for n in (1, 2, 5):
+            assert c.generate(p, n, greedy=True, ignore_eos=True, mtp="3").tokens == o["greedy_tokens"][:n], n
+
+
+@pytest.mark.timeout(240)
+def test_mtp_where_it_cannot_draft_is_a_bad_request_and_the_run_goes_on(start_run, mtp_model):
+    src, d = mtp_model
+    o = load_oracle(src)
+    p = o["prompt_ids"]
+    run = start_run(src)                                   # the oracle without an MTP layer
+    with Client(run.name, base=str(run.run_base)) as c:
+        with pytest.raises(RequestError, match=r"--mtp: .* cannot draft: it has no MTP layer"):
+            c.generate(p, 8, greedy=True, mtp="on")
+        with pytest.raises(RequestError, match=r"mtp '3' with session 's1': the executor does not draft over a "
+                                               r"session's cache yet"):
+            c.generate(p, 8, greedy=True, mtp="3", session="s1", new_session=True)
+        assert c.generate(p, 32, greedy=True, ignore_eos=True, mtp="off").tokens == o["greedy_tokens"]
+        assert c.generate(p, 32, greedy=True, ignore_eos=True).tokens == o["greedy_tokens"]
 
 
 def test_a_bad_mtp_value_is_refused_by_the_client_before_it_is_sent():

@@ -159,3 +159,31 @@ def test_bad_settings_and_misuse_are_refused_by_name():
     start(s)
     with pytest.raises(ValueError, match="1 tokens for 0 rows"):
         s.commit([], [1], 0.0)
+
+
+def test_an_external_sequence_rides_beside_the_batch_and_its_round_stops_at_eos_or_max_tokens():
+    """An MTP sequence (external) gets no row of the batched step; a round's tokens are taken up to the first that
+    finishes it, none past it."""
+    s = Scheduler(max_batch=4, step_tokens=16)
+    plain = seq("plain")
+    mtp_eos = Sequence("eos", [1, 2, 3], 8, SamplingParams(), EOS, external=True)
+    mtp_len = Sequence("len", [1, 2, 3], 3, SamplingParams(), EOS, external=True)
+    start(s, plain, mtp_eos, mtp_len)
+    rows, _ = step(s)
+    assert [r.seq.request_id for r in rows] == ["plain"]
+    out = s.commit_tokens(mtp_eos, [5], 1.0)                           # its prompt's round: one token
+    assert [t for _, t, _ in out.tokens] == [5] and mtp_eos.pending == [5] and not out.finished
+    out = s.commit_tokens(mtp_eos, [6, 99, 7, 8], 2.0)                 # eos inside the round
+    assert [(t, i) for _, t, i in out.tokens] == [(6, 1), (99, 2)] and out.finished == [mtp_eos]
+    assert mtp_eos.finish == "stop" and mtp_eos not in s.running
+    out = s.commit_tokens(mtp_len, [4, 5, 6, 7], 1.0)                  # max_tokens 3 inside the round
+    assert mtp_len.out == [4, 5, 6] and mtp_len.finish == "length" and out.finished == [mtp_len]
+    assert s.running == [plain]
+
+
+def test_a_round_of_a_sequence_cancelled_meanwhile_is_dropped():
+    s = Scheduler(max_batch=2, step_tokens=16)
+    q = Sequence("q", [1, 2], 8, SamplingParams(), EOS, external=True)
+    start(s, q)
+    assert s.cancel("q")
+    assert s.commit_tokens(q, [3, 4], 1.0).tokens == [] and q.out == []
