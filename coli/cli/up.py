@@ -60,8 +60,16 @@ def up(
     step_tokens: int = typer.Option(DEFAULT_STEP_TOKENS, "--step-tokens", min=1,
                                     help="A step's token budget: one per decoding sequence, the rest for prompt chunks "
                                          "(bounds inter-token latency while prompts prefill)."),
+    mtp: str = typer.Option("off", "--mtp", metavar="off|on|N|auto",
+                            help="MTP speculative decoding for requests that do not say (their \"mtp\" field): "
+                                 "draft with the model's MTP head, verify in one step (docs/mtp.md)."),
 ) -> None:
     """Start the stage processes (reader, RAM tier, executor) under a supervisor and serve the model."""
+    from coli.model.mtp import mtp_mode
+    try:
+        mtp = mtp_mode(mtp)    # a bad --mtp is refused before anything starts
+    except ColiError as e:
+        fail(str(e))
     model = _container_for(model, experts, dense)
     if api_key_file is not None and not http:
         fail("--api-key-file is for the HTTP gateway: give --http too")
@@ -71,7 +79,7 @@ def up(
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu, stage_timeout, http or http_shown, batch=(max_batch, step_tokens))
+            record_routing, pilot, gpu, stage_timeout, http or http_shown, batch=(max_batch, step_tokens), mtp=mtp)
         ok = True
         if gateway is not None and detach:
             _confirm_gateway(gateway, name, http, startup_timeout)
@@ -156,7 +164,7 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
         record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None,
-        batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS)):
+        batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS), mtp="off"):
     from coli.cli.common import require_device
     from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
@@ -173,12 +181,12 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
     require_device(device)
     if detach:
         return _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level,
-                       record_routing, ahead, gpu, stage_timeout, http, batch)
+                       record_routing, ahead, gpu, stage_timeout, http, batch, mtp)
     opts = RunOptions(name=name, model=str(model) if model else None, ram_gb=ram_gb, device=device,
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
                       pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http,
-                      max_batch=batch[0], step_tokens=batch[1])
+                      max_batch=batch[0], step_tokens=batch[1], mtp=mtp)
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -196,13 +204,13 @@ def _say_while_the_terminal_lasts(message: str) -> None:
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None, stage_timeout=5.0, http=None, batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS)):
+            pilot=0, gpu=None, stage_timeout=5.0, http=None, batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS), mtp="off"):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
             "--startup-timeout", str(startup_timeout), "--reader-threads", str(reader_threads),
             "--queue-depth", str(queue_depth), "--log-level", log_level, "--stage-timeout", str(stage_timeout),
-            "--max-batch", str(batch[0]), "--step-tokens", str(batch[1])]
+            "--max-batch", str(batch[0]), "--step-tokens", str(batch[1]), "--mtp", mtp]
     if model is not None:
         args += ["--model", str(model.resolve())]
     if record_routing is not None:

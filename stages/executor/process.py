@@ -37,10 +37,11 @@ STAGE = "executor"
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
                   record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
-                  control: bytes | None = None, max_batch: int = 1, step_tokens: int = 0) -> None:
+                  control: bytes | None = None, max_batch: int = 1, step_tokens: int = 0, mtp: str = "off") -> None:
     """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
     control messages from any other peer are refused. None accepts any peer. `max_batch` sequences run at once
-    (stages/executor/scheduler.py); `step_tokens` is a step's token budget (0: DEFAULT_STEP_TOKENS)."""
+    (stages/executor/scheduler.py); `step_tokens` is a step's token budget (0: DEFAULT_STEP_TOKENS); `mtp` is the
+    drafting of a request that does not say (`coli up --mtp`, docs/mtp.md)."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -201,7 +202,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
             log.error("answer_not_sent", request_id=getattr(msg, "request_id", None), error=str(e))
 
     server = BatchServer(sched, cfg, sessions, lambda: state["model"], answer, counters, log, faults=faults,
-                         recorder=recorder, on_step_error=gpu_lost, after_batch=finish_vram)
+                         recorder=recorder, on_step_error=gpu_lost, after_batch=finish_vram, mtp=mtp)
     state["server"] = server
     for peer, msg in early:
         server.submit(peer, msg)

@@ -59,6 +59,32 @@ def test_mtp_where_it_cannot_draft_is_a_bad_request_and_the_run_goes_on(start_ru
         assert c.generate(p, 32, greedy=True, ignore_eos=True).tokens == o["greedy_tokens"]
 
 
+@pytest.mark.timeout(240)
+def test_coli_up_mtp_is_the_default_of_a_request_that_does_not_say(start_run, mtp_model):
+    src, _ = mtp_model
+    o = load_oracle(src)
+    p = o["prompt_ids"]
+    run = start_run(src, args=("--mtp", "on"))            # a run that drafts by default, on a model that cannot
+    with Client(run.name, base=str(run.run_base)) as c:
+        with pytest.raises(RequestError, match=r"cannot draft: it has no MTP layer"):
+            c.generate(p, 8, greedy=True)                  # the run's --mtp on applies
+        assert c.generate(p, 32, greedy=True, ignore_eos=True, mtp="off").tokens == o["greedy_tokens"]
+        # a session turn that does not say runs without drafting (docs/mtp.md)
+        t = c.generate(p, 32, greedy=True, ignore_eos=True, session="s-default", new_session=True)
+        assert t.tokens == o["greedy_tokens"]
+
+
+def test_coli_up_with_a_bad_mtp_is_a_one_line_error(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "coli.cli.main", "up", "--name", "bad-mtp", "--mtp", "fast"],
+                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
+                                                                        "COLI_RUN_DIR": str(tmp_path)})
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--mtp 'fast' is not off, on, auto or a draft count 1..3" in lines[0], r.stderr
+
+
 def test_a_bad_mtp_value_is_refused_by_the_client_before_it_is_sent():
     from coli.protocol.messages import GenerateRequest
     with pytest.raises(ValueError, match=r"mtp must be one of off, on, auto, 1, 2, 3"):
