@@ -350,18 +350,33 @@ class SpeculativeDecoder:
 
     def step(self, room: int) -> list[int]:
         """One round: at least 1 and at most min(k + 1, room) new tokens (room >= 1: what max_tokens leaves)."""
+        ids = self.begin_round(room)
+        hn, logits = self.model.forward_hidden(ids, self.cache)                   # [k+1, H], [k+1, V]
+        return self.end_round(hn, logits)
+
+    def begin_round(self, room: int) -> list[int]:
+        """A round's first half: draft, and -> the verify row's ids [last, d_1..d_k] (k <= room - 1). The caller runs
+        them after the main cache's positions, all logits (alone: forward_hidden; in a batch: one all_logits row of
+        coli.model.batch.forward_batch_hidden), then hands the row's hidden states and logits to `end_round`."""
         k = self.auto.choose() if self.auto is not None else self.k
         k = max(0, min(k, room - 1))
-        t0 = time.perf_counter()
-        drafts, q = self._draft(k)
-        t1 = time.perf_counter()
-        out = self._verify(drafts, q)
+        self._t0 = time.perf_counter()
+        self._drafts, self._q = self._draft(k)
+        self._t1 = time.perf_counter()
+        self._P = self.cache.length
+        return [self.last] + self._drafts
+
+    def end_round(self, hn: Array, logits: Array) -> list[int]:
+        """The verified row's final-normed hidden states [k+1, H] and logits [k+1, V] (on the backend; the main cache
+        already advanced by the k+1 positions) -> the round's tokens; both caches rolled back to match."""
+        k = len(self._drafts)
+        out = self._verify(self._drafts, self._q, self._P, hn, logits)
         t2 = time.perf_counter()
-        self.stats.draft_s += t1 - t0
-        self.stats.verify_s += t2 - t1
+        self.stats.draft_s += self._t1 - self._t0
+        self.stats.verify_s += t2 - self._t1
         self.stats.record(k, len(out) - 1)
         if self.auto is not None:
-            self.auto.record(min(k, 1), t2 - t0, len(out))
+            self.auto.record(min(k, 1), t2 - self._t0, len(out))
         return out
 
     def _draft(self, k: int) -> tuple[list[int], list[np.ndarray]]:
@@ -381,10 +396,8 @@ class SpeculativeDecoder:
             g = b.last_row(g)
         return drafts, qs
 
-    def _verify(self, drafts: list[int], qs: list[np.ndarray]) -> list[int]:
+    def _verify(self, drafts: list[int], qs: list[np.ndarray], P: int, hn: Array, logits: Array) -> list[int]:
         b = self.model.backend
-        P = self.cache.length
-        hn, logits = self.model.forward_hidden([self.last] + drafts, self.cache)  # [k+1, H], [k+1, V]
         if self.greedy:
             out = accept_greedy(drafts, b.argmax(logits))
         else:
