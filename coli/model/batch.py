@@ -41,6 +41,19 @@ def forward_batch(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[np.ndarra
     return out
 
 
+def forward_batch_hidden(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[tuple]:
+    """forward_batch with each row's final-normed hidden states too, both left on the backend: per row
+    (hidden [n, H], logits [n, V]), n = len(ids) if all_logits else 1. An MTP verify row (coli.model.mtp
+    SpeculativeDecoder.end_round) reads all its logits and drafts its next round from the hidden states."""
+    b = model.backend
+    logits, wanted, hn = _step(model, rows, all_positions=True)
+    out, at = [], 0
+    for n in wanted:
+        out.append((b.row_range(hn, at, n), b.row_range(logits, at, n)))
+        at += n
+    return out
+
+
 def greedy_batch(model: GlmMoeDsaModel, rows: list[BatchRow]) -> list[int]:
     """forward_batch's greedy next token per row (first maximum of its last position's logits, whatever its
     all_logits), taken on the backend as model.greedy does: only the R tokens come back to the host."""
@@ -117,6 +130,12 @@ def step_logits(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool
     """The batched step, its logits left on the backend. -> (logits [R, V], how many of its rows each batch row
     has). With all_positions a row with all_logits gets all its positions, the others their last; without, every
     row its last (greedy_batch; what a captured batched decode step computes, coli/gpu/batch_graphs.py)."""
+    logits, wanted, _ = _step(model, rows, all_positions)
+    return logits, wanted
+
+
+def _step(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
+    """step_logits, and the wanted rows' final-normed hidden states [R, H] the logits came from."""
     c, b = model.config, model.backend
     ids = _check(model, rows)
     segs, at = [], 0
@@ -164,4 +183,4 @@ def step_logits(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool
             b.place_rows(hw, at, b.row_range(h, s.offset + s.n - n, n))
             at += n
     hn = b.rms_norm(hw, model.final_norm, c.rms_norm_eps)
-    return b.linear(hn, model.lm_head), wanted                          # [R, V]
+    return b.linear(hn, model.lm_head), wanted, hn                      # [R, V], [R, H]

@@ -6,10 +6,11 @@ they come. No sockets here: answers leave through `send(peer, message)`; the pro
 A failing request costs that request only: a batched step that raises is retried row by row from the caches'
 lengths before it, and only the rows that fail alone fail (their requests get the Error; the others go on).
 
-A request that asks for MTP (`mtp` on/1..3/auto, or the run's default) drafts with the model's MTP head: each step
-it runs one round of its own SpeculativeDecoder (coli/model/mtp.py: draft, verify [last, d1..dk] in one multi-token
-forward, accept, roll back) beside the batched rows, and streams the round's accepted tokens, none past eos or
-max_tokens. Its greedy tokens are those it gets without MTP; the batch's other sequences are untouched."""
+A request that asks for MTP (`mtp` on/1..3/auto, or the run's default) drafts with the model's MTP head: its prompt
+runs alone (SpeculativeDecoder.prefill), then each step it drafts (begin_round) and takes part in the batched step
+with ONE row, the verify row [last, d1..dk] with all its logits; after the step its SpeculativeDecoder accepts and
+rolls back (end_round), and the round's accepted tokens stream out, none past eos or max_tokens. Its greedy tokens
+are those it gets without MTP; the batch's other sequences are untouched."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from coli.errors import ColiError
 from coli.model.mtp import MtpUnavailable, SpeculativeDecoder, load_mtp_head, parse_mtp
 from coli.model.sampling import SamplingParams
 from coli.protocol.messages import ERROR_BAD_REQUEST, ERROR_INTERNAL, Done, Error, GenerateRequest, Token
-from coli.stages.executor.batch_step import choose_alone, choose_tokens
+from coli.stages.executor.batch_step import choose_alone, choose_with_rounds, round_alone
 from coli.stages.executor.experts import ExpertUnavailable
 from coli.stages.executor.scheduler import Row, Scheduler, Sequence
 from coli.stages.executor.sessions import SessionError
@@ -109,15 +110,24 @@ class BatchServer:
         for seq in self.sched.admit():
             self._begin(seq)
         rows = self.sched.plan()
-        chosen = self._run(rows) if rows else None
+        rounds: list = [None] * len(rows)
+        drafting = [s for s in self.sched.running if s.external and s.cache is not None and s.finish is None
+                    and not s.cancel_requested]
+        for seq in drafting:
+            row = self._begin_round(seq)
+            if row is not None:
+                rows.append(row)
+                rounds.append(seq.payload.spec)
+        chosen = self._run(rows, rounds) if rows else None
         if chosen is not None:
-            self._emit(self.sched.commit(rows, chosen, time.perf_counter()))
-        rounds = [s for s in self.sched.running if s.external and s.cache is not None and s.finish is None
-                  and not s.cancel_requested]
-        for seq in rounds:
-            self._mtp_round(seq)
+            now = time.perf_counter()
+            plain = [(r, c) for r, c, spec in zip(rows, chosen, rounds) if spec is None]
+            self._emit(self.sched.commit([r for r, _ in plain], [c for _, c in plain], now))
+            for r, c, spec in zip(rows, chosen, rounds):
+                if spec is not None and c is not None:      # None: its row failed (its request got the Error)
+                    self._emit(self.sched.commit_tokens(r.seq, c, now))
         self._drop_released_sessions()
-        if (rows or rounds or reaped) and not self.sched.running and self.after_batch is not None:
+        if (rows or drafting or reaped) and not self.sched.running and self.after_batch is not None:
             self.after_batch()          # the batch just emptied
 
     def _emit(self, out) -> None:
@@ -127,24 +137,24 @@ class BatchServer:
             if seq.finish != "failed":
                 self._finish(seq)
 
-    def _mtp_round(self, seq: Sequence) -> None:
-        """One MTP round of a drafting sequence (its prompt first): its accepted tokens out, or its request fails
-        alone."""
+    def _begin_round(self, seq: Sequence) -> Row | None:
+        """A drafting sequence's part of this step: its verify row (drafted now), or None: its prompt ran alone
+        (its first token is out) or its request failed alone."""
         spec: SpeculativeDecoder = seq.payload.spec
         t0 = time.perf_counter()
         try:
             if spec.last is None:       # the prompt (or, after a restart, prompt + tokens sent) -> its next token
-                toks = [spec.prefill(seq.pending)]
-            else:
-                toks = spec.step(seq.max_tokens - len(seq.out))
+                tok = spec.prefill(seq.pending)
+                self._emit(self.sched.commit_tokens(seq, [tok], time.perf_counter()))
+                return None
+            return Row(seq, spec.begin_round(seq.max_tokens - len(seq.out)), True)
         except StopRequested:
             raise
         except Exception as e:
             self._failed(seq, e)
-            return
+            return None
         finally:
             self.counters["step_s"] += time.perf_counter() - t0
-        self._emit(self.sched.commit_tokens(seq, toks, time.perf_counter()))
 
     def _head(self):
         """The MTP head of the model in use (loaded once per model: the GPU's, or the CPU's after a demotion)."""
@@ -192,20 +202,21 @@ class BatchServer:
         except Exception as e:
             self._failed(seq, e)
 
-    def _run(self, rows: list[Row]) -> list[int | None] | None:
-        """The step's tokens (its wall time counted in step_s); None: the step is void (see _attempt)."""
+    def _run(self, rows: list[Row], rounds: list) -> list | None:
+        """The step's tokens per row (a verify row's: the round's list; its wall time counted in step_s); None: the
+        step is void (see _attempt)."""
         t0 = time.perf_counter()
         try:
-            return self._attempt(rows)
+            return self._attempt(rows, rounds)
         finally:
             self.counters["step_s"] += time.perf_counter() - t0
 
-    def _attempt(self, rows: list[Row]) -> list[int | None] | None:
+    def _attempt(self, rows: list[Row], rounds: list) -> list | None:
         """The step's tokens; a failure is isolated to the rows that fail by themselves. None: the step is void
         (the model changed under it and every sequence restarted)."""
         held = [(r.seq.cache, r.seq.cache.length) for r in rows]
         try:
-            return choose_tokens(self.model(), rows)
+            return choose_with_rounds(self.model(), rows, rounds)
         except StopRequested:
             raise
         except Exception as e:
@@ -217,10 +228,10 @@ class BatchServer:
             if len(rows) == 1:
                 self._row_failed(rows[0], e)
                 return [None]
-        chosen: list[int | None] = []
-        for r, (cache, n) in zip(rows, held):
+        chosen: list = []
+        for r, spec, (cache, n) in zip(rows, rounds, held):
             try:
-                chosen.append(choose_alone(self.model(), r))
+                chosen.append(choose_alone(self.model(), r) if spec is None else round_alone(self.model(), r, spec))
             except StopRequested:
                 raise
             except Exception as e:

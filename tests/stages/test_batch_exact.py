@@ -9,7 +9,7 @@ from coli.generate import Generation
 from coli.loader import load_model
 from coli.model.sampling import SamplingParams
 from coli.stages.executor.batch_step import choose_tokens
-from coli.stages.executor.scheduler import Scheduler, Sequence
+from coli.stages.executor.scheduler import Row, Scheduler, Sequence
 from oracles import load_oracle, oracle_dir
 
 
@@ -68,3 +68,45 @@ def test_sequences_joining_and_leaving_a_batch_get_their_solo_tokens(oracle):
     assert len(cut) == 5 and seqs["cut"].finish == "cancelled"     # the in-flight step's token was dropped
     assert cut == alone(model, prompts["cut"], 40)[:len(cut)]
     assert sched.counters["steps"] > 0 and not sched.running and not sched.waiting
+
+
+def test_mtp_verify_rows_share_a_batched_step_and_every_sequence_gets_its_solo_tokens(tmp_path_factory):
+    """A drafting sequence's verify row [last, d1..d3] (all logits) in the same batched step as plain rows (one of
+    them sampled): the drafting one's greedy tokens are its tokens without MTP, the others' their solo tokens."""
+    from checkpoints import with_mtp_layer
+    from coli.model.mtp import SpeculativeDecoder, load_mtp_head
+    from coli.stages.executor.batch_step import choose_with_rounds
+
+    src = oracle_dir(tmp_path_factory.mktemp("batch-mtp-oracles"), "default")
+    model, _ = load_model(with_mtp_layer(src, tmp_path_factory.mktemp("batch-mtp") / "default-mtp", seed=11))
+    head, p = load_mtp_head(model), load_oracle(src)["prompt_ids"]
+    sched = Scheduler(max_batch=3, step_tokens=8)
+    drafting = Sequence("mtp", list(p), 30, external=True)
+    plain = Sequence("plain", p[3:15], 20)
+    sampled = Sequence("sampled", p[1:9], 18, SamplingParams(False, 0.8, 0.9, 20, 99))
+    for q in (drafting, plain, sampled):
+        sched.submit(q)
+    for q in sched.admit():
+        sched.begin(q, model.new_cache(64), q.prompt, 0.0)
+    spec = SpeculativeDecoder(head, drafting.cache, drafting.sampler, 3)
+    sched.commit_tokens(drafting, [spec.prefill(drafting.prompt)], 0.0)
+    shared = 0
+    for n in range(200):
+        rows = sched.plan()
+        rounds = [None] * len(rows)
+        if drafting.finish is None:
+            rows.append(Row(drafting, spec.begin_round(drafting.max_tokens - len(drafting.out)), True))
+            rounds.append(spec)
+        if not rows:
+            break
+        shared += len(rows) > 1 and rounds[-1] is not None
+        chosen = choose_with_rounds(model, rows, rounds)
+        plain_rows = [(r, c) for r, c, s in zip(rows, chosen, rounds) if s is None]
+        sched.commit([r for r, _ in plain_rows], [c for _, c in plain_rows], float(n))
+        if rounds[-1] is not None:
+            sched.commit_tokens(drafting, chosen[-1], float(n))
+    assert shared > 3                                         # the verify row did share steps with the others
+    assert drafting.out == alone(model, p, 30)                # no MTP, alone
+    assert plain.out == alone(model, p[3:15], 20)
+    assert sampled.out == alone(model, p[1:9], 18, SamplingParams(False, 0.8, 0.9, 20, 99))
+    assert spec.stats.drafted[0] >= spec.stats.rounds - 1 and spec.stats.tokens == 29   # it drafted, every round
