@@ -14,6 +14,11 @@ from coli.serve.client import Client, RequestError
 from oracles import load_oracle, oracle_dir
 
 
+def run_vocab(d) -> int:
+    from coli.config import load_config
+    return load_config(d).vocab_size
+
+
 @pytest.fixture(scope="module")
 def mtp_model(oracle_root, tmp_path_factory):
     src = oracle_dir(oracle_root, "default")
@@ -41,6 +46,10 @@ def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(sta
         # max_tokens inside a round: exactly that many, the first of the plain run's
         for n in (1, 2, 5):
             assert c.generate(p, n, greedy=True, ignore_eos=True, mtp="3").tokens == o["greedy_tokens"][:n], n
+        # sampled with drafts (speculative sampling): seeded, so the same answer twice; every token in the vocabulary
+        kw = dict(greedy=False, temperature=0.8, top_k=20, top_p=0.9, seed=5, ignore_eos=True, mtp="2")
+        first, again = c.generate(p, 12, **kw).tokens, c.generate(p, 12, **kw).tokens
+        assert first == again and len(first) == 12 and all(0 <= t < run_vocab(d) for t in first)
 
 
 @pytest.mark.timeout(240)
@@ -104,3 +113,40 @@ def test_http_body_mtp_field_refuses_the_rest(value):
     from coli.serve.openai_api import ApiError, parse_params
     with pytest.raises(ApiError, match=r"'mtp' must be one of off, on, auto, 1, 2, 3"):
         parse_params({"prompt": "x", "mtp": value})
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_mtp_value_on_the_wire_is_a_one_line_error_naming_the_field_and_the_run_goes_on(start_run, mtp_model):
+    """A peer that skips the client's check (a raw GenerateRequest with mtp "fast"): the supervisor answers one line
+    naming `mtp`, that connection's next request and the run go on."""
+    import os
+
+    import msgpack
+    import zmq
+
+    from coli.protocol.codec import decode, encode
+    from coli.protocol.messages import PROTOCOL_VERSION, Error, GenerateRequest, Hello
+
+    src, d = mtp_model
+    o = load_oracle(src)
+    run = start_run(d)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        s.connect(f"ipc://{run.run_base / run.name / 'client.sock'}")
+        s.send_multipart(encode(Hello("client", os.getpid(), PROTOCOL_VERSION)))
+        decode(s.recv_multipart())                                   # Ready
+        kind, body = encode(GenerateRequest("raw-1", o["prompt_ids"], 4, 1.0, 1.0, 0, None, True, False, mtp="on"))
+        fields = msgpack.unpackb(body)
+        fields["mtp"] = "fast"
+        s.send_multipart([kind, msgpack.packb(fields)])
+        err = decode(s.recv_multipart())
+        assert isinstance(err, Error), err
+        assert "mtp must be one of off, on, auto, 1, 2, 3, got 'fast'" in err.message and "\n" not in err.message
+    finally:
+        s.close()
+        ctx.term()
+    with Client(run.name, base=str(run.run_base)) as c:
+        assert c.generate(o["prompt_ids"], 32, greedy=True, ignore_eos=True, mtp="2").tokens == o["greedy_tokens"]
