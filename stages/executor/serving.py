@@ -125,6 +125,7 @@ class BatchServer:
             self._emit(self.sched.commit([r for r, _ in plain], [c for _, c in plain], now))
             for r, c, spec in zip(rows, chosen, rounds):
                 if spec is not None and c is not None:      # None: its row failed (its request got the Error)
+                    self._count_round(len(r.ids) - 1, len(c) - 1)
                     self._emit(self.sched.commit_tokens(r.seq, c, now))
         self._drop_released_sessions()
         if (rows or drafting or reaped) and not self.sched.running and self.after_batch is not None:
@@ -155,6 +156,16 @@ class BatchServer:
             return None
         finally:
             self.counters["step_s"] += time.perf_counter() - t0
+
+    def _count_round(self, k: int, accepted: int) -> None:
+        """A verified round of k drafts, `accepted` of them kept, into the counters `coli stats` shows (MTP drafts:
+        tokens per step, acceptance per draft position; coli/stats_view.py)."""
+        c = self.counters
+        c["mtp_rounds"] = c.get("mtp_rounds", 0) + 1
+        c["mtp_tokens"] = c.get("mtp_tokens", 0) + accepted + 1
+        for j in range(1, k + 1):
+            c[f"mtp_drafted_{j}"] = c.get(f"mtp_drafted_{j}", 0) + 1
+            c[f"mtp_accepted_{j}"] = c.get(f"mtp_accepted_{j}", 0) + (j <= accepted)
 
     def _head(self):
         """The MTP head of the model in use (loaded once per model: the GPU's, or the CPU's after a demotion)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from batch_streams import Stream, alone
+from batch_streams import Stream, alone, executor_stats
 from checkpoints import with_mtp_layer
 from coli.serve.client import Client, RequestError
 from oracles import load_oracle, oracle_dir
@@ -40,6 +40,9 @@ def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(sta
         assert s.error is None, s.error
     assert drafting.tokens == o["greedy_tokens"]           # transformers' tokens, drafted and verified
     assert plain.tokens == alone(d, p[2:14], 24)
+    st = executor_stats(run)
+    assert st["mtp_rounds"] > 0 and st["mtp_drafted_1"] >= st["mtp_drafted_3"] > 0, st    # counted for `coli stats`
+    assert st["mtp_tokens"] == 31 and st["mtp_accepted_1"] <= st["mtp_drafted_1"], st   # 32 tokens, 1 from the prompt
     with Client(run.name, base=str(run.run_base)) as c:
         for mode in ("on", "2", "auto"):
             assert c.generate(p, 32, greedy=True, ignore_eos=True, mtp=mode).tokens == o["greedy_tokens"], mode
