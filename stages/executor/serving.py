@@ -76,13 +76,6 @@ class BatchServer:
         except ColiError as e:
             self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp: {e}", req.request_id))
             return
-        if req.session is not None and req.mtp is None:
-            drafts = None       # the run's default does not apply to session turns yet (docs/mtp.md)
-        if drafts is not None and req.session is not None:   # asked for: said, not ignored
-            self.send(peer, Error(ERROR_BAD_REQUEST, f"mtp {req.mtp!r} with session {req.session!r}: "
-                                                     f"the executor does not draft over a session's cache yet; "
-                                                     f"send mtp \"off\" for session turns", req.request_id))
-            return
         params = SamplingParams(greedy=req.greedy or req.temperature == 0.0, temperature=req.temperature or 1.0,
                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed)
         eos = frozenset() if req.ignore_eos else frozenset(int(e) for e in self.cfg.eos_token_ids)
@@ -203,8 +196,17 @@ class BatchServer:
                 self.recorder.new_sequence()
             self.counters["requests"] += 1
             self.sched.begin(seq, cache, new_ids, time.perf_counter())
+            carry = None
+            if t.sess is not None:      # the MTP side of the conversation's last drafting turn, consumed here
+                carry, t.sess.mtp_carry = t.sess.mtp_carry, None
+            if t.drafts is not None and not SpeculativeDecoder.can_continue(cache, carry):
+                # the cache grew without drafting (a turn without MTP, a session loaded from disk): this turn runs
+                # without drafts -- the same tokens, MTP is lossless -- and the next one drafts again
+                self.log.info("mtp_off_for_turn", request_id=req.request_id, session=req.session,
+                              why="the session's cache is not in step with an MTP cache")
+                t.drafts, seq.external = None, False
             if t.drafts is not None:
-                t.spec = SpeculativeDecoder(self._head(), cache, seq.sampler, t.drafts)
+                t.spec = SpeculativeDecoder(self._head(), cache, seq.sampler, t.drafts, carry=carry)
         except StopRequested:
             raise
         except MtpUnavailable as e:     # the request's own choice: a bad_request naming why, the run goes on
@@ -268,8 +270,10 @@ class BatchServer:
                     new_ids = full
                     cache = self.model().new_cache(max(16, len(full) + seq.max_tokens - len(seq.out)))
                 self.sched.restart(seq, cache, new_ids)
-                if t.drafts is not None:    # its MTP cache went with the old one: drafting starts over on the new
+                if t.drafts is not None and cache.length == 0:  # its MTP cache went with the old: start over
                     t.spec = SpeculativeDecoder(self._head(), cache, seq.sampler, t.drafts)
+                elif t.drafts is not None:  # a session's cache kept a prefix the new MTP cache lacks: no drafts
+                    t.drafts, t.spec, seq.external = None, None, False
             except StopRequested:
                 raise
             except Exception as e:
@@ -302,6 +306,9 @@ class BatchServer:
         t: Ticket = seq.payload
         rid = seq.request_id
         if t.sess is not None and seq.cache is not None:     # the tokens the cache covers: prompt, then fed back
+            if t.spec is not None:      # a round may have run past the turn's end (eos, max_tokens): cut it back
+                t.sess.cache.truncate(min(t.sess.cache.length, len(seq.prompt) + len(seq.out) - 1))
+                t.sess.mtp_carry = t.spec.carry_out()
             t.sess.tokens = (seq.prompt + seq.out)[:t.sess.cache.length]
             err = self._commit_session(t.sess, rid)   # saved before Done: a turn the client saw finish survives kill -9
             if err:

@@ -48,6 +48,7 @@ class Session:
     cache: KVCache
     tokens: list[int] = field(default_factory=list)  # exactly the positions held by `cache`
     ephemeral: bool = False   # memory only: never saved, dropped instead of spilled (a `coli chat` session)
+    mtp_carry: object = None  # coli.model.mtp.MtpCarry: the MTP side of the last turn that drafted (memory only)
 
     def reuse(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one prompt token must stay new so the

@@ -56,6 +56,31 @@ def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(sta
 
 
 @pytest.mark.timeout(240)
+def test_a_session_drafts_across_turns_and_a_turn_without_mtp_between_them_is_served(start_run, mtp_model):
+    """Turn 2 continues turn 1's MTP cache (MtpCarry): the continuation's tokens are transformers', it reuses turn
+    1's cache and it drafted; a turn without MTP in between grows the cache alone, and the turn after it runs
+    without drafts (the same tokens) rather than drafting from a stale MTP cache."""
+    src, d = mtp_model
+    o = load_oracle(src)
+    p, cont = o["prompt_ids"], o["continuation"]
+    run = start_run(d)
+    with Client(run.name, base=str(run.run_base)) as c:
+        t1 = c.generate(p, 32, greedy=True, ignore_eos=True, session="conv", new_session=True, mtp="3")
+        assert t1.tokens == o["greedy_tokens"]
+        rounds_1 = executor_stats(run, 1)["mtp_rounds"]
+        t2 = c.generate(p + t1.tokens + cont["extra_ids"], 32, greedy=True, ignore_eos=True, session="conv", mtp="3")
+        assert t2.tokens == cont["greedy_tokens"]
+        assert t2.timing["reused_tokens"] == len(p) + 31
+        assert executor_stats(run, 1)["mtp_rounds"] > rounds_1                      # turn 2 drafted
+        # the same conversation, once without MTP and once with: each the tokens of a plain run
+        t3 = c.generate(p, 8, greedy=True, ignore_eos=True, session="conv2", new_session=True, mtp="off")
+        t4 = c.generate(p + t3.tokens + [p[0]], 8, greedy=True, ignore_eos=True, session="conv2", mtp="3")
+        assert t4.tokens == alone(d, p + t3.tokens + [p[0]], 8)
+    logs = run.coli("logs", "--name", run.name, "--json").stdout
+    assert "mtp_off_for_turn" in logs
+
+
+@pytest.mark.timeout(240)
 def test_mtp_where_it_cannot_draft_is_a_bad_request_and_the_run_goes_on(start_run, mtp_model):
     src, d = mtp_model
     o = load_oracle(src)
@@ -64,8 +89,7 @@ def test_mtp_where_it_cannot_draft_is_a_bad_request_and_the_run_goes_on(start_ru
     with Client(run.name, base=str(run.run_base)) as c:
         with pytest.raises(RequestError, match=r"--mtp: .* cannot draft: it has no MTP layer"):
             c.generate(p, 8, greedy=True, mtp="on")
-        with pytest.raises(RequestError, match=r"mtp '3' with session 's1': the executor does not draft over a "
-                                               r"session's cache yet"):
+        with pytest.raises(RequestError, match=r"--mtp: .* cannot draft: it has no MTP layer"):
             c.generate(p, 8, greedy=True, mtp="3", session="s1", new_session=True)
         assert c.generate(p, 32, greedy=True, ignore_eos=True, mtp="off").tokens == o["greedy_tokens"]
         assert c.generate(p, 32, greedy=True, ignore_eos=True).tokens == o["greedy_tokens"]
@@ -81,8 +105,9 @@ def test_coli_up_mtp_is_the_default_of_a_request_that_does_not_say(start_run, mt
         with pytest.raises(RequestError, match=r"cannot draft: it has no MTP layer"):
             c.generate(p, 8, greedy=True)                  # the run's --mtp on applies
         assert c.generate(p, 32, greedy=True, ignore_eos=True, mtp="off").tokens == o["greedy_tokens"]
-        # a session turn that does not say runs without drafting (docs/mtp.md)
-        t = c.generate(p, 32, greedy=True, ignore_eos=True, session="s-default", new_session=True)
+        with pytest.raises(RequestError, match=r"cannot draft: it has no MTP layer"):    # a session turn too
+            c.generate(p, 8, greedy=True, session="s-default", new_session=True)
+        t = c.generate(p, 32, greedy=True, ignore_eos=True, session="s-off", new_session=True, mtp="off")
         assert t.tokens == o["greedy_tokens"]
 
 
