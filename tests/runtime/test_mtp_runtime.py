@@ -1,7 +1,7 @@
 """MTP through the stage processes: a request asking for MTP drafts with the model's MTP head in the batched executor
-(stages/executor/serving.py: one SpeculativeDecoder round per step beside the batched rows), and its greedy tokens
+(stages/executor/serving.py: its verify row [last, d1..dk] in the batched step), and its greedy tokens
 are those it gets without MTP, concurrent with a request that does not draft; max_tokens is honoured inside a
-round; a model without the layer, or a session turn asking for MTP, is a one-line bad_request and the run goes on;
+round; a session drafts across its turns; a model without the layer is a one-line bad_request and the run goes on;
 the HTTP body field `"mtp"` is parsed and checked by the gateway."""
 
 from __future__ import annotations
