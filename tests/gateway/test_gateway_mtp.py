@@ -1,6 +1,6 @@
-"""The HTTP body field "mtp" through a real `coli serve` beside a run of the demo model: "off" is served as usual; the
-batched executor does not draft yet, so anything else is a 400 saying so (not silently served without); a value
-that is not one is a 400 naming 'mtp'."""
+"""The HTTP body field "mtp" through a real `coli serve` beside a run of the demo model: "off" is served as usual; "on"
+and a draft count draft with the demo's trained MTP head inside the batched executor and give the same greedy tokens
+as without; a value that is not one is a 400 naming 'mtp'."""
 
 from __future__ import annotations
 
@@ -18,9 +18,13 @@ def test_mtp_off_is_served_as_without_it(gateway):
     assert s0 == s1 == 200 and off["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
 
 
-def test_mtp_on_is_a_400_saying_the_executor_does_not_draft_yet(gateway):
-    status, body = _post(gateway, mtp="on")
-    assert status == 400 and "does not draft with the MTP head yet" in body["error"]["message"], body
+def test_mtp_on_and_three_drafts_give_the_tokens_without_it(gateway):
+    s0, plain = _post(gateway)
+    s1, on = _post(gateway, mtp="on")
+    s3, three = _post(gateway, mtp=3)
+    assert s0 == s1 == s3 == 200, (on, three)
+    want = plain["choices"][0]["token_ids"]
+    assert on["choices"][0]["token_ids"] == want and three["choices"][0]["token_ids"] == want
 
 
 def test_a_bad_mtp_field_is_a_400_naming_it(gateway):
