@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from coli.errors import ColiError
-from coli.gpu.graphs import MAX_GRAPHS, _Bounded, step_key, why_not_graphable
+from coli.gpu.graphs import MAX_GRAPHS, _Bounded, env_switch, step_key, why_not_graphable
 from coli.model.backend import cos_sin_table
 
 log = logging.getLogger("coli.cuda")
@@ -44,11 +44,8 @@ log = logging.getLogger("coli.cuda")
 
 def batch_graphs_enabled(env: dict | None = None) -> bool:
     """COLI_BATCH_GRAPHS: "1" replays batched decode steps from CUDA graphs, "0" (default) runs them eagerly."""
-    v = (os.environ if env is None else env).get("COLI_BATCH_GRAPHS", "0").strip()
-    if v not in ("0", "1"):
-        raise ColiError(f"COLI_BATCH_GRAPHS={v!r}: use 1 (batched decode steps replayed from CUDA graphs) or 0 "
-                        f"(eager, the default)")
-    return v == "1"
+    return env_switch("COLI_BATCH_GRAPHS", "0", "batched decode steps replayed from CUDA graphs", "eager, the default",
+                      env)
 
 
 def _align16(n: int) -> int:

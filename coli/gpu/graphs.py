@@ -56,13 +56,18 @@ def segments_enabled(env: dict | None = None) -> bool:
 
 
 
+def env_switch(name: str, default: str, on: str, off: str, env: dict | None = None) -> bool:
+    """A 0/1 environment switch: "1" -> True, "0" -> False, unset -> `default`; anything else is a one-line error
+    naming the variable and what each value does (`on` / `off`)."""
+    v = (os.environ if env is None else env).get(name, default).strip()
+    if v not in ("0", "1"):
+        raise ColiError(f"{name}={v!r}: use 1 ({on}) or 0 ({off})")
+    return v == "1"
+
+
 def graphs_enabled(env: dict | None = None) -> bool:
     """COLI_GRAPHS: "1" (default) replays the decode step from CUDA graphs, "0" runs every step eagerly."""
-    v = (os.environ if env is None else env).get("COLI_GRAPHS", "1").strip()
-    if v not in ("0", "1"):
-        raise ColiError(f"COLI_GRAPHS={v!r}: use 1 (decode steps replayed from CUDA graphs, the default) or 0 "
-                        f"(every step eager)")
-    return v == "1"
+    return env_switch("COLI_GRAPHS", "1", "decode steps replayed from CUDA graphs, the default", "every step eager", env)
 
 
 # ---- pure parts ------------------------------------------------------------------------------------------------
