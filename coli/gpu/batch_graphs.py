@@ -27,7 +27,6 @@ default (COLI_BATCH_GRAPHS=1 turns it on) until measured on the H200; COLI_GRAPH
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from coli.errors import ColiError
 from coli.gpu.graphs import MAX_GRAPHS, _Bounded, env_switch, step_key, why_not_graphable
 from coli.model.backend import cos_sin_table
 
