@@ -64,6 +64,31 @@ def step_costs(model, head, context: int = 64, reps: int = 30) -> dict:
         ts.append(time.perf_counter() - t)
         mcache.truncate(context - 1)
     out["mtp_step_s"] = float(np.median(ts))
+    # what decoding runs: a plain step through model.greedy (a replayed CUDA graph on the GPU) and, where the head
+    # has them, a greedy one-draft round in its fixed shape (head.rounds: replayed from one graph on the GPU)
+    tok = 5
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model.greedy([tok], cache)
+        ts.append(time.perf_counter() - t)
+        cache.truncate(context)
+    out["plain_step_s"] = float(np.median(ts))
+    if head.rounds is not None:
+        head.step([tok], b.row_range(hn, context - 1, 1), mcache)        # both caches at `context` positions
+        mcache.truncate(context)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            head.rounds.round(tok, 7, cache, mcache)
+            ts.append(time.perf_counter() - t)
+            cache.truncate(context)
+            mcache.truncate(context)
+        out["row_round_s"] = float(np.median(ts))
+        out["row_round_replays"] = getattr(head.rounds, "replays", None)
+        out["row_round_last_reason"] = getattr(head.rounds, "last_reason", None)
+        out["row_round_speedup_at_acceptance"] = {
+            str(a): round((1 + a) * out["plain_step_s"] / out["row_round_s"], 3) for a in (0.6, 0.8, 0.9)}
     t1 = out["main_S1_s"]
     for k in (1, 2, 3):
         cost = out[f"main_S{k + 1}_s"] + k * out["mtp_step_s"]
