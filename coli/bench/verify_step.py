@@ -210,7 +210,7 @@ class VerifyBench:
     def __init__(self, model, routing, tokens: int, warmup: int, sync: Callable[[], None] = lambda: None):
         self.model, self.routing, self.N, self.warmup, self.sync = model, routing, int(tokens), int(warmup), sync
         c = model.config
-        self.L, self.K, self.V, self.H = len(c.moe_layers), c.num_experts_per_tok, c.vocab_size, c.hidden_size
+        self.L, self.K, self.V = len(c.moe_layers), c.num_experts_per_tok, c.vocab_size
         self.context = self.warmup + self.N // 2        # the plain decode row's middle context
         self._nomoe: dict[int, float] = {}
         self._head: dict[int, float] = {}

@@ -21,7 +21,7 @@ from coli.errors import ColiError
 from coli.model.forward import GlmMoeDsaModel
 from coli.model.numpy_backend import NumpyBackend
 from coli.trace import read_trace
-from slice_helpers import AskedExperts
+from slice_helpers import AskedExperts, write_tiny
 
 
 # ---- options -------------------------------------------------------------------------------------------------
@@ -64,6 +64,13 @@ def test_cli_refuses_a_bad_verify_before_the_gpu(tiny_slice3, nogpu, args, culpr
     res = CliRunner().invoke(app, ["bench", "stream", str(tiny_slice3), *args])
     assert res.exit_code == 2, res.output
     assert culprit in res.output and "CUDA" not in res.output
+
+
+def test_cli_refuses_a_verify_longer_than_the_trace(tmp_path, nogpu):
+    d = write_tiny(tmp_path / "t3", trace="uniform", tokens=3)
+    res = CliRunner().invoke(app, ["bench", "stream", str(d), "--scenario", "warm", "--verify", "2,4"])
+    assert res.exit_code == 2 and "--verify 4: the slice's routing trace has 3 tokens" in res.output, res.output
+    assert "CUDA" not in res.output
 
 
 def test_cli_good_verify_reaches_the_gpu_check(tiny_slice3, nogpu):
@@ -244,6 +251,25 @@ def test_engine_counters_cover_the_timed_steps_only(sliced):
                               vocab=model.config.vocab_size, record_bytes=1000)
         assert f["union_copied_once"] is True
         assert f["copied_bytes_per_step"] == pytest.approx(f["union_bytes_per_step"])
+
+
+def test_a_failing_step_size_costs_its_row_only(sliced):
+    """S = 2's engine fails (its first snapshot, the third: S = 1 took two); S = 1 and 4 still give their rows, on
+    a context that is still the context (S = 4's tokens equal its one-by-one run, its cache restored)."""
+    model, routing, _, _, nbytes = sliced
+    calls = []
+
+    def snapshot():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (S = 2)")
+        return {"copy_bytes": 0, "copies": 0}
+    rows = vs.VerifyBench(model, routing, N, WARM).rows("cold-ram", [2, 4], snapshot=snapshot, record_bytes=nbytes)
+    assert [(r["positions"], r.get("run", True)) for r in rows] == [(1, True), (2, False), (4, True)]
+    assert "out of memory (S = 2)" in rows[1]["reason"]
+    assert rows[2]["verify_equals_one_by_one"] is True and rows[2]["cache_restored"] is True
+    assert rows[2]["x_s1_slice"] is not None
+    assert [m["drafts"] for m in vs.mtp_rows(rows, model.config.hidden_size, model.config.vocab_size)] == [3]
 
 
 def test_the_scenarios_verify_rows_land_in_the_result_and_a_failure_costs_only_them(sliced, capsys):
