@@ -333,9 +333,14 @@ class AutoChoice:
         for k in (0, 1):                               # measure both first
             if self.time[k][1] == 0:
                 return k
-        rate = {k: self.tokens[k] / self.time[k][0] if self.time[k][0] > 0 else float("inf") for k in (0, 1)}
-        best = 1 if rate[1] > rate[0] else 0
+        best = self.best()
         return 1 - best if self.n % self.explore == 0 else best
+
+    def best(self) -> int:
+        """The rule itself, without the re-measuring: 1 (draft) where the drafting rounds' measured tokens per
+        second beat the plain rounds', else 0 (`coli bench stream --verify` applies it to a slice's step costs)."""
+        rate = {k: self.tokens[k] / self.time[k][0] if self.time[k][0] > 0 else float("inf") for k in (0, 1)}
+        return 1 if rate[1] > rate[0] else 0
 
     def record(self, k: int, seconds: float, tokens: int) -> None:
         self.time[k][0] += seconds
