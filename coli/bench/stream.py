@@ -18,10 +18,14 @@ TraceRouting; every token timed with time.perf_counter between two `rt.synchroni
 
 Extrapolation (`split_times`, `extrapolate`): a token's time T over the slice's L MoE layers is split as
     T_nomoe  = the same decode with every routed expert dropped (route override: idx -1; attention, router,
-               shared expert, head: "dense")
-    dense_layer_s = (T_nomoe - head_s_slice) / L
+               shared expert, head: "dense"); T_nomoe_1 the same over the slice's first layer alone
+    dense_layer_s = (T_nomoe - T_nomoe_1) / (L - 1)        (what a layer adds: `marginal_split`)
+    fixed_token_s = T_nomoe_1 - dense_layer_s - head_s_slice   (paid once per token: graph launch, read-back, host)
     moe_layer_s   = (T - T_nomoe) / L                      (the routed experts' time per MoE layer, this scenario)
-    GLM-5 tokens/s = 1 / (75 x moe_layer_s + 78 x dense_layer_s + head_s_full)
+    GLM-5 tokens/s = 1 / (fixed_token_s + 75 x moe_layer_s + 78 x dense_layer_s + head_s_full)
+(Before 2026-12-01 evening the whole T_nomoe was spread over the slice's L layers -- dense_layer_s = (T_nomoe -
+head_s_slice) / L, still in the JSON as dense_layer_ms_spread -- which charged the per-token fixed time to every
+layer, 39 times over for a 2-layer slice; a 1-layer slice, or a failing one-layer decode, still does that.)
 head_s_slice is the lm_head matmul measured on its own; head_s_full scales it by 154880 / the slice's vocabulary
 (a memory-bound GEMV). In the warm scenario T - T_nomoe is the MoE compute time: the "dense-layer time measured in
 the warm scenario as forward time minus MoE time" is T_nomoe's share by construction. GLM-5's 3 dense layers are
@@ -86,10 +90,22 @@ def split_times(token_s: float, nomoe_token_s: float, n_layers: int, head_s: flo
 
 
 def extrapolate(moe_layer_s: float, dense_layer_s: float, head_s: float, moe_layers: int = GLM5_MOE_LAYERS,
-                layers: int = GLM5_LAYERS) -> float:
-    """GLM-5 tokens/s = 1 / (75 x MoE-layer time + 78 x dense-layer time + head time)."""
-    t = moe_layers * moe_layer_s + layers * dense_layer_s + head_s
+                layers: int = GLM5_LAYERS, fixed_s: float = 0.0) -> float:
+    """GLM-5 tokens/s = 1 / (per-token fixed time + 75 x MoE-layer time + 78 x dense-layer time + head time)."""
+    t = fixed_s + moe_layers * moe_layer_s + layers * dense_layer_s + head_s
     return 1.0 / t if t > 0 else float("inf")
+
+
+def marginal_split(nomoe_token_s: float, nomoe_one_layer_s: float, n_layers: int,
+                   head_s: float) -> tuple[float, float]:
+    """(dense_layer_s, fixed_s) from the no-routed-expert token over the slice's L layers and over its first layer
+    alone: a layer's wall time is what each layer past the first adds, (T_L - T_1) / (L - 1); what T_1 holds beside
+    that layer and the head is paid once per token -- the graph launch, the read-back, the host's step -- and
+    does not grow with the layers (a replayed step runs every layer in one graph). Noise clamps to 0."""
+    if n_layers < 2:
+        raise ValueError("the marginal split needs a slice of at least 2 layers")
+    dense = max(nomoe_token_s - nomoe_one_layer_s, 0.0) / (n_layers - 1)
+    return dense, max(nomoe_one_layer_s - dense - head_s, 0.0)
 
 
 def full_dense_bytes(slice_dense_bytes: int, head_bytes: int, slice_layers: int, slice_vocab: int,
@@ -292,11 +308,19 @@ class _Runner:
         self._mem = None
 
     # ---- decode ------------------------------------------------------------------------------------------
-    def decode(self, override=None) -> list[float]:
+    def decode(self, override=None, layers: int | None = None) -> list[float]:
+        """Seconds of each of N greedy tokens after the warm-up. layers: run only the model's first `layers`
+        layers (the marginal split's one-layer token: the graphs are dropped before and after, a captured step
+        bakes the layers it ran)."""
         m, rt = self.model, self.b.rt
         saved = m.route_override
+        saved_layers = m.layers
         if override is not None:
             m.route_override = override
+        if layers is not None:
+            if m.step_graphs is not None:
+                m.step_graphs.reset()
+            m.layers = m.layers[:layers]
         try:
             self.routing.reset(0)
             cache = m.new_cache(WARMUP_TOKENS + self.N + 8)
@@ -324,6 +348,10 @@ class _Runner:
             return times
         finally:
             m.route_override = saved
+            if layers is not None:
+                m.layers = saved_layers
+                if m.step_graphs is not None:
+                    m.step_graphs.reset()
 
     _before: Callable[[], None] | None = None
     graphs: dict | None = None     # the last decode's replay counters (None: every step eager)
@@ -394,7 +422,7 @@ class _Runner:
 
 def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice: float, head_full: float,
                  dense_layer_s: float | None, warm_moe_layer_s: float | None, ceil: dict | None, tile_kb: int,
-                 nvme_peak: float | None) -> dict:
+                 nvme_peak: float | None, fixed_s: float = 0.0) -> dict:
     """The reported figures of one scenario from its raw measurements (pure)."""
     t = summarise(raw["token_s"])
     mean = t["mean"]
@@ -404,7 +432,7 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
     if nomoe_s is not None and dense_layer_s is not None:
         moe, _ = split_times(mean, nomoe_s, L, head_slice)
         out["moe_layer_ms"] = moe * 1e3
-        out["tokens_per_s_glm5"] = extrapolate(moe, dense_layer_s, head_full)
+        out["tokens_per_s_glm5"] = extrapolate(moe, dense_layer_s, head_full, fixed_s=fixed_s)
     else:
         moe = None
         out["moe_layer_ms"] = None
@@ -474,9 +502,11 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            "vram_gb": vram_gb, "vram_gb_budgets": budgets, "ram_gb": ram_gb, "tile_kb": tile_kb,
                            "scenarios_asked": names,
                            "rows": [], "notes": [], "extrapolation": (
-                               "tokens/s extrapolated to GLM-5 (75 MoE + 3 dense layers): 1 / (75 x moe_layer_s + 78 x "
-                               "dense_layer_s + head_s_full); per-layer cache capacities scaled to what the full model "
-                               "would have at the same --vram-gb/--ram-gb")}
+                               "tokens/s extrapolated to GLM-5 (75 MoE + 3 dense layers): 1 / (fixed_token_s + 75 x "
+                               "moe_layer_s + 78 x dense_layer_s + head_s_full); dense_layer_s is what a layer adds "
+                               "to the no-routed-expert token (L layers against the first alone), fixed_token_s what "
+                               "that token pays once whatever its depth; per-layer cache capacities scaled to what "
+                               "the full model would have at the same --vram-gb/--ram-gb")}
     peer_row = None
     if "peer" in names:                 # first: before this process owns GPU memory
         report("peer: coli.bench.peer_accelerate in a subprocess ...")
@@ -533,6 +563,26 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     except Exception as e:   # noqa: BLE001
         res["notes"].append(f"the no-routed-expert decode failed ({type(e).__name__}: {e}): no MoE/dense split, "
                             f"no GLM-5 extrapolation")
+    fixed = 0.0
+    if nomoe is not None and r.L >= 2:
+        # the marginal split: the same decode over the first layer alone says what a layer adds and what a token
+        # pays once whatever its depth (docs/performance.md, "Extrapolation")
+        try:
+            t1 = r.decode(override=DropAllExperts(r.K), layers=1)
+            one = float(np.mean(t1))
+            dense_m, fixed = marginal_split(nomoe, one, r.L, head_slice)
+            res["nomoe_one_layer_token_ms"] = summarise([x * 1e3 for x in t1])
+            res["dense_layer_ms_spread"] = dense_layer * 1e3       # the old split: the whole token over L layers
+            gpu = (res.get("nomoe_graphs") or {}).get("gpu_ms_mean")
+            if gpu is not None:   # cross-check: the replayed step's device time over its layers
+                res["dense_layer_ms_device"] = max(gpu / 1e3 - head_slice, 0.0) / r.L * 1e3
+            dense_layer = dense_m
+            res["dense_layer_ms"] = dense_layer * 1e3
+            res["fixed_token_ms"] = fixed * 1e3
+        except Exception as e:   # noqa: BLE001
+            fixed = 0.0
+            res["notes"].append(f"the one-layer decode failed ({type(e).__name__}: {e}): the whole token is spread "
+                                f"over the slice's layers (no per-token fixed time)")
     raws: dict[str, dict] = {}
     n_cold = max(scal["slice_vram_slots"], 2 * r.K)
     batched = _batched(r, res, batches, tokens)
@@ -682,7 +732,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             continue
         row = _row_figures(raw, L=r.L, N=tokens, nomoe_s=nomoe, head_slice=head_slice, head_full=head_full,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
-                           nvme_peak=nvme_peak)
+                           nvme_peak=nvme_peak, fixed_s=fixed)
         row["token_s_raw"] = raw["token_s"]
         if "graphs" in raw:
             row["graphs"] = raw["graphs"]
@@ -862,7 +912,7 @@ def _plot_rows(res: dict, ceil: dict | None) -> list[dict]:
     (pinned H2D for RAM-fed rows, O_DIRECT reads for disk-fed rows)."""
     out = []
     dense = (res.get("dense_layer_ms") or 0.0) / 1e3
-    head = res.get("head_s_full") or 0.0
+    head = (res.get("head_s_full") or 0.0) + (res.get("fixed_token_ms") or 0.0) / 1e3
     L = (res.get("slice_config") or {}).get("layers") or 2
     for r in res.get("rows", []):
         name = r.get("scenario", "?")
