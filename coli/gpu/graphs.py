@@ -208,12 +208,14 @@ def why_not_graphable(model, ids: Sequence[int]) -> str | None:
 class DeviceStep:
     """The device buffers of a replayed step and what CudaBackend reads while one is captured (backend.step)."""
 
-    def __init__(self, rt, layout: StepLayout, slots, E: int, rec_layout):
+    def __init__(self, rt, layout: StepLayout, slots, E: int, rec_layout, hidden_size: int):
         self.rt, self.layout, self.E, self.rec_layout = rt, layout, E, rec_layout
         self.slots = slots                                  # DeviceArray [L, E] uint64, None: none resident
         self.pinned_in = rt.drv.pagelocked_empty(layout.nbytes, np.uint8)
         self.pinned_in[:] = 0
         self.pinned_out = rt.drv.pagelocked_empty(1, np.int32)
+        # the step's final-normed hidden state [1, H], copied here by every replay (MTP keeps it: greedy(hidden=))
+        self.hidden_d = rt.empty((1, hidden_size), np.float32)
         self.route_idx = rt.drv.pagelocked_empty(layout.K, np.int32)      # a segment's top-k (coli/gpu/segments.py)
         self.route_w = rt.drv.pagelocked_empty(layout.K, np.float32)
         self.dyn = rt.empty((layout.nbytes,), np.uint8)
@@ -321,10 +323,14 @@ class GraphDecoder:
         self.gpu_s: list[float] = []             # device time of each timed replay
 
     # ---- public --------------------------------------------------------------------------------------------
-    def greedy(self, ids: Sequence[int], cache) -> int | None:
-        """The greedy next token after ids (one position) from a replayed graph; None: run the step eagerly."""
+    def greedy(self, ids: Sequence[int], cache, hidden: bool = False):
+        """The greedy next token after ids (one position) from a replayed graph; None: run the step eagerly.
+        hidden: -> (token, the step's final-normed hidden state [1, H] on the device) from a replay of a step with
+        every expert resident, else None (the caller runs the step eagerly: streamed or forced-route steps too)."""
         m, c = self.model, self.model.config
         reason = why_not_graphable(m, ids)
+        if reason is None and hidden and m.route_override is not None:
+            reason = "a route override (benchmarks): its draws would be spent by a step that cannot give the hidden"
         if reason is None and (cache.backend is not self.b or m.backend is not self.b):
             reason = "the model or its cache lives on another backend"
         if reason is not None:
@@ -343,6 +349,9 @@ class GraphDecoder:
             if bad is not None:
                 return self._eager(ids, cache, routes, bad)
         elif resident is not None:
+            if hidden:
+                self.last_reason = f"a streaming step gives no hidden state ({resident})"
+                return None
             return self._segmented(ids, cache, None, resident)
         cache.reserve(1)
         span = self._attn_span(cache.length + 1)
@@ -381,6 +390,10 @@ class GraphDecoder:
         cache.length = pos + 1
         self.replays += 1
         self.last_reason = None
+        if hidden:
+            h = self.b.empty((1, c.hidden_size))
+            self.b.place_rows(h, 0, st.hidden_d)        # the next replay overwrites hidden_d
+            return int(st.pinned_out[0]), h
         return int(st.pinned_out[0])
 
     def reset(self) -> None:
@@ -507,7 +520,7 @@ class GraphDecoder:
             else:
                 slots = b.rt.to_device(table)
         layout = StepLayout(c.qk_rope_head_dim // 2, tuple(c.moe_layers), c.num_experts_per_tok)
-        self._step = DeviceStep(b.rt, layout, slots, c.n_routed_experts, lay)
+        self._step = DeviceStep(b.rt, layout, slots, c.n_routed_experts, lay, c.hidden_size)
         self._bind_reason = reason
         return reason
 
@@ -522,7 +535,9 @@ class GraphDecoder:
             rt.begin_capture()
             b.step = st
             rt.drv.memcpy_htod_async(st.dyn.ptr, st.pinned_in, rt.stream)
-            logits = self.model.logits_device([tok], cache)
+            hn = self.model.hidden_device([tok], cache)                        # [1, H]
+            b.place_rows(st.hidden_d, 0, hn)
+            logits = b.linear(hn, self.model.lm_head)                          # [1, V]
             b.argmax_into(logits, st.out_d.ptr)
             rt.drv.memcpy_dtoh_async(st.pinned_out, st.out_d.ptr, rt.stream)
             b.step = None

@@ -207,9 +207,21 @@ class GlmMoeDsaModel:
         """greedy() with every kernel issued from here (the reference of the replayed step)."""
         return int(self.backend.argmax(self._logits(ids, cache, False))[-1])
 
-    def logits_device(self, ids: Sequence[int], cache: KVCache) -> Array:
-        """The last position's logits [1, V], left on the backend (what a captured decode step computes)."""
-        return self._logits(ids, cache, False)
+    def hidden_device(self, ids: Sequence[int], cache: KVCache) -> Array:
+        """The last position's final-normed hidden state [1, H], left on the backend (a captured decode step
+        computes it, keeps a copy and applies the lm_head)."""
+        return self._final_hidden(ids, cache, False)
+
+    def greedy_hidden(self, ids: Sequence[int], cache: KVCache) -> tuple[int, Array]:
+        """greedy() and the last position's final-normed hidden state [1, H] on the backend (an MTP decoder's
+        plain round queues it for the MTP layer): a replayed graph where greedy() would replay one with every
+        expert resident, else eagerly; the same token either way."""
+        if self.step_graphs is not None:
+            got = self.step_graphs.greedy(ids, cache, hidden=True)
+            if got is not None:
+                return got
+        hn = self._final_hidden(ids, cache, False)                      # [1, H]
+        return int(self.backend.argmax(self.backend.linear(hn, self.lm_head))[-1]), hn
 
     def forward_hidden(self, ids: Sequence[int], cache: KVCache) -> tuple[Array, Array]:
         """Every new position's final-normed hidden state [S, H] and logits [S, V], both left on the backend: a

@@ -319,14 +319,23 @@ class MtpStats:
 class AutoChoice:
     """`--mtp auto`: per round, draft (k = 1) or not (k = 0), whichever the measured figures say yields more tokens
     per second: a plain round emits 1 token in its measured time, a drafting round its measured tokens per round in
-    its measured time (draft + verify). The other choice is re-measured every `explore` rounds so a change (experts
-    turning resident, acceptance falling) is seen."""
+    its measured time (draft + verify). The other choice is re-measured after `explore` rounds, then after twice as
+    many each time it still loses (up to `max_explore`), so a change (experts turning resident, acceptance falling)
+    is seen and a settled choice costs little measuring."""
 
-    def __init__(self, explore: int = 8):
-        self.explore = explore
+    DECAY = 0.75       # weight of a choice's earlier rounds each time it is measured again
+
+    def __init__(self, explore: int = 8, max_explore: int = 128):
+        self.explore, self.max_explore = explore, max_explore
         self.time = {0: [0.0, 0], 1: [0.0, 0]}       # k -> [seconds, rounds]
         self.tokens = {0: 0, 1: 0}
         self.n = 0
+        # rounds between re-measurements: doubled (up to max_explore) each time the other choice still loses, so a
+        # settled choice costs ever less measuring (a losing drafting round, or a catch-up after plain rounds);
+        # back to `explore` when the choice flips
+        self.interval = explore
+        self.next_explore = explore
+        self._settled: int | None = None
 
     def choose(self) -> int:
         self.n += 1
@@ -334,7 +343,14 @@ class AutoChoice:
             if self.time[k][1] == 0:
                 return k
         best = self.best()
-        return 1 - best if self.n % self.explore == 0 else best
+        if best != self._settled:
+            self._settled, self.interval = best, self.explore
+            self.next_explore = self.n + self.interval
+        if self.n >= self.next_explore:
+            self.interval = min(2 * self.interval, self.max_explore)
+            self.next_explore = self.n + self.interval
+            return 1 - best
+        return best
 
     def best(self) -> int:
         """The rule itself, without the re-measuring: 1 (draft) where the drafting rounds' measured tokens per
@@ -343,9 +359,11 @@ class AutoChoice:
         return 1 if rate[1] > rate[0] else 0
 
     def record(self, k: int, seconds: float, tokens: int) -> None:
-        self.time[k][0] += seconds
+        # decayed sums: each choice's newest rounds weigh most, so a change shows at its next re-measurements
+        # instead of being averaged away by hundreds of old rounds
+        self.time[k][0] = self.time[k][0] * self.DECAY + seconds
         self.time[k][1] += 1
-        self.tokens[k] += tokens
+        self.tokens[k] = self.tokens[k] * self.DECAY + tokens
 
 
 @dataclass
@@ -434,18 +452,26 @@ class SpeculativeDecoder:
 
     def step(self, room: int) -> list[int]:
         """One round: at least 1 and at most min(k + 1, room) new tokens (room >= 1: what max_tokens leaves)."""
-        if room >= 2 and self.greedy and self.k == 1 and self.auto is None and self.head.rounds is not None:
+        k = self._choose(room)
+        if self.greedy and k == 0:
+            return self._plain_round()
+        if self.greedy and k == 1 and self.head.rounds is not None:
             return self._row_round()
-        ids = self.begin_round(room)
+        ids = self.begin_round(room, k)
         hn, logits = self.model.forward_hidden(ids, self.cache)                   # [k+1, H], [k+1, V]
         return self.end_round(hn, logits)
 
-    def begin_round(self, room: int) -> list[int]:
-        """A round's first half: draft, and -> the verify row's ids [last, d_1..d_k] (k <= room - 1). The caller runs
-        them after the main cache's positions, all logits (alone: forward_hidden; in a batch: one all_logits row of
-        coli.model.batch.forward_batch_hidden), then hands the row's hidden states and logits to `end_round`."""
+    def _choose(self, room: int) -> int:
+        """This round's draft count: the fixed k or auto's choice, at most what room leaves."""
         k = self.auto.choose() if self.auto is not None else self.k
-        k = max(0, min(k, room - 1))
+        return max(0, min(k, room - 1))
+
+    def begin_round(self, room: int, k: int | None = None) -> list[int]:
+        """A round's first half: draft, and -> the verify row's ids [last, d_1..d_k] (k <= room - 1; None: chosen
+        here). The caller runs them after the main cache's positions, all logits (alone: forward_hidden; in a batch:
+        one all_logits row of coli.model.batch.forward_batch_hidden), then hands the row's hidden states and logits
+        to `end_round`."""
+        k = self._choose(room) if k is None else k
         if self.ready is not None:      # after a row round d_1 is drafted and nothing waits to chain from: one draft
             k = min(k, 1)
             if k == 0:                  # a plain step: d_1 guessed the token it now computes
@@ -479,7 +505,38 @@ class SpeculativeDecoder:
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
         self.stats.record(1, a)
+        if self.auto is not None:
+            self.auto.record(1, t2 - t0, len(out))
         return out
+
+    def _plain_round(self) -> list[int]:
+        """A greedy round without drafts (auto's k = 0, the last token max_tokens leaves): the model's own step --
+        a replayed CUDA graph on the GPU, the same one decoding without MTP runs -- which also gives its hidden
+        state; it waits in the queue for the MTP layer's next catch-up."""
+        t0 = time.perf_counter()
+        tok, h = self.model.greedy_hidden([self.last], self.cache)                # h [1, H]
+        self.ready = None               # a drafted d_1 guessed the token just computed
+        self._queue(h, [tok])
+        self.last = tok
+        t1 = time.perf_counter()
+        self.stats.verify_s += t1 - t0
+        self.stats.record(0, 0)
+        if self.auto is not None:
+            self.auto.record(0, t1 - t0, 1)
+        return [tok]
+
+    def _queue(self, h: Array, ids: list[int]) -> None:
+        """Append hidden states h [n, H] (on the backend) and the tokens one ahead of them to the MTP side's queue
+        (a device-side concatenation: no host round trip per plain step)."""
+        b = self.model.backend
+        if self.pending_h is None or self.pending_h.shape[0] == 0:
+            self.pending_h, self.pending_ids = h, list(ids)
+            return
+        m, n = self.pending_h.shape[0], h.shape[0]
+        both = b.empty((m + n, self.model.config.hidden_size))                  # [m + n, H]
+        b.place_rows(both, 0, self.pending_h)
+        b.place_rows(both, m, h)
+        self.pending_h, self.pending_ids = both, self.pending_ids + list(ids)
 
     def end_round(self, hn: Array, logits: Array) -> list[int]:
         """The verified row's final-normed hidden states [k+1, H] and logits [k+1, V] (on the backend; the main cache
@@ -530,11 +587,7 @@ class SpeculativeDecoder:
             self.mtp_cache.truncate(P)
             self.pending_h, self.pending_ids = b.rows(hn, a + 1), out
         else:
-            # a plain step: the MTP cache did not move; its queue grows by this position (host concat: rare, small)
-            if self.pending_h is None:     # nothing waited (after a row round)
-                self.pending_h, self.pending_ids = hn, list(out)
-            else:
-                both = np.concatenate([b.to_host(self.pending_h), b.to_host(hn)])
-                self.pending_h, self.pending_ids = b.upload(both), self.pending_ids + out
+            # a plain step: the MTP cache did not move; its queue grows by this position
+            self._queue(hn, out)
         self.last = out[-1]
         return out

@@ -184,3 +184,27 @@ def test_a_second_turn_after_row_rounds_drafts_from_the_carry(mtp_oracle):
                         mtp=(head, 1, first.mtp_carry))
     assert list(second) == o["continuation"]["greedy_tokens"]
     assert second.stats.mtp["drafted"][0] > 0
+
+
+def test_auto_over_row_rounds_and_plain_steps_gives_the_plain_tokens(demo):
+    """--mtp auto with the fixed-shape rounds: its plain rounds are the model's own step (greedy_hidden: a replayed
+    graph on the GPU) whose hidden states wait in the queue, its drafting rounds row rounds -- the same tokens."""
+    model, ids, want = demo
+    gen = Generation(model, ids, 40, ignore_eos=True, mtp=(_row_head(model), "auto"))
+    assert list(gen) == want
+    s = gen.stats.mtp
+    assert s["plain_rounds"] > 0 and s["drafted"][0] > 0
+
+
+def test_auto_measures_a_settled_choice_ever_less_often_and_follows_a_change():
+    from coli.model.mtp import AutoChoice
+    auto, picks = AutoChoice(explore=8, max_explore=64), []
+    for i in range(400):
+        k = auto.choose()
+        picks.append(k)
+        draft_s = 2.2 if i < 300 else 1.2          # drafting loses (2 tokens in 2.2 plain steps), then pays
+        auto.record(k, 1.0 if k == 0 else draft_s, 1 if k == 0 else 2)
+    first = picks[:300]
+    # measured first, then re-measured after 8, 16, 32, 64, 64, ... rounds: a handful of drafting rounds, not 300/8
+    assert first[:2] == [0, 1] and 3 <= first.count(1) <= 8
+    assert picks[-50:].count(1) >= 45              # it saw drafting pay at a re-measurement and switched
