@@ -296,6 +296,30 @@ def test_coli_run_mtp_on_3_auto_give_the_tokens_of_off(mtp_oracle):
     assert human.returncode == 0 and "[MTP 2:" in human.stderr and "tokens per step" in human.stderr
 
 
+def coli_run_tokens(model_dir, prompt: list[int], n: int, *args) -> dict:
+    """`coli run --json` greedy on PROMPT (ignoring eos) -> its JSON (tokens, stats)."""
+    r = _coli("run", "--model", model_dir, "--prompt-ids", ",".join(map(str, prompt)), "-n", n, "--ignore-eos",
+              "--json", *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int4"])
+def test_coli_run_mtp_on_a_container_gives_the_tokens_without_it(mtp_oracle, tmp_path, fmt):
+    """`coli run` on a container (what `coli convert` writes): lossless f32 gives transformers' tokens with --mtp on
+    and --mtp 3; int4 experts with an int8 dense core give the tokens of --mtp off."""
+    src, d = mtp_oracle
+    o = load_oracle(src)
+    c = tmp_path / fmt
+    convert(d, c, ConvertOptions(experts=fmt, dense="f32" if fmt == "f32" else "int8", group=32))
+    p = o["prompt_ids"]
+    want = o["greedy_tokens"] if fmt == "f32" else coli_run_tokens(c, p, 32, "--mtp", "off")["tokens"]
+    for mode, k in (("on", 1), ("3", 3)):
+        j = coli_run_tokens(c, p, 32, "--mtp", mode)
+        assert j["tokens"] == want, mode
+        assert j["stats"]["mtp"]["drafts"] == k and sum(j["stats"]["mtp"]["drafted"]) > 0, j["stats"]["mtp"]
+
+
 def test_coli_run_mtp_without_the_layer_is_a_clear_error(oracle_root):
     d = oracle_dir(oracle_root, "default")
     r = _coli("run", "--model", d, "--prompt-ids", "1,2,3", "-n", "4", "--mtp", "on")
