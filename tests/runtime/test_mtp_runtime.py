@@ -43,7 +43,7 @@ def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(sta
         assert s.error is None, s.error
     assert drafting.tokens == o["greedy_tokens"]           # transformers' tokens, drafted and verified
     assert plain.tokens == alone(d, p[2:14], 24)
-    st = executor_stats(run)
+    st = executor_stats(run, since=time.time())
     assert st["mtp_rounds"] > 0 and st["mtp_drafted_1"] >= st["mtp_drafted_3"] > 0, st    # counted for `coli stats`
     assert st["mtp_tokens"] == 31 and st["mtp_accepted_1"] <= st["mtp_drafted_1"], st   # 32 tokens, 1 from the prompt
     with Client(run.name, base=str(run.run_base)) as c:
@@ -101,11 +101,11 @@ def test_a_session_drafts_across_turns_and_a_turn_without_mtp_between_them_is_se
     with Client(run.name, base=str(run.run_base)) as c:
         t1 = c.generate(p, 32, greedy=True, ignore_eos=True, session="conv", new_session=True, mtp="3")
         assert t1.tokens == o["greedy_tokens"]
-        rounds_1 = executor_stats(run, 1)["mtp_rounds"]
+        rounds_1 = executor_stats(run, 1, since=time.time())["mtp_rounds"]
         t2 = c.generate(p + t1.tokens + cont["extra_ids"], 32, greedy=True, ignore_eos=True, session="conv", mtp="3")
         assert t2.tokens == cont["greedy_tokens"]
         assert t2.timing["reused_tokens"] == len(p) + 31
-        assert executor_stats(run, 1)["mtp_rounds"] > rounds_1                      # turn 2 drafted
+        assert executor_stats(run, 1, since=time.time())["mtp_rounds"] > rounds_1                      # turn 2 drafted
         # the same conversation, once without MTP and once with: each the tokens of a plain run
         t3 = c.generate(p, 8, greedy=True, ignore_eos=True, session="conv2", new_session=True, mtp="off")
         t4 = c.generate(p + t3.tokens + [p[0]], 8, greedy=True, ignore_eos=True, session="conv2", mtp="3")
