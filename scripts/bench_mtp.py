@@ -64,19 +64,41 @@ def step_costs(model, head, context: int = 64, reps: int = 30) -> dict:
         ts.append(time.perf_counter() - t)
         mcache.truncate(context - 1)
     out["mtp_step_s"] = float(np.median(ts))
-    t1 = out["main_S1_s"]
+    # the cost model `coli bench stream --verify` applies to the GLM-5 slice (coli/bench/verify_step.py)
+    from coli.bench.verify_step import ACCEPTANCES, break_even, round_s, speedup
+    t1, tm = out["main_S1_s"], out["mtp_step_s"]
+    # what decoding runs: a plain step through model.greedy (a replayed CUDA graph on the GPU) and, where the head
+    # has them, a greedy one-draft round in its fixed shape (head.rounds: replayed from one graph on the GPU)
+    tok = 5
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model.greedy([tok], cache)
+        ts.append(time.perf_counter() - t)
+        cache.truncate(context)
+    out["plain_step_s"] = float(np.median(ts))
+    if head.rounds is not None:
+        head.step([tok], b.row_range(hn, context - 1, 1), mcache)        # both caches at `context` positions
+        mcache.truncate(context)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            head.rounds.round(tok, 7, cache, mcache)
+            ts.append(time.perf_counter() - t)
+            cache.truncate(context)
+            mcache.truncate(context)
+        out["row_round_s"] = float(np.median(ts))
+        out["row_round_replays"] = getattr(head.rounds, "replays", None)
+        out["row_round_last_reason"] = getattr(head.rounds, "last_reason", None)
+        # a round of one draft yields 1 + a tokens at acceptance a (tokens_per_round with k = 1)
+        out["row_round_speedup_at_acceptance"] = {
+            str(a): round((1 + a) * out["plain_step_s"] / out["row_round_s"], 3) for a in ACCEPTANCES}
     for k in (1, 2, 3):
-        cost = out[f"main_S{k + 1}_s"] + k * out["mtp_step_s"]
-        gain = {}
-        for a in (0.6, 0.8, 0.9):
-            gain[str(a)] = round((1 - a ** (k + 1)) / (1 - a) * t1 / cost, 3)
-        # break-even: E(a) = cost / t1
-        lo, hi = 0.0, 1.0
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if (1 - mid ** (k + 1)) / (1 - mid) < cost / t1 else (lo, mid)
-        out[f"k{k}"] = {"round_s": round(cost, 6), "speedup_at_acceptance": gain,
-                        "break_even_acceptance": round(hi, 3) if (k + 1) > cost / t1 else None}
+        tv = out[f"main_S{k + 1}_s"]
+        be = break_even(k, t1, tv, tm)
+        out[f"k{k}"] = {"round_s": round(round_s(tv, tm, k), 6),
+                        "speedup_at_acceptance": {str(a): round(speedup(a, k, t1, tv, tm), 3) for a in ACCEPTANCES},
+                        "break_even_acceptance": None if be is None else round(be, 3)}
     return out
 
 

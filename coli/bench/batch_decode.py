@@ -156,6 +156,20 @@ class DropAllExperts:
         return np.full((n, self.k), -1, np.int64), np.zeros((n, self.k), np.float32)
 
 
+def time_head(model, rows: int, sync: Callable[[], None] = lambda: None, reps: int = 20) -> float:
+    """Seconds of the lm_head over `rows` rows on the model's backend (mean of `reps`, after one untimed): the head
+    share of a step of that many rows (a memory-bound GEMV that the extrapolation scales to GLM-5's vocabulary)."""
+    b = model.backend
+    x = b.upload(np.zeros((rows, model.config.hidden_size), np.float32))      # [rows, H]
+    b.linear(x, model.lm_head)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.linear(x, model.lm_head)
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
 class BatchBench:
     """The batched rows of one run: per B, the no-routed-expert step and the lm_head over B rows (measured once,
     shared by the scenarios), and per scenario the B-sequence decode on the engine installed in model.experts."""
@@ -173,17 +187,9 @@ class BatchBench:
             self._nomoe[B] = float(np.mean(d["step_s"]))
         return self._nomoe[B]
 
-    def head_s(self, B: int, reps: int = 20) -> float:
+    def head_s(self, B: int) -> float:
         if B not in self._head:
-            b, m = self.model.backend, self.model
-            x = b.upload(np.zeros((B, m.config.hidden_size), np.float32))      # [B, H]
-            b.linear(x, m.lm_head)
-            self.sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                b.linear(x, m.lm_head)
-            self.sync()
-            self._head[B] = (time.perf_counter() - t0) / reps
+            self._head[B] = time_head(self.model, B, self.sync)
         return self._head[B]
 
     def run(self, scenario: str, B: int, snapshot: Callable[[], dict] | None = None) -> dict:
@@ -340,19 +346,26 @@ def batch_table_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
+def print_rows(title: str, headers: list[str], cells: list[list[str]], footnote: str,
+               report: Callable[[str], None] = print) -> None:
+    """A bench table on stdout (rich), then its footnote through `report` (the batched and the verify-step rows)."""
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=title)
+    for h in headers:
+        t.add_column(h)
+    for row in cells:
+        t.add_row(*row)
+    Console(stderr=False).print(t)
+    report("* " + footnote)
+
+
 def print_batch_table(res: dict, report: Callable[[str], None] = print) -> None:
     rows = (res.get("batch") or {}).get("rows") or []
     if not rows:
         return
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"batched decode: B sequences per step ({res['tokens']} steps)")
-    for h in BATCH_HEADERS:
-        t.add_column(h)
-    for cells in batch_table_rows(rows):
-        t.add_row(*cells)
-    Console(stderr=False).print(t)
-    report("* " + EXTRAPOLATION_NOTE)
+    print_rows(f"batched decode: B sequences per step ({res['tokens']} steps)", BATCH_HEADERS, batch_table_rows(rows),
+               EXTRAPOLATION_NOTE, report)
     for name, a in acceptance(rows).items():
         if a["x_b1_glm5"] is not None:
             report(f"{name}: aggregate at B={a['batch']} is {a['x_b1_glm5']:.2f} x B=1 (issue 15 target >= "

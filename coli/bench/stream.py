@@ -455,11 +455,14 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
 
 def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0, ram_gb: float = 64.0,
                   tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
-                  report: Callable[[str], None] = print, batches: list[int] | None = None) -> dict:
+                  report: Callable[[str], None] = print, batches: list[int] | None = None,
+                  verify: list[int] | None = None, mtp_acceptance: float = 0.8) -> dict:
     """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md).
     vram_gb: one budget or several ("16,24,32" or a list): the budget scenarios run once per budget (rows
     budget-16gb, ...), everything else at the first. batches (coli.bench.batch_decode): besides its row, warm
-    and cold-ram run B sequences together on their engine for each B (res["batch"]); None or [1]: not run."""
+    and cold-ram run B sequences together on their engine for each B (res["batch"]); None or [1]: not run.
+    verify (coli.bench.verify_step): warm and cold-ram also time verify steps of S positions of one sequence
+    (res["verify"]) and what MTP would give, `auto` judged at mtp_acceptance; None or [1]: not run."""
     from coli.bench.budget import parse_budgets
     budgets = parse_budgets(",".join(f"{v:g}" for v in vram_gb) if isinstance(vram_gb, (list, tuple)) else vram_gb)
     vram_gb = budgets[0]
@@ -533,6 +536,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     raws: dict[str, dict] = {}
     n_cold = max(scal["slice_vram_slots"], 2 * r.K)
     batched = _batched(r, res, batches, tokens)
+    verified = _verified(r, res, verify, tokens)
 
     def guarded(name, fn):
         report(f"{name} ...")
@@ -556,6 +560,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                 t = r.decode()
                 row = {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
                 batched("warm", None)
+                verified("warm", None)
                 return row
             finally:
                 r.model.experts = _NoExperts()
@@ -573,6 +578,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                 r.model.experts = vx
                 try:
                     batched("cold-ram", lambda: (vx.finish(), vx.snapshot())[1])
+                    verified("cold-ram", lambda: (vx.finish(), vx.snapshot())[1])
                 finally:
                     r.model.experts = _NoExperts()
         finally:
@@ -693,6 +699,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     if "batch" in res:
         from coli.bench.batch_decode import acceptance
         res["batch"]["acceptance"] = acceptance(res["batch"]["rows"])
+    if "verify" in res:
+        finish_verify(res, r.cfg.hidden_size, r.cfg.vocab_size, mtp_acceptance)
     _plots(res, plots_dir, ceil, report)
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
@@ -701,6 +709,9 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     if "batch" in res:
         from coli.bench.batch_decode import print_batch_table
         print_batch_table(res, report)
+    if "verify" in res:
+        from coli.bench.verify_step import print_verify_table
+        print_verify_table(res, report)
     return res
 
 
@@ -735,6 +746,44 @@ def _batched(r: "_Runner", res: dict, batches: list[int] | None, tokens: int):
                                          "traceback": traceback.format_exc()[-3000:]})
             r.report(f"{name} batched rows failed: {type(e).__name__}: {e}")
     return run
+
+
+def _verified(r: "_Runner", res: dict, sizes: list[int] | None, tokens: int):
+    """fn(scenario, snapshot): the verify-step rows of that scenario on the engine now in r.model.experts, appended to
+    res["verify"]["steps"]; a failure is a "not run" row (the scenario's own row is kept). A no-op without --verify
+    beyond 1."""
+    if not sizes or list(sizes) == [1]:
+        return lambda name, snapshot: None
+    from coli.bench.verify_step import EXTRAPOLATION_NOTE, VerifyBench
+    vb = VerifyBench(r.model, r.routing, tokens, WARMUP_TOKENS, sync=r.b.rt.synchronize)
+    res["verify"] = {"positions": sorted(set(sizes) | {1}), "context": vb.context, "steps": [], "notes": [
+        EXTRAPOLATION_NOTE,
+        f"context {vb.context} positions (the plain row's middle one: {WARMUP_TOKENS} warm-up + {tokens} // 2), "
+        f"decoded from token 1 with trace tokens 0..{vb.context - 1}; timed step j of S routes trace tokens "
+        f"{vb.context} + j x S .. + S - 1 (wrapping at {r.routing.n_tokens}); its ids are the greedy continuation "
+        f"(drafts a round would keep), and '=1 by 1' checks its S greedy tokens against the S positions run one at "
+        f"a time, and that the cache was cut back after every step"]}
+
+    def run(name: str, snapshot) -> None:
+        try:
+            res["verify"]["steps"] += vb.rows(name, sizes, snapshot=snapshot, record_bytes=r.layout.nbytes,
+                                              report=r.report)
+        except Exception as e:   # noqa: BLE001 -- the verify rows failing must not cost the scenario's row
+            import traceback
+            res["verify"]["steps"].append({"scenario": name, "run": False, "reason": f"{type(e).__name__}: {e}",
+                                           "traceback": traceback.format_exc()[-3000:]})
+            r.report(f"{name} verify steps failed: {type(e).__name__}: {e}")
+    return run
+
+
+def finish_verify(res: dict, hidden: int, vocab: int, mtp_acceptance: float) -> None:
+    """The MTP rows from the verify-step rows, their ratio to each scenario's own decode row, the acceptance."""
+    from coli.bench.verify_step import acceptance, add_decode_ratios, mtp_rows
+    v = res["verify"]
+    v["auto_acceptance"] = mtp_acceptance
+    v["mtp"] = mtp_rows(v["steps"], hidden, vocab, mtp_acceptance)
+    add_decode_ratios(v["mtp"], res.get("rows", []), mtp_acceptance)
+    v["acceptance"] = acceptance(v["mtp"])
 
 
 def added_delay(copy_us, nbytes, ref_us_per_byte: float, tile_us: float | None) -> dict:

@@ -99,6 +99,8 @@ Scenarios: warm (every expert in VRAM), cold-ram (every expert in pinned RAM, VR
 tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache capacities scaled to what the full model would have under the same budgets. Needs a CUDA GPU.
 
 --batch 1,4,8,16: warm and cold-ram also decode B sequences together (one batched step over their rows, the union of their experts asked once per layer), each its own stretch of the trace; rows of aggregate and per-sequence tokens/s and expert bytes per token, against B = 1 of the same run.
+
+--verify 2,3,4: warm and cold-ram also time MTP's verify step of S = k+1 positions of one sequence (routing from consecutive trace tokens: the real adjacent-token expert union) against the one-token step, and what k drafts would give at acceptance 0.6 / 0.8 / 0.9 (the slice's random weights cannot accept drafts: the acceptance is a parameter), the break-even acceptance and what --mtp auto would choose at --mtp-acceptance.
 """
 
 
@@ -120,24 +122,39 @@ def stream(
                                                    "cold-ram also decode B sequences together on their engine "
                                                    "for each B (aggregate tok/s, experts per step, bytes per "
                                                    "token, x B=1); 1: their single-sequence rows only."),
+    verify: str = typer.Option("1", "--verify", help="MTP verify-step sizes in positions, a comma list (2,3,4 = "
+                                                     "k = 1..3 drafts + 1): warm and cold-ram also time them against "
+                                                     "the one-token step (always run) and the tok/s MTP would give; "
+                                                     "1: not run."),
+    mtp_acceptance: str = typer.Option("0.8", "--mtp-acceptance", help="With --verify: the first-draft acceptance "
+                                                                       "--mtp auto's rule is judged at (the demo "
+                                                                       "model's measured figure; the slice cannot "
+                                                                       "accept drafts)."),
 ) -> None:
-    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch)
+    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch, verify, mtp_acceptance)
 
 
 @clean_errors
-def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch="1"):
+def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch="1", verify="1",
+            mtp_acceptance="0.8"):
     from coli.bench.batch_decode import check_batches, parse_batches
     from coli.bench.budget import parse_budgets
     from coli.bench.stream import parse_scenarios, run_scenarios
+    from coli.bench.verify_step import check_verify, parse_acceptance, parse_verify
     from coli.errors import ColiError
     names = parse_scenarios(scenario)
     vram_gb = parse_budgets(vram_gb)          # a bad list is refused before the GPU is touched
     batches = parse_batches(batch)
+    sizes = parse_verify(verify)
+    acceptance = parse_acceptance(mtp_acceptance)
     if not Path(dir).is_dir():
         raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
     if batches != [1]:
         from coli.bench.trace_router import TraceRouting
         check_batches(batches, names, TraceRouting(dir).n_tokens)
+    if sizes != [1]:
+        from coli.bench.trace_router import TraceRouting
+        check_verify(sizes, names, TraceRouting(dir).n_tokens)
     try:
         from coli.gpu.cuda_runtime import CudaUnavailable, get_runtime
         get_runtime(0)
@@ -151,7 +168,8 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, ba
         if why:   # say it before minutes of benchmark, not after; the numbers are still worth having
             stderr_note(f"--plots {plots}: {why}; the benchmark runs without them")
     run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
-                  plots_dir=plots, peer="peer" in names, report=stderr_note, batches=batches)
+                  plots_dir=plots, peer="peer" in names, report=stderr_note, batches=batches, verify=sizes,
+                  mtp_acceptance=acceptance)
 
 
 def register(app: typer.Typer) -> None:

@@ -147,6 +147,9 @@ def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+STEP_GEMV_ROWS = 4      # captured steps of at most this many rows run their linears as one multi-row GEMV launch
+
+
 @dataclass
 class DeviceMask:
     """Which keys each query row attends to, on the device. Dense (idx None): row s sees keys 0..start+s.
@@ -202,6 +205,13 @@ class CudaBackend:
         from coli.gpu.graphs import GraphDecoder, graphs_enabled
         batch_graphs_enabled()           # a bad COLI_BATCH_GRAPHS fails here, at model load, like COLI_GRAPHS
         return GraphDecoder(model, self) if graphs_enabled() else None
+
+    def mtp_round_graphs(self, head):
+        """Greedy one-draft MTP rounds of `head` replayed from CUDA graphs (coli.gpu.mtp_graphs.MtpRoundGraphs), or
+        None with COLI_MTP_GRAPHS=0 or COLI_GRAPHS=0 (rounds run eagerly)."""
+        from coli.gpu.graphs import graphs_enabled
+        from coli.gpu.mtp_graphs import MtpRoundGraphs, mtp_graphs_enabled
+        return MtpRoundGraphs(head, self) if mtp_graphs_enabled() and graphs_enabled() else None
 
     def batch_graph_decoder(self, model):
         """The replayed batched decode steps for `model` (coli.gpu.batch_graphs.BatchGraphDecoder), or None unless
@@ -322,6 +332,11 @@ class CudaBackend:
     def _linear_into(self, x: DeviceArray, w: QWeight, out: DeviceArray) -> None:
         S, K = x.shape
         if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
+            return
+        # a captured step of a few rows (a batched decode step, an MTP round): one GEMV launch over the rows (grid z),
+        # each row as its own decode step's GEMV reads the weight -- a 64x64-tile GEMM is mostly idle at S <= 4
+        if 1 < S <= STEP_GEMV_ROWS and self.step is not None and \
+                self._gemv(w, 0, 0, w.rows, S, x.ptr, K, out.ptr, w.rows):
             return
         if S > 1 and pf_layout_ok(w.layout) and self._pf_ok(pf_smem(K, w.layout.group)):
             xq, xm = self._pf_split(x.ptr, S, K)

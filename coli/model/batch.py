@@ -145,29 +145,7 @@ def _step(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
     S = at
     for s in segs:
         s.row.cache.reserve(s.n)
-    # RoPE angles per row, as the row alone computes them (the same call, so the same values bit for bit)
-    tables = [cos_sin_table(s.positions, c.qk_rope_head_dim, c.rope_theta) for s in segs]
-    cos = np.concatenate([t[0] for t in tables])                        # [S, dr/2]
-    sin = np.concatenate([t[1] for t in tables])
-
-    h = b.embed(model.embed, np.concatenate(ids))                       # [S, H]
-    allowed: list = [None] * len(segs)                                  # per row: its last full indexer's mask
-    for i, lw in enumerate(model.layers):
-        x = b.rms_norm(h, lw.input_norm, c.rms_norm_eps)                # [S, H]
-        p = model._attention_inputs(i, lw.attn, x, cos, sin)            # every projection once over all rows
-        o = b.empty((S, c.num_attention_heads * c.v_head_dim)) if len(segs) > 1 else None   # [S, nh*dv]
-        for r, s in enumerate(segs):                                    # attention per sequence, its own cache
-            _select_row(b, r)
-            o_r, allowed[r] = model._attention_segment(i, lw.attn, p.rows(b, s.offset, s.n), s.positions,
-                                                       s.row.cache, s.start, allowed[r])
-            if o is None:
-                o = o_r
-            else:
-                b.place_rows(o, s.offset, o_r)
-        _select_row(b, None)
-        h = b.add(h, b.linear(o, lw.attn.o))
-        x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)                # [S, H]
-        h = b.add(h, model._mlp(i, lw, x2, h))                          # one router, one stream() of the union
+    h = _layers(model, segs, np.concatenate(ids))                      # [S, H]
     for s in segs:
         s.row.cache.length = s.start + s.n
 
@@ -184,3 +162,73 @@ def _step(model: GlmMoeDsaModel, rows: list[BatchRow], all_positions: bool):
             at += n
     hn = b.rms_norm(hw, model.final_norm, c.rms_norm_eps)
     return b.linear(hn, model.lm_head), wanted, hn                      # [R, V], [R, H]
+
+
+def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
+    """Every decoder layer over the step's rows ids [S] (segments laid end to end): the row-wise work once over all S
+    rows, attention per segment over its own cache rows. -> h [S, H] before the final norm. The caches' lengths are
+    the caller's to advance (segments of one cache at consecutive positions share it: forward_rows)."""
+    c, b = model.config, model.backend
+    # RoPE angles per row, as the row alone computes them (the same call, so the same values bit for bit)
+    tables = [cos_sin_table(s.positions, c.qk_rope_head_dim, c.rope_theta) for s in segs]
+    cos = np.concatenate([t[0] for t in tables])                        # [S, dr/2]
+    sin = np.concatenate([t[1] for t in tables])
+
+    h = b.embed(model.embed, ids)                                       # [S, H]
+    allowed: list = [None] * len(segs)                                  # per row: its last full indexer's mask
+    for i, lw in enumerate(model.layers):
+        x = b.rms_norm(h, lw.input_norm, c.rms_norm_eps)                # [S, H]
+        p = model._attention_inputs(i, lw.attn, x, cos, sin)            # every projection once over all rows
+        o = attention_rows(model, i, lw.attn, p, segs, allowed)         # [S, nh*dv]
+        h = b.add(h, b.linear(o, lw.attn.o))
+        x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)                # [S, H]
+        h = b.add(h, model._mlp(i, lw, x2, h))                          # one router, one stream() of the union
+    return h
+
+
+def attention_rows(model: GlmMoeDsaModel, i: int, w, p, segs: list[_Segment], allowed: list):
+    """Layer i's attention of each segment over its own cache (cache layer i), its output rows placed where the
+    segment's rows are: -> o [S, nh*dv] before o_proj. allowed[r] (segment r's last full indexer's mask) is updated
+    in place."""
+    c, b = model.config, model.backend
+    S = sum(s.n for s in segs)
+    o = b.empty((S, c.num_attention_heads * c.v_head_dim)) if len(segs) > 1 else None   # [S, nh*dv]
+    for r, s in enumerate(segs):                                        # attention per sequence, its own cache
+        _select_row(b, r)
+        o_r, allowed[r] = model._attention_segment(i, w, p.rows(b, s.offset, s.n), s.positions, s.row.cache,
+                                                   s.start, allowed[r])
+        if o is None:
+            o = o_r
+        else:
+            b.place_rows(o, s.offset, o_r)
+    _select_row(b, None)
+    return o
+
+
+def position_rows(cache: KVCache, n: int) -> list[_Segment]:
+    """n consecutive positions of ONE sequence after its cache, as n one-position segments of that cache: each
+    position's attention runs as its own decode step would (row j sees positions 0..start+j: its own key is
+    written before it attends, the later ones after)."""
+    start = cache.length
+    return [_Segment(BatchRow(cache, [0]), j, 1, start + j) for j in range(n)]
+
+
+def forward_rows(model: GlmMoeDsaModel, cache: KVCache, ids: Sequence[int]):
+    """forward_hidden(ids, cache) with the S positions run as S one-position rows of one batched step (each
+    position's attention its own decode step's, the linears once over the S rows): an MTP verify step in a fixed
+    shape that a CUDA graph replays (coli/gpu/mtp_graphs.py). -> (hidden [S, H] final-normed, logits [S, V]), on
+    the backend; the cache advanced by S. The same tokens as forward_hidden (not the same bits: the attention is
+    split differently)."""
+    c, b = model.config, model.backend
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError("forward_rows() needs at least one new position")
+    if ids.min() < 0 or ids.max() >= c.vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= c.vocab_size)][0])
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{c.vocab_size - 1})")
+    segs = position_rows(cache, int(ids.size))
+    cache.reserve(len(segs))
+    h = _layers(model, segs, ids)                                       # [S, H]
+    cache.length = segs[-1].start + 1
+    hn = b.rms_norm(h, model.final_norm, c.rms_norm_eps)               # [S, H]
+    return hn, b.linear(hn, model.lm_head)                              # [S, H], [S, V]

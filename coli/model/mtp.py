@@ -121,6 +121,10 @@ class MtpHead:
         self.cache_config = dataclasses.replace(c, num_hidden_layers=1, indexer_types=("full",),
                                                 mlp_layer_types=("sparse",))
         self.experts = experts if experts is not None else WeightExperts(weights)
+        # greedy k = 1 rounds in their fixed shape (row_round): the CUDA backend replays them from graphs
+        # (coli/gpu/mtp_graphs.py); None: rounds run as verify step + catch-up (SpeculativeDecoder.begin_round)
+        make = getattr(b, "mtp_round_graphs", None)
+        self.rounds = make(self) if make is not None else None
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.empty(self.cache_config, self.model.backend, capacity)
@@ -131,9 +135,7 @@ class MtpHead:
         m, c, b, w = self.model, self.model.config, self.model.backend, self.w
         ids = np.asarray(ids, dtype=np.int64)
         S = int(ids.shape[0])
-        e = b.rms_norm(b.embed(m.embed, ids), w.enorm, c.rms_norm_eps)           # [S, H]
-        hh = b.rms_norm(h, w.hnorm, c.rms_norm_eps)                               # [S, H]
-        x = b.add(b.linear(e, w.eh_emb), b.linear(hh, w.eh_hid))                  # = eh_proj(concat[e, hh])
+        x = self._combine(ids, h)                                                  # = eh_proj(concat[e, hh])
         start = cache.length
         cache.reserve(S)
         positions = np.arange(start, start + S)
@@ -142,13 +144,55 @@ class MtpHead:
         xn = b.rms_norm(x, lw.input_norm, c.rms_norm_eps)
         a, _ = m._attention(0, lw.attn, xn, positions, cos, sin, cache, start, None)   # cache layer 0 = the MTP layer
         x = b.add(x, a)
+        cache.length = start + S
+        return self._finish(x)
+
+    def step_rows(self, ids: Sequence[int], h: Array, cache: KVCache) -> tuple[Array, Array]:
+        """step() with the S positions as S one-position rows, each position's attention its own decode step's
+        (coli.model.batch.forward_rows): the fixed shape a CUDA graph replays (coli/gpu/mtp_graphs.py). The same
+        layer and inputs as step(), not the same bits (the attention is split differently). Inside a captured
+        round the tokens come from the step's device inputs (the verify rows' argmax), not from ids."""
+        from coli.model.batch import attention_rows, position_rows
+        m, c, b, w = self.model, self.model.config, self.model.backend, self.w
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        S = int(ids.shape[0])
+        x = self._combine(ids, h)                                                  # [S, H]
+        segs = position_rows(cache, S)
+        cache.reserve(S)
+        tables = [cos_sin_table(s.positions, c.qk_rope_head_dim, c.rope_theta) for s in segs]   # per row, as alone
+        cos = np.concatenate([t[0] for t in tables])                              # [S, dr/2]
+        sin = np.concatenate([t[1] for t in tables])
+        lw = w.layer
+        xn = b.rms_norm(x, lw.input_norm, c.rms_norm_eps)
+        p = m._attention_inputs(0, lw.attn, xn, cos, sin)
+        o = attention_rows(m, 0, lw.attn, p, segs, [None] * S)                    # [S, nh*dv]; cache layer 0
+        x = b.add(x, b.linear(o, lw.attn.o))
+        cache.length = segs[-1].start + 1
+        return self._finish(x)
+
+    def _combine(self, ids: np.ndarray, h: Array) -> Array:
+        """eh_proj(concat[enorm(embed(ids)), hnorm(h)]) [S, H], as two half-width products."""
+        m, c, b, w = self.model, self.model.config, self.model.backend, self.w
+        e = b.rms_norm(b.embed(m.embed, ids), w.enorm, c.rms_norm_eps)            # [S, H]
+        hh = b.rms_norm(h, w.hnorm, c.rms_norm_eps)                               # [S, H]
+        return b.add(b.linear(e, w.eh_emb), b.linear(hh, w.eh_hid))
+
+    def _finish(self, x: Array) -> tuple[Array, Array]:
+        """The layer after its attention (x [S, H] with the attention added): MoE + shared expert, shared_head.norm,
+        the lm_head. -> (g [S, H], logits [S, V])."""
+        m, c, b, w = self.model, self.model.config, self.model.backend, self.w
+        lw = w.layer
         x2 = b.rms_norm(x, lw.post_norm, c.rms_norm_eps)
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor)              # [S, K], [S, K]
-        wanted = sorted(set(idx.ravel().tolist()))
-        routed = b.moe(x2, idx, wts, self.experts.stream(self.layer_index, wanted))
+        if not isinstance(idx, np.ndarray):
+            # a round being captured (coli/gpu/mtp_graphs.py): the choice stayed on the device, the round's slot
+            # table of the MTP layer's resident experts serves it
+            routed = b.moe_step(self.layer_index, x2, idx)
+        else:
+            wanted = sorted(set(idx.ravel().tolist()))
+            routed = b.moe(x2, idx, wts, self.experts.stream(self.layer_index, wanted))
         x = b.add(x, b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)))
-        cache.length = start + S
         g = b.rms_norm(x, w.head_norm, c.rms_norm_eps)                            # [S, H]
         return g, b.linear(g, m.lm_head)                                          # [S, H], [S, V]
 
@@ -161,6 +205,37 @@ def load_mtp_head(model: GlmMoeDsaModel) -> MtpHead:
         from coli.gpu.cuda_weights import ResidentExperts
         experts = ResidentExperts(model.backend.rt, model.weights, layers=[mtp_layer(model.config)])
     return MtpHead(model, model.weights, experts)
+
+
+def row_round(head: MtpHead, last: int, d1: int, cache: KVCache, mtp_cache: KVCache) -> tuple[list[int], list[int]]:
+    """A greedy round of one draft in a shape that does not depend on what is accepted, both caches at P positions:
+
+        verify    [last, d1] at P, P+1 as two one-position rows (coli.model.batch.forward_rows)  -> argmax va [2]
+        catch-up  the MTP layer over both verified rows (h_P, va[0]), (h_P+1, va[1]) at P, P+1   -> argmax ma [2]
+
+    Row 1 of the catch-up is right only if d1 is accepted (va[0] == d1) -- then va[0] is d1 -- and is past the MTP
+    cache's end otherwise, so the next draft is ma[a] either way (a = accepted drafts) and nothing waits: the
+    caller cuts both caches to P + a + 1. -> (va, ma); both caches advanced by 2. This is the eager form (every
+    kernel issued from here) of what coli/gpu/mtp_graphs.py replays as one CUDA graph."""
+    from coli.model.batch import forward_rows
+    b = head.model.backend
+    hn, logits = forward_rows(head.model, cache, [last, d1])                     # [2, H], [2, V]
+    va = [int(t) for t in b.argmax(logits)]
+    _, ml = head.step_rows(va, hn, mtp_cache)                                   # [2, V]
+    return va, [int(t) for t in b.argmax(ml)]
+
+
+class EagerRowRounds:
+    """row_round as a head's `rounds` (the graphs' interface) with every kernel issued eagerly: the reference the
+    replayed rounds are checked against, and the way to run row rounds on the numpy backend (tests)."""
+
+    last_reason = "eager row rounds"
+
+    def __init__(self, head: MtpHead):
+        self.head = head
+
+    def round(self, last: int, d1: int, cache: KVCache, mtp_cache: KVCache) -> tuple[list[int], list[int]]:
+        return row_round(self.head, last, d1, cache, mtp_cache)
 
 
 # ---- acceptance ---------------------------------------------------------------------------------------------
@@ -258,9 +333,14 @@ class AutoChoice:
         for k in (0, 1):                               # measure both first
             if self.time[k][1] == 0:
                 return k
-        rate = {k: self.tokens[k] / self.time[k][0] if self.time[k][0] > 0 else float("inf") for k in (0, 1)}
-        best = 1 if rate[1] > rate[0] else 0
+        best = self.best()
         return 1 - best if self.n % self.explore == 0 else best
+
+    def best(self) -> int:
+        """The rule itself, without the re-measuring: 1 (draft) where the drafting rounds' measured tokens per
+        second beat the plain rounds', else 0 (`coli bench stream --verify` applies it to a slice's step costs)."""
+        rate = {k: self.tokens[k] / self.time[k][0] if self.time[k][0] > 0 else float("inf") for k in (0, 1)}
+        return 1 if rate[1] > rate[0] else 0
 
     def record(self, k: int, seconds: float, tokens: int) -> None:
         self.time[k][0] += seconds
@@ -297,6 +377,9 @@ class SpeculativeDecoder:
         self.pending_h: Array | None = None
         self.pending_ids: list[int] = []
         self.last: int | None = None
+        # after a row round (row_round): the next round's d_1, already drafted -- the MTP cache is then in step
+        # with the main one and nothing waits (pending_h None)
+        self.ready: int | None = None
         self.stats = MtpStats(self.k)
 
     @staticmethod
@@ -337,6 +420,7 @@ class SpeculativeDecoder:
             raise ColiError("the MTP cache is out of step with the model's cache (a session continued without MTP)")
         hn, logits = self.model.forward_hidden(ids, self.cache)                  # [S, H], [S, V]
         tok, _ = self._pick(b.to_host(b.last_row(logits))[0])
+        self.ready = None
         M = min(self.mtp_cache.length, R)
         self.mtp_cache.truncate(M)              # (the conversation may have been cut back below it)
         if R > M:   # an earlier turn's queued pairs: hidden states of M..R-1, tokens M+1..R-1, then this prompt's
@@ -350,6 +434,8 @@ class SpeculativeDecoder:
 
     def step(self, room: int) -> list[int]:
         """One round: at least 1 and at most min(k + 1, room) new tokens (room >= 1: what max_tokens leaves)."""
+        if room >= 2 and self.greedy and self.k == 1 and self.auto is None and self.head.rounds is not None:
+            return self._row_round()
         ids = self.begin_round(room)
         hn, logits = self.model.forward_hidden(ids, self.cache)                   # [k+1, H], [k+1, V]
         return self.end_round(hn, logits)
@@ -360,11 +446,40 @@ class SpeculativeDecoder:
         coli.model.batch.forward_batch_hidden), then hands the row's hidden states and logits to `end_round`."""
         k = self.auto.choose() if self.auto is not None else self.k
         k = max(0, min(k, room - 1))
+        if self.ready is not None:      # after a row round d_1 is drafted and nothing waits to chain from: one draft
+            k = min(k, 1)
+            if k == 0:                  # a plain step: d_1 guessed the token it now computes
+                self.ready = None
         self._t0 = time.perf_counter()
         self._drafts, self._q = self._draft(k)
         self._t1 = time.perf_counter()
         self._P = self.cache.length
         return [self.last] + self._drafts
+
+    def _row_round(self) -> list[int]:
+        """A greedy round of one draft through the head's `rounds` (row_round, replayed from a CUDA graph on the
+        GPU): the same tokens as begin_round/end_round, and the next d_1 comes with them."""
+        b = self.model.backend
+        t0 = time.perf_counter()
+        if self.ready is None:          # catch the MTP cache up on the waiting pairs: it drafts d_1
+            _, logits = self.head.step(self.pending_ids, self.pending_h, self.mtp_cache)
+            self.ready = int(b.argmax(b.last_row(logits))[0])
+            self.pending_h, self.pending_ids = None, []
+        t1 = time.perf_counter()
+        P, d1 = self.cache.length, self.ready
+        if self.mtp_cache.length != P:
+            raise ColiError(f"MTP round: the MTP cache holds {self.mtp_cache.length} positions, the model's {P}")
+        va, ma = self.head.rounds.round(self.last, d1, self.cache, self.mtp_cache)
+        out = [d1, va[1]] if va[0] == d1 else [va[0]]
+        a = len(out) - 1
+        self.cache.truncate(P + a + 1)
+        self.mtp_cache.truncate(P + a + 1)
+        self.ready, self.last = ma[a], out[-1]
+        t2 = time.perf_counter()
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        self.stats.record(1, a)
+        return out
 
     def end_round(self, hn: Array, logits: Array) -> list[int]:
         """The verified row's final-normed hidden states [k+1, H] and logits [k+1, V] (on the backend; the main cache
@@ -385,6 +500,9 @@ class SpeculativeDecoder:
         qs: list[np.ndarray] = []
         if k == 0:
             return drafts, qs
+        if self.ready is not None:      # drafted by the row round before (greedy, one draft: begin_round saw to it)
+            d, self.ready = self.ready, None
+            return [d], qs
         g, logits = head.step(self.pending_ids, self.pending_h, self.mtp_cache)    # catch up, then draft 1
         for j in range(k):
             if j:
@@ -413,7 +531,10 @@ class SpeculativeDecoder:
             self.pending_h, self.pending_ids = b.rows(hn, a + 1), out
         else:
             # a plain step: the MTP cache did not move; its queue grows by this position (host concat: rare, small)
-            both = np.concatenate([b.to_host(self.pending_h), b.to_host(hn)])
-            self.pending_h, self.pending_ids = b.upload(both), self.pending_ids + out
+            if self.pending_h is None:     # nothing waited (after a row round)
+                self.pending_h, self.pending_ids = hn, list(out)
+            else:
+                both = np.concatenate([b.to_host(self.pending_h), b.to_host(hn)])
+                self.pending_h, self.pending_ids = b.upload(both), self.pending_ids + out
         self.last = out[-1]
         return out

@@ -20,3 +20,13 @@ def tiny_slice(tmp_path_factory) -> Path:
 def tiny_slice3(tmp_path_factory) -> Path:
     """Three MoE layers, uniform routing of 40 tokens (short, so replays wrap around)."""
     return write_tiny(tmp_path_factory.mktemp("slice") / "s3", layers=3, trace="uniform", tokens=40, seed=3)
+
+
+@pytest.fixture()
+def nogpu(monkeypatch):
+    """No CUDA device, whatever the machine has: a CLI test shows its refusal comes before the GPU check."""
+    from coli.gpu import cuda_runtime
+
+    def nogpu(device=0):
+        raise cuda_runtime.CudaUnavailable("no CUDA device (test)")
+    monkeypatch.setattr(cuda_runtime, "get_runtime", nogpu)

@@ -47,15 +47,6 @@ def test_sequence_starts_are_distinct_and_sequence_0_is_the_scenarios():
     assert bd.first_tokens(3, 100) == [1, 2, 3]
 
 
-@pytest.fixture()
-def nogpu(monkeypatch):
-    from coli.gpu import cuda_runtime
-
-    def nogpu(device=0):
-        raise cuda_runtime.CudaUnavailable("no CUDA device (test)")
-    monkeypatch.setattr(cuda_runtime, "get_runtime", nogpu)
-
-
 @pytest.mark.parametrize("args, culprit", [
     (["--batch", "4,zero"], "--batch 'zero': not a whole number"),
     (["--batch", "0"], "--batch 0: batch sizes are 1.."),

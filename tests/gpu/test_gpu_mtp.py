@@ -3,7 +3,8 @@ with drafts equal transformers' on an f32 container of an oracle with an MTP lay
 an int4 container; the MTP layer's logits equal the numpy backend's within the float32 bound of its size; a verify
 row sharing batched steps (coli.model.batch.forward_batch_hidden) with plain rows gives every sequence its solo
 tokens; `coli run --device gpu --mtp on|3` gives the tokens without MTP (f32: transformers'; int4: `--mtp off`'s,
-experts resident and streamed through a few VRAM slots). Through the stage processes: test_gpu_mtp_stages.py."""
+experts resident and streamed through a few VRAM slots); one-draft rounds replayed from CUDA graphs give the tokens of
+eager ones. Through the stage processes: test_gpu_mtp_stages.py."""
 
 from __future__ import annotations
 
@@ -118,3 +119,35 @@ def test_gpu_coli_run_mtp_on_and_3_give_the_tokens_without_it(root, src, fmt, vr
         assert j["tokens"] == want, mode
         assert j["stats"]["mtp"]["drafts"] == k and sum(j["stats"]["mtp"]["drafted"]) > 0, j["stats"]["mtp"]
         assert ("vram" in j) == bool(vram)                       # streamed through the VRAM cache where asked
+
+
+def test_gpu_mtp_rounds_replay_from_graphs_with_the_tokens_of_eager_rounds(monkeypatch):
+    """Greedy one-draft rounds replay one CUDA graph each (coli/gpu/mtp_graphs.py) on the demo model (its trained
+    head keeps drafts, so both the accept and the reject path replay): the tokens of decoding without MTP, and of
+    the eager rounds (COLI_MTP_GRAPHS=0)."""
+    from pathlib import Path
+
+    from coli.chat_template import load_chat_template
+    from coli.generate import Generation
+    from coli.loader import load_model
+    from coli.model.mtp import load_mtp_head
+    from coli.tokenizer import load_tokenizer
+
+    demo = Path(__file__).resolve().parents[2] / "coli" / "demo" / "model"
+    tok, tpl = load_tokenizer(demo), load_chat_template(demo)
+    ids = tok.encode(tpl.render([{"role": "user", "content": "What does mimetypes.guess_type do?"}]))
+    model, _ = load_model(demo, "gpu")
+    want = list(Generation(model, ids, 48, ignore_eos=True))
+    head = load_mtp_head(model)
+    assert head.rounds is not None
+    gen = Generation(model, ids, 48, ignore_eos=True, mtp=(head, 1))
+    assert list(gen) == want
+    assert head.rounds.replays > 0 and head.rounds.captures >= 1, head.rounds.last_reason
+    s = gen.stats.mtp
+    assert 0 < s["accepted"][0] < s["drafted"][0]
+    again = Generation(model, ids, 48, ignore_eos=True, mtp=(head, 1))      # the graphs of the first, replayed
+    assert list(again) == want
+    monkeypatch.setenv("COLI_MTP_GRAPHS", "0")
+    eager = load_mtp_head(model)
+    assert eager.rounds is None
+    assert list(Generation(model, ids, 48, ignore_eos=True, mtp=(eager, 1))) == want
