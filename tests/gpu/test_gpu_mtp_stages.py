@@ -40,8 +40,12 @@ def src(root):
 def _run(d, tag: str, *args: str) -> Run:
     short = Path(tempfile.mkdtemp(prefix="cm", dir="/tmp"))       # ipc:// paths must stay under 107 bytes
     r = Run(d, f"m{tag}", short / "runs", short / "cache", 1.0, None, ("--device", "gpu", "--max-batch", "3", *args))
-    st = r.wait_ready(180)
-    assert st.get("device") == "cuda", r.output()
+    try:
+        st = r.wait_ready(180)
+        assert st.get("device") == "cuda", r.output()
+    except BaseException:
+        r.stop()                  # nothing of a run that did not come up on the GPU outlives the test
+        raise
     return r
 
 
