@@ -125,20 +125,24 @@ def serve(
     max_stream_backlog: int = typer.Option(4096, "--max-stream-backlog", min=1,
                                            help="Tokens a streaming client may leave unread before its request "
                                                 "is stopped with a client_too_slow error."),
+    mtp: Optional[str] = typer.Option(None, "--mtp", metavar="off|on|N|auto",
+                                      help="MTP speculative decoding for requests that do not say (their \"mtp\" "
+                                           "field; docs/mtp.md). Default: the run's `coli up --mtp`."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
 ) -> None:
     """Serve a run over HTTP: OpenAI-compatible /v1/chat/completions (tools, reasoning), /v1/completions,
     /v1/models, the Anthropic Messages API /v1/messages, plus /health and /metrics (Prometheus) and a web
     console at /. The API key can come from --api-key, COLI_API_KEY or --api-key-file."""
     _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
-           max_request_mb, max_stream_backlog, log_level)
+           max_request_mb, max_stream_backlog, log_level, mtp)
 
 
 @clean_errors
 def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wait, exit_with_run, token_timeout,
-           max_request_mb, max_stream_backlog, log_level):
+           max_request_mb, max_stream_backlog, log_level, mtp=None):
     import uvicorn
 
+    from coli.model.mtp import mtp_mode
     from coli.serve.client import Client, RunNotFound
     from coli.serve.gateway import Gateway, GatewayConfig, create_app
     from coli.protocol.rundir import RunDir
@@ -146,6 +150,7 @@ def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wa
 
     host, port = parse_http(http)
     api_key = read_api_key(api_key, api_key_file)
+    mtp = mtp_mode(mtp) if mtp is not None else None     # a bad --mtp is refused before the run is asked
     deadline = time.monotonic() + wait
     while True:  # the run must answer before we listen (clean error instead of a server that only says 503)
         try:
@@ -161,7 +166,7 @@ def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wa
     log = configure_logging(RunDir(name, create=False).log_path("gateway"), "gateway", log_level)
     cfg = GatewayConfig(run_name=name, api_key=api_key, model_id=model_name, default_max_tokens=default_max_tokens,
                         token_timeout=token_timeout, max_body_bytes=int(max_request_mb * (1 << 20)),
-                        max_stream_backlog=max_stream_backlog)
+                        max_stream_backlog=max_stream_backlog, default_mtp=mtp)
     gw = Gateway(cfg, log)
     app = create_app(cfg, log, gw)
     try:
@@ -177,12 +182,13 @@ def _serve(name, http, api_key, api_key_file, model_name, default_max_tokens, wa
     shown = f"[{host}]" if ":" in host else host
     model = model_name or (os.path.basename(str(info.get("model") or "demo")) or "demo")
     print(f"gateway for run {name!r} (model {model!r}) listening on http://{shown}:{port} "
-          f"(loop {loop}; auth {'on' if api_key else 'off'}) — OpenAI API at /v1, /health, /metrics",
+          f"(loop {loop}; auth {'on' if api_key else 'off'}{f'; mtp {mtp}' if mtp else ''}) — OpenAI API at /v1, "
+          f"/health, /metrics",
           file=sys.stderr, flush=True)
     if not _is_loopback(host) and not api_key:
         print(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr, flush=True)
-    log.info("listening", host=host, port=port, loop=loop, auth=bool(api_key), model=model)
+    log.info("listening", host=host, port=port, loop=loop, auth=bool(api_key), model=model, mtp=mtp)
     server.run(sockets=[sock])
     log.info("stopped")
 

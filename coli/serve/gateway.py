@@ -72,13 +72,18 @@ class GatewayConfig:
     max_stream_backlog: int = 4096       # tokens a streaming client may leave unread before it is stopped
     tokenize_workers: int = 1            # processes that encode big prompts off the event loop
     token_timeout: float = 600.0         # seconds without a token (queue wait included) before a 504
+    default_mtp: str | None = None       # `coli serve --mtp` (protocol MTP_MODES) for a request without "mtp";
+                                         # None: the field is left out and the run's `coli up --mtp` applies
     max_lanes: int = 64                  # end-user connections kept open at once
     connect_timeout: float = 10.0
 
 
-def _mtp_of(p: Any) -> dict:
-    """The request's MTP choice (the body's "mtp"), or nothing."""
+def _mtp_of(p: Any, default: str | None) -> dict:
+    """The request's MTP choice (the body's "mtp"), else the gateway's (`coli serve --mtp`), else nothing: a request
+    that leaves the field out gets the run's `coli up --mtp`."""
     mtp = getattr(p, "mtp", None)
+    if mtp is None:
+        mtp = default
     return {"mtp": mtp} if mtp is not None else {}
 
 
@@ -485,7 +490,7 @@ class Gateway:
                                        top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
                                        session=p.session, new_session=p.new_session, request_id=rid,
                                        max_backlog=self.cfg.max_stream_backlog if p.stream else None,
-                                       **_mtp_of(p))
+                                       **_mtp_of(p, self.cfg.default_mtp))
         except ApiError as e:
             return self._fail(endpoint, e, t0, fields, shape)
         except (ColiError, OSError) as e:

@@ -1,6 +1,10 @@
 """MTP speculative decoding on the GPU (CUDA backend, whole model resident, the MTP layer's experts too): greedy tokens
 with drafts equal transformers' on an f32 container of an oracle with an MTP layer added, and the numpy backend's on
-an int4 container; the MTP layer's logits equal the numpy backend's within the float32 bound of its size."""
+an int4 container; the MTP layer's logits equal the numpy backend's within the float32 bound of its size; a verify
+row sharing batched steps (coli.model.batch.forward_batch_hidden) with plain rows gives every sequence its solo
+tokens; `coli run --device gpu --mtp on|3` gives the tokens without MTP (f32: transformers'; int4: `--mtp off`'s,
+experts resident and streamed through a few VRAM slots); one-draft rounds replayed from CUDA graphs give the tokens of
+eager ones. Through the stage processes: test_gpu_mtp_stages.py."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import numpy as np
 import pytest
 
 from checkpoints import with_mtp_layer
+from coli_run import coli_run_json
 from gpu_helpers import container
 from oracles import load_oracle, oracle_dir
 
@@ -74,6 +79,46 @@ def test_gpu_int4_container_with_mtp_equals_numpy(root, src):
         got = list(Generation(model, prompt, 24, ignore_eos=True, mtp=(head, k)))
         assert got == plain, k
     assert plain == want
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_gpu_batched_verify_row_beside_plain_rows_gives_each_sequence_its_solo_tokens(root, src, drafts):
+    from coli.generate import Generation
+    from coli.loader import load_model
+    from coli.model.sampling import SamplingParams
+    from stages_helpers import verify_row_beside_plain_rows
+
+    o = load_oracle(src[0])
+    model, _ = load_model(container(root, src[1], "f32", experts="f32", dense="f32"), "gpu")
+    assert model.backend.name == "cuda"
+    p = o["prompt_ids"]
+
+    def alone(prompt, n, params=None):
+        return list(Generation(model, prompt, n, params or SamplingParams(), ignore_eos=True))
+
+    got = verify_row_beside_plain_rows(model, p, drafts)
+    assert got["shared"] > 3                                   # the verify row did share steps with the others
+    assert got["mtp"] == o["greedy_tokens"][:30]               # transformers' tokens, drafted in a batch
+    assert got["plain"] == alone(p[3:15], 20)
+    assert got["sampled"] == alone(p[1:9], 18, SamplingParams(False, 0.8, 0.9, 20, 99))
+    assert got["stats"].drafted[drafts - 1] > 0
+
+
+@pytest.mark.parametrize("fmt,vram", [("f32", ()), ("int4", ()), ("int4", ("--vram-slots", "6"))])
+def test_gpu_coli_run_mtp_on_and_3_give_the_tokens_without_it(root, src, fmt, vram):
+    o = load_oracle(src[0])
+    if fmt == "f32":
+        d = container(root, src[1], "f32", experts="f32", dense="f32")
+    else:
+        d = container(root, src[1], "int4", experts="int4", dense="int8", group=32)
+    p = o["prompt_ids"]
+    gpu = ("--device", "gpu", *vram)
+    want = o["greedy_tokens"] if fmt == "f32" else coli_run_json(d, p, 32, *gpu, "--mtp", "off")["tokens"]
+    for mode, k in (("on", 1), ("3", 3)):
+        j = coli_run_json(d, p, 32, *gpu, "--mtp", mode)
+        assert j["tokens"] == want, mode
+        assert j["stats"]["mtp"]["drafts"] == k and sum(j["stats"]["mtp"]["drafted"]) > 0, j["stats"]["mtp"]
+        assert ("vram" in j) == bool(vram)                       # streamed through the VRAM cache where asked
 
 
 def test_gpu_mtp_rounds_replay_from_graphs_with_the_tokens_of_eager_rounds(monkeypatch):

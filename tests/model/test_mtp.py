@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from checkpoints import mtp_layer_tensors, with_mtp_layer
+from coli_run import coli_run_json
 from coli.container.writer import ConvertOptions, convert
 from coli.generate import Generation
 from coli.loader import load_model
@@ -294,6 +295,22 @@ def test_coli_run_mtp_on_3_auto_give_the_tokens_of_off(mtp_oracle):
     assert runs["3"]["stats"]["mtp"]["drafts"] == 3 and len(runs["3"]["stats"]["mtp"]["acceptance_per_position"]) == 3
     human = _coli("run", "--model", d, "--prompt-ids", prompt, "-n", "8", "--mtp", "2")
     assert human.returncode == 0 and "[MTP 2:" in human.stderr and "tokens per step" in human.stderr
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int4"])
+def test_coli_run_mtp_on_a_container_gives_the_tokens_without_it(mtp_oracle, tmp_path, fmt):
+    """`coli run` on a container (what `coli convert` writes): lossless f32 gives transformers' tokens with --mtp on
+    and --mtp 3; int4 experts with an int8 dense core give the tokens of --mtp off."""
+    src, d = mtp_oracle
+    o = load_oracle(src)
+    c = tmp_path / fmt
+    convert(d, c, ConvertOptions(experts=fmt, dense="f32" if fmt == "f32" else "int8", group=32))
+    p = o["prompt_ids"]
+    want = o["greedy_tokens"] if fmt == "f32" else coli_run_json(c, p, 32, "--mtp", "off")["tokens"]
+    for mode, k in (("on", 1), ("3", 3)):
+        j = coli_run_json(c, p, 32, "--mtp", mode)
+        assert j["tokens"] == want, mode
+        assert j["stats"]["mtp"]["drafts"] == k and sum(j["stats"]["mtp"]["drafted"]) > 0, j["stats"]["mtp"]
 
 
 def test_coli_run_mtp_without_the_layer_is_a_clear_error(oracle_root):

@@ -19,11 +19,14 @@ def alone(d, prompt, n, params=None):
     return list(Generation(model, prompt, n, params or SamplingParams(), ignore_eos=True))
 
 
-def executor_stats(run, want_steps=1, timeout=5.0):
+def executor_stats(run, want_steps=1, timeout=5.0, since: float | None = None):
+    """The executor's counters once it has run `want_steps` steps; with `since` (a time.time()), from a report the
+    executor sent after it, so that every request answered before then is counted."""
     deadline = time.monotonic() + timeout
     while True:     # stats are republished every 0.5 s
         st = json.loads(run.coli("stats", "--name", run.name, "--once", "--json").stdout).get("executor", {})
-        if st.get("steps", 0) >= want_steps or time.monotonic() > deadline:
+        fresh = since is None or st.get("t", 0) > since
+        if (st.get("steps", 0) >= want_steps and fresh) or time.monotonic() > deadline:
             return st
         time.sleep(0.3)
 

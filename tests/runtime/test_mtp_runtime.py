@@ -1,10 +1,13 @@
 """MTP through the stage processes: a request asking for MTP drafts with the model's MTP head in the batched executor
 (stages/executor/serving.py: its verify row [last, d1..dk] in the batched step), and its greedy tokens
-are those it gets without MTP, concurrent with a request that does not draft; max_tokens is honoured inside a
-round; a session drafts across its turns; a model without the layer is a one-line bad_request and the run goes on;
-the HTTP body field `"mtp"` is parsed and checked by the gateway."""
+are those it gets without MTP, concurrent with a request that does not draft (on an f32 container: transformers'; on
+an int4 one: the numpy path's); max_tokens is honoured inside a round; a session drafts across its turns; a model
+without the layer is a one-line bad_request and the run goes on; the HTTP body field `"mtp"` is parsed and checked
+by the gateway."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -40,7 +43,7 @@ def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(sta
         assert s.error is None, s.error
     assert drafting.tokens == o["greedy_tokens"]           # transformers' tokens, drafted and verified
     assert plain.tokens == alone(d, p[2:14], 24)
-    st = executor_stats(run)
+    st = executor_stats(run, since=time.time())
     assert st["mtp_rounds"] > 0 and st["mtp_drafted_1"] >= st["mtp_drafted_3"] > 0, st    # counted for `coli stats`
     assert st["mtp_tokens"] == 31 and st["mtp_accepted_1"] <= st["mtp_drafted_1"], st   # 32 tokens, 1 from the prompt
     with Client(run.name, base=str(run.run_base)) as c:
@@ -55,6 +58,37 @@ def test_concurrent_requests_with_and_without_mtp_each_get_their_solo_tokens(sta
         assert first == again and len(first) == 12 and all(0 <= t < run_vocab(d) for t in first)
 
 
+@pytest.mark.timeout(300)
+def test_an_int4_container_drafts_through_the_stages_with_the_tokens_without_mtp(start_run, mtp_model, tmp_path_factory):
+    """int4 experts and an int8 dense core (the format users serve): a request with mtp on and one with 3, each sharing
+    the batch with a request that does not draft, and each alone, get the tokens the numpy path gives without MTP."""
+    import threading
+
+    from coli.container.writer import ConvertOptions, convert
+
+    src, d = mtp_model
+    p = load_oracle(src)["prompt_ids"]
+    c = tmp_path_factory.mktemp("rt-mtp-int4") / "int4"
+    convert(d, c, ConvertOptions(experts="int4", dense="int8", group=32))
+    want, want_plain = alone(c, p, 28), alone(c, p[2:14], 20)
+    run = start_run(c, args=("--max-batch", "3"))
+    for mode in ("on", "3"):
+        started = threading.Event()
+        drafting = Stream(run, p, 28, started=started, greedy=True, mtp=mode)
+        plain = Stream(run, p[2:14], 20, after=started, greedy=True)    # joins while the drafting one decodes
+        for s in (drafting, plain):
+            s.start()
+        for s in (drafting, plain):
+            s.join(240)
+            assert s.error is None, (mode, s.error)
+        assert drafting.tokens == want and plain.tokens == want_plain, mode
+    with Client(run.name, base=str(run.run_base)) as cl:
+        for mode in ("on", "3"):
+            assert cl.generate(p, 28, greedy=True, ignore_eos=True, mtp=mode).tokens == want, mode
+    st = executor_stats(run, since=time.time())
+    assert st["mtp_drafted_1"] > st["mtp_drafted_3"] > 0 and st["mtp_tokens"] == 4 * 27, st    # all four drafted
+
+
 @pytest.mark.timeout(240)
 def test_a_session_drafts_across_turns_and_a_turn_without_mtp_between_them_is_served(start_run, mtp_model):
     """Turn 2 continues turn 1's MTP cache (MtpCarry): the continuation's tokens are transformers', it reuses turn
@@ -67,11 +101,11 @@ def test_a_session_drafts_across_turns_and_a_turn_without_mtp_between_them_is_se
     with Client(run.name, base=str(run.run_base)) as c:
         t1 = c.generate(p, 32, greedy=True, ignore_eos=True, session="conv", new_session=True, mtp="3")
         assert t1.tokens == o["greedy_tokens"]
-        rounds_1 = executor_stats(run, 1)["mtp_rounds"]
+        rounds_1 = executor_stats(run, 1, since=time.time())["mtp_rounds"]
         t2 = c.generate(p + t1.tokens + cont["extra_ids"], 32, greedy=True, ignore_eos=True, session="conv", mtp="3")
         assert t2.tokens == cont["greedy_tokens"]
         assert t2.timing["reused_tokens"] == len(p) + 31
-        assert executor_stats(run, 1)["mtp_rounds"] > rounds_1                      # turn 2 drafted
+        assert executor_stats(run, 1, since=time.time())["mtp_rounds"] > rounds_1                      # turn 2 drafted
         # the same conversation, once without MTP and once with: each the tokens of a plain run
         t3 = c.generate(p, 8, greedy=True, ignore_eos=True, session="conv2", new_session=True, mtp="off")
         t4 = c.generate(p + t3.tokens + [p[0]], 8, greedy=True, ignore_eos=True, session="conv2", mtp="3")

@@ -11,6 +11,17 @@ from coli.model.sampling import SamplingParams
 from coli.stages.executor.batch_step import choose_tokens
 from coli.stages.executor.scheduler import Row, Scheduler, Sequence
 from oracles import load_oracle, oracle_dir
+from stages_helpers import verify_row_beside_plain_rows
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """The default oracle with a random MTP layer added (numpy backend) and the oracle's prompt."""
+    from checkpoints import with_mtp_layer
+
+    src = oracle_dir(tmp_path_factory.mktemp("batch-mtp-oracles"), "default")
+    model, _ = load_model(with_mtp_layer(src, tmp_path_factory.mktemp("batch-mtp") / "default-mtp", seed=11))
+    return model, load_oracle(src)["prompt_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -70,43 +81,15 @@ def test_sequences_joining_and_leaving_a_batch_get_their_solo_tokens(oracle):
     assert sched.counters["steps"] > 0 and not sched.running and not sched.waiting
 
 
-def test_mtp_verify_rows_share_a_batched_step_and_every_sequence_gets_its_solo_tokens(tmp_path_factory):
-    """A drafting sequence's verify row [last, d1..d3] (all logits) in the same batched step as plain rows (one of
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_mtp_verify_rows_share_a_batched_step_and_every_sequence_gets_its_solo_tokens(mtp_model, drafts):
+    """A drafting sequence's verify row [last, d1..dk] (all logits) in the same batched step as plain rows (one of
     them sampled): the drafting one's greedy tokens are its tokens without MTP, the others' their solo tokens."""
-    from checkpoints import with_mtp_layer
-    from coli.model.mtp import SpeculativeDecoder, load_mtp_head
-    from coli.stages.executor.batch_step import choose_with_rounds
-
-    src = oracle_dir(tmp_path_factory.mktemp("batch-mtp-oracles"), "default")
-    model, _ = load_model(with_mtp_layer(src, tmp_path_factory.mktemp("batch-mtp") / "default-mtp", seed=11))
-    head, p = load_mtp_head(model), load_oracle(src)["prompt_ids"]
-    sched = Scheduler(max_batch=3, step_tokens=8)
-    drafting = Sequence("mtp", list(p), 30, external=True)
-    plain = Sequence("plain", p[3:15], 20)
-    sampled = Sequence("sampled", p[1:9], 18, SamplingParams(False, 0.8, 0.9, 20, 99))
-    for q in (drafting, plain, sampled):
-        sched.submit(q)
-    for q in sched.admit():
-        sched.begin(q, model.new_cache(64), q.prompt, 0.0)
-    spec = SpeculativeDecoder(head, drafting.cache, drafting.sampler, 3)
-    sched.commit_tokens(drafting, [spec.prefill(drafting.prompt)], 0.0)
-    shared = 0
-    for n in range(200):
-        rows = sched.plan()
-        rounds = [None] * len(rows)
-        if drafting.finish is None:
-            rows.append(Row(drafting, spec.begin_round(drafting.max_tokens - len(drafting.out)), True))
-            rounds.append(spec)
-        if not rows:
-            break
-        shared += len(rows) > 1 and rounds[-1] is not None
-        chosen = choose_with_rounds(model, rows, rounds)
-        plain_rows = [(r, c) for r, c, s in zip(rows, chosen, rounds) if s is None]
-        sched.commit([r for r, _ in plain_rows], [c for _, c in plain_rows], float(n))
-        if rounds[-1] is not None:
-            sched.commit_tokens(drafting, chosen[-1], float(n))
-    assert shared > 3                                         # the verify row did share steps with the others
-    assert drafting.out == alone(model, p, 30)                # no MTP, alone
-    assert plain.out == alone(model, p[3:15], 20)
-    assert sampled.out == alone(model, p[1:9], 18, SamplingParams(False, 0.8, 0.9, 20, 99))
-    assert spec.stats.drafted[0] >= spec.stats.rounds - 1 and spec.stats.tokens == 29   # it drafted, every round
+    model, p = mtp_model
+    got = verify_row_beside_plain_rows(model, p, drafts)
+    assert got["shared"] > 3                                  # the verify row did share steps with the others
+    assert got["mtp"] == alone(model, p, 30)                  # no MTP, alone
+    assert got["plain"] == alone(model, p[3:15], 20)
+    assert got["sampled"] == alone(model, p[1:9], 18, SamplingParams(False, 0.8, 0.9, 20, 99))
+    s = got["stats"]
+    assert s.drafted[0] >= s.rounds - 1 and s.drafted[drafts - 1] > 0 and s.tokens == 29   # it drafted, every round
