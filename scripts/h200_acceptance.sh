@@ -27,7 +27,7 @@ python3 -c "import coli.stages" 2>/dev/null || timeout 120 python3 -m pip instal
     --dense-format int8 --threads 6 --no-progress --force >"$R/slice.log" 2>&1; echo "make-slice exit $?" >>"$R/slice.log" ) &
 SLICE_PID=$!
 if [ "${SKIP_SUITE:-0}" != 1 ]; then
-    OUT=$R/suite timeout 180 bash scripts/gpu_suite.sh tests compile >"$R/suite.log" 2>&1
+    OUT=$R/suite timeout 240 bash scripts/gpu_suite.sh tests compile >"$R/suite.log" 2>&1
     say "gpu suite exit $?: $(grep -E '[0-9]+ (passed|failed)' "$R/suite/gpu-tests.log" | tail -1)"
     say "compile: $(tail -2 "$R/suite/compile-test.log" 2>/dev/null | tr '\n' ' ')"
     pack
@@ -39,7 +39,7 @@ python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--batch" 
 VERIFY=""   # MTP's verify step (issue 16 §5), where the bench has it; MTP_ACCEPTANCE: the demo model's measured figure
 python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--verify" >/dev/null && \
     VERIFY="--verify ${VERIFY_SIZES:-2,3,4} --mtp-acceptance ${MTP_ACCEPTANCE:-0.8}"
-timeout 210 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,sync,spec,budget --tokens 16 \
+timeout 300 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,sync,spec,budget --tokens 16 \
     --vram-gb 16,24,32 --ram-gb 64 --tile-kb 1024 $BATCH $VERIFY --json-out "$R/bench_stream.json" \
     >"$R/bench_stream.log" 2>&1
 say "bench stream exit $?"
