@@ -522,14 +522,18 @@ struct Gemv2Many {         // gemv2x_<fmt>: matrices 0..nm-1 one after another (
 };
 
 // The loop of gemv2 over the launch's row pairs (R: Gemv2One or Gemv2Many). W gives the shared width, format
-// layout and group; x [W.cols] fp32, 16-byte aligned.
-template <int FMT, class R>
-__device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks) {
+// layout and group; x [W.cols] fp32, 16-byte aligned. NX > 1 (gemv2r): nx <= NX input rows x + j * x_z, each
+// staged in its own stretch of shared memory, every weight chunk loaded once and dotted with all of them; output
+// row j at rows.out(p) + j * y_z. Row j's sums run in gemv2's order, so at the same ks it equals gemv2 on x_j.
+template <int FMT, class R, int NX = 1>
+__device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks, long long x_z = 0,
+                           long long y_z = 0, int nx = 1) {
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
-    __shared__ float red[2][GEMV2_WARPS][2];
+    __shared__ float red[2][GEMV2_WARPS][2 * NX];
     constexpr int V = Chunk<FMT>::VALS, U = Gemv2Cfg<FMT>::U;
     const int nchunks = W.row_data / 16;
+    const int xstride = nchunks * V;                 // floats of one staged input row
     const int gshift = group_shift(W.group);
     const uint32_t M = opaque_magic(gshift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -548,19 +552,21 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks)
         }
     };
     prefetch(blockIdx.x);
-    {   // stage x: 16-byte loads, swizzled as stage_x does
-        const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    for (int j = 0; j < NX && j < nx; j++) {   // stage x: 16-byte loads, swizzled as stage_x does
+        const float *xj = x + j * x_z;
+        const float4 *x4 = reinterpret_cast<const float4 *>(xj);
+        float *xsj = xs + j * xstride;
         const int n4 = nchunks * (V / 4), have4 = W.cols / 4;
         for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             const int c = i / (V / 4), k = i - c * (V / 4);
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (i < have4) v = x4[i];
             else if (4 * i < W.cols) {            // a ragged last float4 (cols % 4 != 0)
-                v.x = x[4 * i];
-                if (4 * i + 1 < W.cols) v.y = x[4 * i + 1];
-                if (4 * i + 2 < W.cols) v.z = x[4 * i + 2];
+                v.x = xj[4 * i];
+                if (4 * i + 1 < W.cols) v.y = xj[4 * i + 1];
+                if (4 * i + 2 < W.cols) v.z = xj[4 * i + 2];
             }
-            reinterpret_cast<float4 *>(xs)[xs_slot<FMT>(c, k)] = v;
+            reinterpret_cast<float4 *>(xsj)[xs_slot<FMT>(c, k)] = v;
         }
     }
     __syncthreads();
@@ -568,7 +574,9 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks)
     for (int g = blockIdx.x; g < ngroups; g += gridDim.x, buf ^= 1) {
         prefetch(g + gridDim.x);
         const int p = g * P + pp;
-        float acc[2] = {0.f, 0.f};
+        float acc[NX][2];
+#pragma unroll
+        for (int j = 0; j < NX; j++) acc[j][0] = acc[j][1] = 0.f;
         const u8 *d[2], *m[2];
         if (p < npairs) {
             rows.row(p, 0, d[0], m[0]);
@@ -591,30 +599,47 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks)
                 for (int u = 0; u < U; u++) {
                     const int c = c0 + 32 * u;
                     if (c < c_hi) {
-                        float xv[V];
-                        load_x<FMT>(xs, c, xv);
 #pragma unroll
-                        for (int r = 0; r < 2; r++) acc[r] = fmaf(sc[r][u], chunk_dot2<FMT>(w[r][u], xv, M), acc[r]);
+                        for (int j = 0; j < NX; j++) {
+                            if (j < nx) {
+                                float xv[V];
+                                load_x<FMT>(xs + j * xstride, c, xv);
+#pragma unroll
+                                for (int r = 0; r < 2; r++)
+                                    acc[j][r] = fmaf(sc[r][u], chunk_dot2<FMT>(w[r][u], xv, M), acc[j][r]);
+                            }
+                        }
                     }
                 }
             }
 #pragma unroll
-            for (int r = 0; r < 2; r++) acc[r] = warp_sum(acc[r]) * row_scale<FMT>(m[r]);
+            for (int j = 0; j < NX; j++)
+                if (j < nx) {
+#pragma unroll
+                    for (int r = 0; r < 2; r++) acc[j][r] = warp_sum(acc[j][r]) * row_scale<FMT>(m[r]);
+                }
         }
         if (ks == 1) {
             if (lane == 0 && p < npairs) {
                 float *y = rows.out(p);
-                y[0] = acc[0];
-                if (rows.has2(p)) y[1] = acc[1];
+#pragma unroll
+                for (int j = 0; j < NX; j++)
+                    if (j < nx) {
+                        y[j * y_z] = acc[j][0];
+                        if (rows.has2(p)) y[j * y_z + 1] = acc[j][1];
+                    }
             }
             continue;
         }
-        if (lane == 0) { red[buf][warp][0] = acc[0]; red[buf][warp][1] = acc[1]; }
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < NX; j++) { red[buf][warp][2 * j] = acc[j][0]; red[buf][warp][2 * j + 1] = acc[j][1]; }
+        }
         __syncthreads();              // red[buf] is rewritten two groups later, after the next barrier
-        if (seg == 0 && lane < 2 && p < npairs && (lane == 0 || rows.has2(p))) {
+        if (seg == 0 && lane < 2 * nx && p < npairs && ((lane & 1) == 0 || rows.has2(p))) {
             float a = 0.f;
             for (int j = 0; j < ks; j++) a += red[buf][warp + j][lane];
-            rows.out(p)[lane] = a;
+            rows.out(p)[(lane >> 1) * y_z + (lane & 1)] = a;
         }
     }
 }
@@ -634,6 +659,26 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
         gemv2_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z, ks);                                \
     }
 COLI_FOR_FORMATS(GEMV2_KERNEL)
+
+// ---- gemv2r_<fmt>: y[j] = W x[j] for nx <= GEMV2R_MAX input rows, every weight read ONCE -------------------
+// A step of a few rows (a batch of sequences' decode tokens, an MTP verify step) is as memory-bound as one token:
+// the 64 x 64-tile GEMM computes 64 rows for 2..8 and re-reads nothing but idles, gemv2 per row reads the weights
+// nx times. gemv2r stages the nx rows of x (nx x padded cols x 4 bytes of shared memory: the host splits a step into
+// launches that fit) and dots every loaded weight chunk with each; rows and split as gemv2's.
+//   grid (<= resident blocks), block 256, dynamic smem = nx * padded cols * 4.
+#define GEMV2R_MAX 4
+template <int FMT>
+__device__ void gemv2r_body(QMat W, int N, const float *x, long long x_z, float *y, long long y_z, int nx, int ks) {
+    const Gemv2One rows{W, 0, N, y};
+    gemv2_core<FMT, Gemv2One, GEMV2R_MAX>(rows, W, x, ks, x_z, y_z, min(max(nx, 1), GEMV2R_MAX));
+}
+
+#define GEMV2R_KERNEL(NAME, FMT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS) gemv2r_##NAME(                                 \
+        QMAT_PARAMS(w), int N, const float *x, long long x_z, float *y, long long y_z, int nx, int ks) {       \
+        gemv2r_body<FMT>(QMAT_MAKE(w, FMT), N, x, x_z, y, y_z, nx, ks);                                       \
+    }
+COLI_FOR_FORMATS(GEMV2R_KERNEL)
 
 // ---- gemv2x_<fmt>: up to GEMV2X_MAX matrices that read the same x, in ONE launch --------------------------------
 // y_m[n] = sum_k W_m[n, k] * x[k], n < W_m.rows, m < nm: matrices of one format, width and group (the host checks).

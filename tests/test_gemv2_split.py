@@ -121,3 +121,19 @@ def test_gemv2x_limit_is_the_kernels():
     from coli.gpu.cuda_backend import GEMV2X_MAX
     src = (kernels_dir() / "gemv.cu").read_text()
     assert int(re.search(r"#define GEMV2X_MAX (\d+)", src).group(1)) == GEMV2X_MAX
+
+
+def test_gemv_rows_plan_fits_the_shared_memory_and_spreads_the_rows():
+    from coli.gpu.cuda_backend import GEMV2R_MAX, gemv_rows_plan
+    optin = 227 * 1024
+    assert gemv_rows_plan(4, 8 * 1024, optin) == [(0, 4)]                    # K = 2048 fp32 rows: 4 fit
+    assert gemv_rows_plan(8, 8 * 1024, optin) == [(0, 4), (4, 4)]
+    assert gemv_rows_plan(5, 8 * 1024, optin) == [(0, 3), (3, 2)]            # evenly, not 4 + 1
+    assert gemv_rows_plan(4, 64 * 1024, optin) == [(0, 2), (2, 2)]           # K = 16384: 3 fit -> 2 + 2
+    assert gemv_rows_plan(6, 64 * 1024, optin) == [(0, 3), (3, 3)]
+    assert gemv_rows_plan(3, 120 * 1024, optin) == []                        # one row at a time: the GEMM instead
+    assert gemv_rows_plan(1, 8 * 1024, optin) == []
+    for S in range(2, 17):
+        plan = gemv_rows_plan(S, 24 * 1024, optin)
+        assert sum(n for _, n in plan) == S and all(2 <= n <= GEMV2R_MAX or S < 2 for _, n in plan)
+        assert [r for r, _ in plan] == [sum(n for _, n in plan[:i]) for i in range(len(plan))]

@@ -69,6 +69,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("gemv", f"gemv_t_{f}")] = QM + "iiiPqPq"
         s[("gemv", f"gemv2_{f}")] = QM + "iiiPqPqi"
         s[("gemv", f"gemv2x_{f}")] = QM * 4 + "iPPPPPi"
+        s[("gemv", f"gemv2r_{f}")] = QM + "iPqPqii"
         s[("gemv", f"moe_gateup_{f}")] = "PPqqiiiiqiPP"
         s[("gemv", f"moe_down_{f}")] = "PPqiiiiqiPPPi"
         s[("gemm", f"gemm_nt_{f}")] = "Pqqi" + QM + "iiiiPqq"
@@ -147,7 +148,9 @@ def kernel_choice(setting: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-STEP_GEMV_ROWS = 4      # captured steps of at most this many rows run their linears as one multi-row GEMV launch
+GEMV2R_MAX = 4          # input rows per gemv2r launch: GEMV2R_MAX in gemv.cu
+GEMV_ROWS_MAX = 8       # steps of 2..this many rows run their linears with gemv2r (weights read once per 4 rows)
+GEMV_ROWS_INT4 = 4      # int4 weights: beyond this the tensor-core prefill GEMM (pf_linear_int4) takes them
 
 
 @dataclass
@@ -333,10 +336,10 @@ class CudaBackend:
         S, K = x.shape
         if S == 1 and self._gemv(w, 0, 0, w.rows, 1, x.ptr, 0, out.ptr, 0):
             return
-        # a captured step of a few rows (a batched decode step, an MTP round): one GEMV launch over the rows (grid z),
-        # each row as its own decode step's GEMV reads the weight -- a 64x64-tile GEMM is mostly idle at S <= 4
-        if 1 < S <= STEP_GEMV_ROWS and self.step is not None and \
-                self._gemv(w, 0, 0, w.rows, S, x.ptr, K, out.ptr, w.rows):
+        # a step of a few rows (a batch of decode tokens, an MTP verify step): memory-bound like one token, so the
+        # rows share one read of the weights (gemv2r) -- the 64x64-tile GEMM idles there, and ran a slice's B = 4
+        # step's dense part at 7.5 ms a layer against 0.23 ms for one token (H200, 2026-12-01)
+        if 1 < S <= self._rows_gemv_max(w) and self._gemv_rows(w, x.ptr, S, out.ptr):
             return
         if S > 1 and pf_layout_ok(w.layout) and self._pf_ok(pf_smem(K, w.layout.group)):
             xq, xm = self._pf_split(x.ptr, S, K)
@@ -365,6 +368,37 @@ class CudaBackend:
             if j not in done:
                 self._linear_into(x, w, outs[j])
         return outs
+
+    def _rows_gemv_max(self, w: QWeight) -> int:
+        """The most rows a step may have for gemv2r to take its linear (int4 beyond GEMV_ROWS_INT4: the tensor-core
+        prefill GEMM, which also reads the weights once)."""
+        if self.gemv_kernels == "v1":
+            return 1
+        return GEMV_ROWS_INT4 if w.fmt == "int4" else GEMV_ROWS_MAX
+
+    def _gemv_rows(self, w: QWeight, x: int, S: int, y: int) -> bool:
+        """y [S, w.rows] = x [S, w.cols] W^T with gemv2r: each launch takes as many rows (<= GEMV2R_MAX) as its
+        shared memory holds, every weight byte read once per launch. False when it does not apply (the caller's
+        GEMM runs instead)."""
+        K = w.cols
+        if not (w.vec_ok and gemv2_fits(w.fmt, w.layout.group, x, K)):
+            return False
+        fn = self._fn("gemv", f"gemv2r_{w.fmt}")
+        row_smem = w.layout.row_data_bytes // 16 * _chunk_vals(w.fmt) * 4      # one staged input row, bytes
+        plan = gemv_rows_plan(S, row_smem, self.rt.smem_optin)
+        if not plan:
+            return False
+        nchunks = w.layout.row_data_bytes // 16
+        for r0, n in plan:
+            smem = n * row_smem
+            if not self.rt.allow_smem(fn, smem):
+                return False
+            resident = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem))
+            ks = self.gemv_ks or gemv2_split(w.rows, nchunks, resident)
+            groups = -(-(-(-w.rows // 2)) // (GEMV2_WARPS // ks))
+            self.rt.launch(fn, (min(groups, resident),), GEMV_THREADS, *w.args(), w.rows, x + 4 * K * r0, K,
+                           y + 4 * w.rows * r0, w.rows, n, ks, smem=smem)
+        return True
 
     def _gemv_many(self, ws: list[QWeight], x: int, ys: list[int]) -> bool:
         """ys[m] = W_m x for 2..GEMV2X_MAX matrices of one format, width and group in one gemv2x launch; False when it
@@ -1229,6 +1263,23 @@ def pf_smem(cols: int, group: int) -> int:
     stage = PF_ROWS * 32 + PF_TOKS * 256 + PF_TOKS * 48
     scales = -(-(PF_ROWS * (cols // group) * 2) // 16) * 16
     return PF_STAGES * stage + scales + PF_ROWS * 16 + PF_TOKS * 4
+
+
+def gemv_rows_plan(S: int, row_smem: int, smem_optin: int, reserve: int = 1024) -> list[tuple[int, int]]:
+    """gemv2r launches for S input rows: (first row, rows) each, as many rows per launch as fit in the shared memory
+    (row_smem bytes each, `reserve` left for the kernel's static arrays) up to GEMV2R_MAX, spread evenly (5 rows
+    -> 3 + 2, not 4 + 1); [] when fewer than 2 fit (the GEMM is better than gemv2r one row at a time)."""
+    fit = min(GEMV2R_MAX, (smem_optin - reserve) // max(1, row_smem))
+    if fit < 2 or S < 2:
+        return []
+    launches = -(-S // fit)
+    base, extra = divmod(S, launches)
+    out, r0 = [], 0
+    for i in range(launches):
+        n = base + (i < extra)
+        out.append((r0, n))
+        r0 += n
+    return out
 
 
 def gemv2_fits(fmt: str, group: int, x: int, x_z: int) -> bool:

@@ -107,3 +107,50 @@ def test_linear_many_equals_linear(gb, rng, version, S):
         assert got.shape == (S, ref.shape[0])
         assert rel_err(got, x.astype("float64") @ ref.T.astype("float64")) < TOL
     assert np.isfinite(np.concatenate([o.ravel() for o in outs])).all()
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group", LINEAR_SHAPES + [(98, 98, "int4", 32)])
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 8])
+def test_gemv2r_gives_every_row_of_a_few_rows_step(gb, rng, rows, cols, fmt, group, S):
+    """gemv2r_<fmt> (a step of 2..8 rows, each weight chunk read once per launch and dotted with every staged row;
+    o_proj's 16384 columns fit 3 rows a launch): every output element written (NaN-poisoned first), each row
+    W x_j against a float64 reference; linear() takes it where the backend says it does."""
+    import numpy as np
+    buf, lay, ref = stored_matrix(rows, cols, fmt, rng, group=group or 64)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, S, cols)
+    y = gb.upload(np.full((S, rows), np.nan, np.float32))
+    if not gb._gemv_rows(w, gb.upload(x).ptr, S, y.ptr):
+        pytest.skip(f"gemv2r does not take {fmt} {rows}x{cols} (not vec_ok / alignment)")
+    got = gb.to_host(y)
+    assert np.isfinite(got).all()
+    err = rel_err(got, x.astype("float64") @ ref.T.astype("float64"))
+    report("gemv2r", shape=[rows, cols], fmt=fmt, S=S, rel_err=err)
+    assert err < TOL
+    if S <= gb._rows_gemv_max(w):
+        same = gb.to_host(gb.linear(gb.upload(x), w))
+        assert np.array_equal(same, got)
+
+
+@pytest.mark.parametrize("rows,cols,fmt,group", [(2048, 6144, "int4", 64), (576, 6144, "int8", 0),
+                                                 (256, 6144, "f32", 0), (77, 128, "int4", 64)])
+@pytest.mark.parametrize("ks", [1, 2])
+def test_gemv2r_row_equals_gemv2_on_that_row_bit_for_bit(gb, rng, rows, cols, fmt, group, ks):
+    """At the same column split a gemv2r row is gemv2 on that row: the same chunks, the same fma order."""
+    import numpy as np
+    buf, lay, ref = stored_matrix(rows, cols, fmt, rng, group=group or 64)
+    w = qweight(gb, buf, lay)
+    S = 3
+    x = rand(rng, S, cols)
+    xd = gb.upload(x)
+    before = gb.gemv_ks
+    gb.gemv_ks = ks
+    try:
+        y = gb.upload(np.zeros((S, rows), np.float32))
+        assert gb._gemv_rows(w, xd.ptr, S, y.ptr)
+        rows_out = gb.to_host(y)
+        for j in range(S):
+            one = gb.to_host(gb.linear(gb.upload(x[j:j + 1]), w))
+            assert np.array_equal(one[0], rows_out[j]), j
+    finally:
+        gb.gemv_ks = before
