@@ -851,12 +851,12 @@ def parse_args(argv=None):
                    help="corpus: cross-entropy of the corpus token two ahead; teacher: distil the main model's own "
                         "distribution there (KL), what drafts are accepted on")
     g.add_argument("--mtp-temperature", type=float, default=1.0, help="distillation temperature (--mtp-target teacher)")
-    g.add_argument("--mtp-self-share", type=float, default=0.0,
+    g.add_argument("--mtp-self-share", type=float, default=0.5,
                    help="share of training rows from the main model's own greedy continuations of training-split chat "
                         "prompts (0: corpus rows only)")
     g.add_argument("--mtp-self-prompts", type=int, default=1024, help="prompts continued for --mtp-self-share")
     g.add_argument("--mtp-self-tokens", type=int, default=64, help="greedy tokens per continued prompt")
-    g.add_argument("--mtp-chain", type=int, default=0, choices=[0, 1, 2],
+    g.add_argument("--mtp-chain", type=int, default=2, choices=[0, 1, 2],
                    help="also train chained drafts 2..N+1 (the layer's own output as h), as --mtp 2/3 decodes")
     g.add_argument("--mtp-chain-weight", type=float, default=0.5, help="weight of each chained draft's loss")
     return p.parse_args(argv)
