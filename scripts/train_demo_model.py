@@ -35,7 +35,10 @@ Pipeline (every step is seeded, so one ``--seed`` gives the same files on the sa
    ``shared_head.norm`` -> the shared lm_head) trained on top of the **frozen** main model saved in ``--out``
    (its files are not rewritten: the main weights stay byte-identical). The MTP layer's decoder is transformers'
    own GlmMoeDsaDecoderLayer (a one-layer model whose final norm plays shared_head.norm), warm-started from
-   the main model's last layer; loss: cross-entropy of the token two ahead, on the same corpus and targets.
+   the main model's last layer; loss (``--mtp-target teacher``, the default): distillation, the KL to the main
+   model's own distribution one position ahead, on the same corpus and targets and (``--mtp-self-share``) on the main
+   model's greedy continuations of training-split chat prompts, with chained drafts 2..3 (``--mtp-chain``);
+   ``--mtp-target corpus`` is the first head's cross-entropy of the corpus token two ahead.
    Written to ``model-mtp.safetensors`` (layer index = num_hidden_layers, per-expert names) with a
    ``model.safetensors.index.json`` over both files; figures (held-out loss, first-draft acceptance against
    the main model's greedy choice, seconds) go to ``training-mtp.json``.
@@ -845,7 +848,7 @@ def parse_args(argv=None):
     g.add_argument("--sample-tokens", type=int, default=40)
     g = p.add_argument_group("MTP head (--mtp-head: train only the draft layer on the frozen model in --out)")
     g.add_argument("--mtp-head", action="store_true")
-    g.add_argument("--mtp-steps", type=int, default=400)
+    g.add_argument("--mtp-steps", type=int, default=1000)
     g.add_argument("--mtp-lr", type=float, default=2e-3)
     g.add_argument("--mtp-target", choices=["corpus", "teacher"], default="teacher",
                    help="corpus: cross-entropy of the corpus token two ahead; teacher: distil the main model's own "
