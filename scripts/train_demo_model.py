@@ -35,7 +35,10 @@ Pipeline (every step is seeded, so one ``--seed`` gives the same files on the sa
    ``shared_head.norm`` -> the shared lm_head) trained on top of the **frozen** main model saved in ``--out``
    (its files are not rewritten: the main weights stay byte-identical). The MTP layer's decoder is transformers'
    own GlmMoeDsaDecoderLayer (a one-layer model whose final norm plays shared_head.norm), warm-started from
-   the main model's last layer; loss: cross-entropy of the token two ahead, on the same corpus and targets.
+   the main model's last layer; loss (``--mtp-target teacher``, the default): distillation, the KL to the main
+   model's own distribution one position ahead, on the same corpus and targets and (``--mtp-self-share``) on the main
+   model's greedy continuations of training-split chat prompts, with chained drafts 2..3 (``--mtp-chain``);
+   ``--mtp-target corpus`` is the first head's cross-entropy of the corpus token two ahead.
    Written to ``model-mtp.safetensors`` (layer index = num_hidden_layers, per-expert names) with a
    ``model.safetensors.index.json`` over both files; figures (held-out loss, first-draft acceptance against
    the main model's greedy choice, seconds) go to ``training-mtp.json``.
@@ -845,8 +848,20 @@ def parse_args(argv=None):
     g.add_argument("--sample-tokens", type=int, default=40)
     g = p.add_argument_group("MTP head (--mtp-head: train only the draft layer on the frozen model in --out)")
     g.add_argument("--mtp-head", action="store_true")
-    g.add_argument("--mtp-steps", type=int, default=400)
+    g.add_argument("--mtp-steps", type=int, default=1000)
     g.add_argument("--mtp-lr", type=float, default=2e-3)
+    g.add_argument("--mtp-target", choices=["corpus", "teacher"], default="teacher",
+                   help="corpus: cross-entropy of the corpus token two ahead; teacher: distil the main model's own "
+                        "distribution there (KL), what drafts are accepted on")
+    g.add_argument("--mtp-temperature", type=float, default=1.0, help="distillation temperature (--mtp-target teacher)")
+    g.add_argument("--mtp-self-share", type=float, default=0.5,
+                   help="share of training rows from the main model's own greedy continuations of training-split chat "
+                        "prompts (0: corpus rows only)")
+    g.add_argument("--mtp-self-prompts", type=int, default=1024, help="prompts continued for --mtp-self-share")
+    g.add_argument("--mtp-self-tokens", type=int, default=64, help="greedy tokens per continued prompt")
+    g.add_argument("--mtp-chain", type=int, default=2, choices=[0, 1, 2],
+                   help="also train chained drafts 2..N+1 (the layer's own output as h), as --mtp 2/3 decodes")
+    g.add_argument("--mtp-chain-weight", type=float, default=0.5, help="weight of each chained draft's loss")
     return p.parse_args(argv)
 
 
@@ -1052,10 +1067,11 @@ class MtpDraft(torch.nn.Module):
             self.eh_proj.weight[:, H:] = torch.eye(H)
 
     def forward(self, emb_next, h):
-        """emb_next [B, S, H] embeddings of t_{i+1}, h [B, S, H] the main model's final-normed h_i -> logits [B, S, V]
-        of t_{i+2}."""
+        """emb_next [B, S, H] embeddings of t_{i+1}, h [B, S, H] the main model's final-normed h_i -> (g [B, S, H] the
+        shared_head-normed output, the h a chained draft takes; logits [B, S, V] of t_{i+2})."""
         x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h)], dim=-1))
-        return self.layer(inputs_embeds=x, use_cache=False).logits
+        g = self.layer.model(inputs_embeds=x, use_cache=False).last_hidden_state
+        return g, self.layer.lm_head(g)
 
     def tensors(self, L: int) -> dict[str, torch.Tensor]:
         """The layer's tensors under their checkpoint names (model.layers.L.*, routed experts one by one)."""
@@ -1077,21 +1093,107 @@ class MtpDraft(torch.nn.Module):
         return {n: v.detach().float().contiguous() for n, v in out.items()}
 
 
-def mtp_loss(main, draft, batch, targets, reduce: bool = True):
-    """Cross-entropy of the MTP layer's guess of t_{i+2} from (h_i, t_{i+1}) over the target tokens; with
-    reduce=False also the first-draft acceptance counts: the guess equals the main model's greedy choice at i+1."""
+def distill_kl(logits, teacher_logits, temperature: float) -> torch.Tensor:
+    """KL(softmax(teacher / T) || softmax(logits / T)) * T^2 per row [N] (Hinton et al.: the T^2 keeps the gradient's
+    scale independent of T)."""
+    p_log = F.log_softmax(teacher_logits / temperature, -1)
+    q_log = F.log_softmax(logits / temperature, -1)
+    return (p_log.exp() * (p_log - q_log)).sum(-1) * temperature ** 2
+
+
+def mtp_loss(main, draft, batch, targets, reduce: bool = True, target: str = "corpus", temperature: float = 1.0,
+             chain: int = 0, chain_weight: float = 0.5):
+    """The MTP layer's loss for its guess of t_{i+2} from (h_i, t_{i+1}) over the target tokens. target="corpus": the
+    cross-entropy of the corpus token t_{i+2}; target="teacher": distillation, the KL to the main model's own
+    distribution at i+1 (what a draft is judged on is agreeing with the main model, not with the corpus).
+    chain = 1..2 adds chained drafts 2..chain+1 as decoding runs them (the previous pass's output g as h, the next
+    token as input; targets the teacher's distribution, or the corpus token, one further ahead), weighted by
+    chain_weight. The chained passes run in parallel over the sequence, so their attention sees earlier chained
+    rows where decoding sees the verified ones: an approximation, good enough to teach the layer its own g.
+    With reduce=False: (corpus CE sum, count, first-draft agreements with the main model's greedy choice at i+1),
+    the held-out figures whatever the objective."""
+    T = batch.shape[1]
     with torch.no_grad():
         h_all = main.model(input_ids=batch[:, :-1], use_cache=False).last_hidden_state  # h_0..h_{T-2}, final-normed
-        main_next = main.lm_head(h_all[:, 1:]).argmax(-1)                              # greedy t_2..t_{T-1}
+        main_logits = main.lm_head(h_all[:, 1:])                                       # of t_2..t_{T-1} [B, T-2, V]
+        main_next = main_logits.argmax(-1)                                             # greedy t_2..t_{T-1}
         hs = h_all[:, :-1]                                                             # h_0..h_{T-3}
         emb = main.model.embed_tokens(batch[:, 1:-1])                                  # t_1..t_{T-2}
-    logits = draft(emb, hs)                                                            # [B, T-2, V]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1), reduction="none")
+    g, logits = draft(emb, hs)                                                         # [B, T-2, H], [B, T-2, V]
     mask = targets[:, 2:].reshape(-1).float()
-    if reduce:
-        return (ce * mask).sum() / mask.sum().clamp(min=1)
-    agree = (logits.argmax(-1) == main_next).reshape(-1).float()
-    return (ce * mask).sum(), mask.sum(), (agree * mask).sum()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1), reduction="none")
+    if not reduce:
+        agree = (logits.argmax(-1) == main_next).reshape(-1).float()
+        return (ce * mask).sum(), mask.sum(), (agree * mask).sum()
+
+    def objective(lg, j: int) -> torch.Tensor:
+        """Mean loss of logits lg [B, T-2-j, V] guessing t_{i+2+j} (pass j: draft j+1)."""
+        m = targets[:, 2 + j:].reshape(-1).float()
+        if target == "teacher":
+            per = distill_kl(lg.reshape(-1, lg.shape[-1]), main_logits[:, j:].reshape(-1, lg.shape[-1]), temperature)
+        else:
+            per = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), batch[:, 2 + j:].reshape(-1), reduction="none")
+        return (per * m).sum() / m.sum().clamp(min=1)
+
+    loss = objective(logits, 0)
+    for j in range(1, chain + 1):
+        if T - 2 - j < 1:
+            break
+        # draft j+1 at row i: h = the previous pass's g_i (detached: pass j's own objective is left alone), input the
+        # token t_{i+1+j} (the previous draft when it was accepted -- the only case where this draft counts)
+        with torch.no_grad():
+            emb_j = main.model.embed_tokens(batch[:, 1 + j:-1])                       # [B, T-2-j, H]
+        g, logits = draft(emb_j, g[:, :-1].detach())
+        loss = loss + chain_weight * objective(logits, j)
+    return loss
+
+
+def self_generated_stream(main, tok, chats: list[list[dict]], n_prompts: int, new_tokens: int, seed: int,
+                          batch: int = 32) -> tuple[Stream, dict]:
+    """Prompts cut from (training-split) chats before an assistant turn, each continued greedily by the main model for
+    `new_tokens` tokens, eos ignored as `scripts/bench_mtp.py` decodes: the text the head drafts on when the main
+    model decodes. Targets: the generated tokens (the main model's own argmax, so corpus = teacher's greedy choice).
+    Prompts of one length run as one batch (no padding)."""
+    rng = random.Random(seed)
+    prompts = []
+    for msgs in rng.sample(chats, min(n_prompts, len(chats))):
+        cuts = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        prompts.append(tok.encode(render_chat(msgs[:rng.choice(cuts)], add_generation_prompt=True)).ids)
+    by_len: dict[int, list[list[int]]] = {}
+    for p in prompts:
+        by_len.setdefault(len(p), []).append(p)
+    ids, starts, tmask, distinct = [], [], [], set()
+    with torch.no_grad():
+        for n in sorted(by_len):
+            group = by_len[n]
+            for b in range(0, len(group), batch):
+                x = torch.tensor(group[b:b + batch])                                   # [b, n]
+                out = main(input_ids=x, use_cache=True)
+                cache, seqs = out.past_key_values, [x]
+                for _ in range(new_tokens):
+                    nxt = out.logits[:, -1].argmax(-1, keepdim=True)                   # [b, 1]
+                    seqs.append(nxt)
+                    out = main(input_ids=nxt, past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                for row in torch.cat(seqs, 1).tolist():
+                    starts.append(len(ids))
+                    ids += row
+                    tmask += [False] * n + [True] * new_tokens
+                    distinct.add(tuple(row[n:n + 16]))
+    stats = {"prompts": len(prompts), "new_tokens": new_tokens, "tokens": len(ids),
+             "distinct_first_16_tokens": len(distinct)}
+    return Stream(ids, starts, tmask), stats
+
+
+def sample_mtp_batch(prose: Stream, chat: Stream, own: Stream | None, rows: int, length: int, args, gen):
+    """sample_batch's rows, of which a --mtp-self-share of them (binomial) from the self-generated stream `own`."""
+    n_own = 0
+    if own is not None:
+        n_own = int(torch.binomial(torch.tensor(float(rows)), torch.tensor(args.mtp_self_share), generator=gen).item())
+    parts = [own.rows(n_own, length + 1, gen)] if n_own else []
+    if rows - n_own:
+        parts.append(sample_batch(prose, chat, rows - n_own, length, args.chat_share, gen))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def train_mtp_head(args, argv) -> int:
@@ -1128,6 +1230,14 @@ def train_mtp_head(args, argv) -> int:
     main = GlmMoeDsaForCausalLM.from_pretrained(out).float().eval()
     for q in main.parameters():
         q.requires_grad_(False)
+    own, own_stats = None, None
+    if args.mtp_self_share > 0:
+        # training-split chats only: the held-out modules stay unseen by the head
+        t_gen = time.time()
+        own, own_stats = self_generated_stream(main, tok, train_chats, args.mtp_self_prompts, args.mtp_self_tokens,
+                                               args.seed + 20)
+        own_stats["seconds"] = round(time.time() - t_gen, 1)
+        log(f"self-generated: {own_stats}")
     torch.manual_seed(args.seed)
     draft = MtpDraft(main)
     draft.train()
@@ -1161,13 +1271,14 @@ def train_mtp_head(args, argv) -> int:
         log(f"held-out MTP loss at init {loss0:.3f}, first-draft acceptance {acc0:.3f}")
         for step in range(args.mtp_steps):
             seq = args.short_seq_len if step < short_steps else args.seq_len
-            batch, targets = sample_batch(prose, chat, max(1, args.batch_tokens // seq), seq, args.chat_share, gen)
+            batch, targets = sample_mtp_batch(prose, chat, own, max(1, args.batch_tokens // seq), seq, args, gen)
             lr = lr_at(step, args.mtp_steps, args.mtp_lr, args.warmup, args.min_lr_frac)
             for group in opt.param_groups:
                 group["lr"] = lr
             routers.reset()
             attn_tap.enabled = True
-            loss = mtp_loss(main, draft, batch, targets)
+            loss = mtp_loss(main, draft, batch, targets, target=args.mtp_target, temperature=args.mtp_temperature,
+                            chain=args.mtp_chain, chain_weight=args.mtp_chain_weight)
             attn_tap.enabled = False
             kl = attn_tap.loss()
             total = loss + kl if kl is not None else loss
@@ -1203,6 +1314,8 @@ def train_mtp_head(args, argv) -> int:
     record = {
         "command": "python scripts/train_demo_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "seed": args.seed, "steps": args.mtp_steps, "lr": args.mtp_lr, "batch_tokens": args.batch_tokens,
+        "target": args.mtp_target, "temperature": args.mtp_temperature, "self_generated_share": args.mtp_self_share,
+        "self_generated": own_stats, "chain": args.mtp_chain, "chain_weight": args.mtp_chain_weight,
         "trainable_parameters": n_params, "mtp_layer": L,
         "initial_heldout_loss": round(loss0, 4), "initial_heldout_first_draft_acceptance": round(acc0, 4),
         "heldout_loss": round(final_loss, 4), "heldout_first_draft_acceptance": round(final_acc, 4),

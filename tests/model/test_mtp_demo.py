@@ -33,7 +33,8 @@ def test_the_head_ships_beside_unchanged_main_weights():
     assert {f for n, f in index.items() if n.startswith("model.layers.4.")} == {"model-mtp.safetensors"}
     assert {f for n, f in index.items() if not n.startswith("model.layers.4.")} == {"model.safetensors"}
     rec = json.loads((DEMO / "training-mtp.json").read_text())
-    assert rec["heldout_first_draft_acceptance"] >= 0.5 and rec["mtp_layer"] == 4
+    # distilled head: 0.838 teacher-forced when trained (docs/mtp.md); the floor keeps a margin below it
+    assert rec["heldout_first_draft_acceptance"] >= 0.75 and rec["mtp_layer"] == 4
     # the main model is the one the rest of the suite and the README quote (trained by the first run of the script)
     main = json.loads((DEMO / "training.json").read_text())
     assert main["command"] == "python scripts/train_demo_model.py --seed 0"
@@ -49,7 +50,7 @@ def test_demo_greedy_tokens_with_mtp_equal_without_and_drafts_are_accepted(demo,
     assert list(gen) == want
     s = gen.stats.mtp
     assert 0 < s["accepted"][0] < s["drafted"][0]      # some drafts kept, some rejected (and rolled back)
-    assert s["tokens_per_step"] > 1.2
+    assert s["tokens_per_step"] > {1: 1.5, 3: 2.5}[drafts]      # measured 1.86 / 3.25 with the distilled head
 
 
 def test_demo_f32_container_keeps_the_head(demo, tmp_path):
