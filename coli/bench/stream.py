@@ -18,14 +18,16 @@ TraceRouting; every token timed with time.perf_counter between two `rt.synchroni
 
 Extrapolation (`split_times`, `extrapolate`): a token's time T over the slice's L MoE layers is split as
     T_nomoe  = the same decode with every routed expert dropped (route override: idx -1; attention, router,
-               shared expert, head: "dense"); T_nomoe_1 the same over the slice's first layer alone
-    dense_layer_s = (T_nomoe - T_nomoe_1) / (L - 1)        (what a layer adds: `marginal_split`)
-    fixed_token_s = T_nomoe_1 - dense_layer_s - head_s_slice   (paid once per token: graph launch, read-back, host)
-    moe_layer_s   = (T - T_nomoe) / L                      (the routed experts' time per MoE layer, this scenario)
+               shared expert, head: "dense"), replayed as one CUDA graph whose device time D_nomoe two events give
+    dense_layer_s = (D_nomoe - head_s_slice) / L           (a layer's share of the graph: `device_split`)
+    fixed_token_s = T_nomoe - D_nomoe                      (paid once per token: graph launch, read-back, host)
+    moe_layer_s   = (T - T_nomoe) / L                      (the routed experts' time per MoE layer, this scenario;
+                                                            warm, replayed too: (D - D_nomoe) / L)
     GLM-5 tokens/s = 1 / (fixed_token_s + 75 x moe_layer_s + 78 x dense_layer_s + head_s_full)
 (Before 2026-12-01 evening the whole T_nomoe was spread over the slice's L layers -- dense_layer_s = (T_nomoe -
-head_s_slice) / L, still in the JSON as dense_layer_ms_spread -- which charged the per-token fixed time to every
-layer, 39 times over for a 2-layer slice; a 1-layer slice, or a failing one-layer decode, still does that.)
+head_s_slice) / L, still in the JSON as dense_layer_ms_spread and used when the no-expert token runs eagerly --
+which charged the per-token host time to every layer, 39 times over in a 78-layer token. The JSON also keeps a
+wall-only cross-check, what a layer adds to the token (L layers against the first alone: `marginal_split`).)
 head_s_slice is the lm_head matmul measured on its own; head_s_full scales it by 154880 / the slice's vocabulary
 (a memory-bound GEMV). In the warm scenario T - T_nomoe is the MoE compute time: the "dense-layer time measured in
 the warm scenario as forward time minus MoE time" is T_nomoe's share by construction. GLM-5's 3 dense layers are
@@ -106,6 +108,16 @@ def marginal_split(nomoe_token_s: float, nomoe_one_layer_s: float, n_layers: int
         raise ValueError("the marginal split needs a slice of at least 2 layers")
     dense = max(nomoe_token_s - nomoe_one_layer_s, 0.0) / (n_layers - 1)
     return dense, max(nomoe_one_layer_s - dense - head_s, 0.0)
+
+
+def device_split(nomoe_token_s: float, nomoe_device_s: float, n_layers: int, head_s: float) -> tuple[float, float]:
+    """(dense_layer_s, fixed_s) of a no-routed-expert token replayed as ONE CUDA graph: inside the graph the layers
+    run back to back on the device, so a layer's wall time is its share of the graph's device time (two events
+    around the launch), (T_device - head_s) / L; what the token's wall time holds beyond the device time -- the
+    launch, the read-back, the host's step -- is paid once per token whatever its depth. Noise clamps to 0."""
+    if n_layers < 1:
+        raise ValueError("n_layers must be >= 1")
+    return max(nomoe_device_s - head_s, 0.0) / n_layers, max(nomoe_token_s - nomoe_device_s, 0.0)
 
 
 def full_dense_bytes(slice_dense_bytes: int, head_bytes: int, slice_layers: int, slice_vocab: int,
@@ -422,7 +434,7 @@ class _Runner:
 
 def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice: float, head_full: float,
                  dense_layer_s: float | None, warm_moe_layer_s: float | None, ceil: dict | None, tile_kb: int,
-                 nvme_peak: float | None, fixed_s: float = 0.0) -> dict:
+                 nvme_peak: float | None, fixed_s: float = 0.0, nomoe_device_s: float | None = None) -> dict:
     """The reported figures of one scenario from its raw measurements (pure)."""
     t = summarise(raw["token_s"])
     mean = t["mean"]
@@ -431,6 +443,11 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
                            "tokens_per_s_slice": 1.0 / mean if mean else None}
     if nomoe_s is not None and dense_layer_s is not None:
         moe, _ = split_times(mean, nomoe_s, L, head_slice)
+        dev = (raw.get("graphs") or {}).get("gpu_ms_mean")
+        if nomoe_device_s is not None and dev is not None:
+            # both tokens replayed as one graph each (warm): the MoE is the difference of their device times, free
+            # of the host's jitter between two wall means
+            moe = max(dev / 1e3 - nomoe_device_s, 0.0) / L
         out["moe_layer_ms"] = moe * 1e3
         out["tokens_per_s_glm5"] = extrapolate(moe, dense_layer_s, head_full, fixed_s=fixed_s)
     else:
@@ -503,10 +520,10 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            "scenarios_asked": names,
                            "rows": [], "notes": [], "extrapolation": (
                                "tokens/s extrapolated to GLM-5 (75 MoE + 3 dense layers): 1 / (fixed_token_s + 75 x "
-                               "moe_layer_s + 78 x dense_layer_s + head_s_full); dense_layer_s is what a layer adds "
-                               "to the no-routed-expert token (L layers against the first alone), fixed_token_s what "
-                               "that token pays once whatever its depth; per-layer cache capacities scaled to what "
-                               "the full model would have at the same --vram-gb/--ram-gb")}
+                               "moe_layer_s + 78 x dense_layer_s + head_s_full); dense_layer_s is a layer's share "
+                               "of the replayed no-routed-expert token's device time, fixed_token_s the rest of that "
+                               "token's wall time, paid once whatever its depth; per-layer cache capacities scaled "
+                               "to what the full model would have at the same --vram-gb/--ram-gb")}
     peer_row = None
     if "peer" in names:                 # first: before this process owns GPU memory
         report("peer: coli.bench.peer_accelerate in a subprocess ...")
@@ -563,26 +580,34 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     except Exception as e:   # noqa: BLE001
         res["notes"].append(f"the no-routed-expert decode failed ({type(e).__name__}: {e}): no MoE/dense split, "
                             f"no GLM-5 extrapolation")
-    fixed = 0.0
+    fixed, nomoe_dev = 0.0, None
+    if nomoe is not None:
+        res["dense_layer_ms_spread"] = dense_layer * 1e3           # the old split: the whole token over L layers
+        gpu = (res.get("nomoe_graphs") or {}).get("gpu_ms_mean")
+        if gpu is not None:
+            # the no-expert token was replayed as one graph: a layer is its share of the device time, the rest of
+            # the wall time is paid once per token (docs/performance.md, "Extrapolation")
+            nomoe_dev = gpu / 1e3
+            dense_layer, fixed = device_split(nomoe, nomoe_dev, r.L, head_slice)
+            res["split"] = "device"
+            res["dense_layer_ms"] = dense_layer * 1e3
+            res["fixed_token_ms"] = fixed * 1e3
+        else:
+            res["split"] = "spread"
+            res["notes"].append("the no-routed-expert token ran eagerly (no device time): the whole token is spread "
+                                "over the slice's layers, host time included")
     if nomoe is not None and r.L >= 2:
-        # the marginal split: the same decode over the first layer alone says what a layer adds and what a token
-        # pays once whatever its depth (docs/performance.md, "Extrapolation")
+        # cross-check from wall times alone: what a layer adds to the token (L layers against the first alone) --
+        # noisier (two wall means of a jittery host path), in the JSON only
         try:
             t1 = r.decode(override=DropAllExperts(r.K), layers=1)
             one = float(np.mean(t1))
-            dense_m, fixed = marginal_split(nomoe, one, r.L, head_slice)
+            dense_m, fixed_m = marginal_split(nomoe, one, r.L, head_slice)
             res["nomoe_one_layer_token_ms"] = summarise([x * 1e3 for x in t1])
-            res["dense_layer_ms_spread"] = dense_layer * 1e3       # the old split: the whole token over L layers
-            gpu = (res.get("nomoe_graphs") or {}).get("gpu_ms_mean")
-            if gpu is not None:   # cross-check: the replayed step's device time over its layers
-                res["dense_layer_ms_device"] = max(gpu / 1e3 - head_slice, 0.0) / r.L * 1e3
-            dense_layer = dense_m
-            res["dense_layer_ms"] = dense_layer * 1e3
-            res["fixed_token_ms"] = fixed * 1e3
+            res["dense_layer_ms_marginal"] = dense_m * 1e3
+            res["fixed_token_ms_marginal"] = fixed_m * 1e3
         except Exception as e:   # noqa: BLE001
-            fixed = 0.0
-            res["notes"].append(f"the one-layer decode failed ({type(e).__name__}: {e}): the whole token is spread "
-                                f"over the slice's layers (no per-token fixed time)")
+            res["notes"].append(f"the one-layer decode (a cross-check) failed: {type(e).__name__}: {e}")
     raws: dict[str, dict] = {}
     n_cold = max(scal["slice_vram_slots"], 2 * r.K)
     batched = _batched(r, res, batches, tokens)
@@ -722,6 +747,9 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     warm_moe = None
     if "warm" in raws and "token_s" in raws["warm"] and nomoe is not None:
         warm_moe, _ = split_times(float(np.mean(raws["warm"]["token_s"])), nomoe, r.L, head_slice)
+        dev = (raws["warm"].get("graphs") or {}).get("gpu_ms_mean")
+        if nomoe_dev is not None and dev is not None:          # as the warm row's own figure (_row_figures)
+            warm_moe = max(dev / 1e3 - nomoe_dev, 0.0) / r.L
         res["warm_moe_layer_ms"] = warm_moe * 1e3
     for name in row_order(list(raws)):
         raw = raws.get(name)
@@ -732,7 +760,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             continue
         row = _row_figures(raw, L=r.L, N=tokens, nomoe_s=nomoe, head_slice=head_slice, head_full=head_full,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
-                           nvme_peak=nvme_peak, fixed_s=fixed)
+                           nvme_peak=nvme_peak, fixed_s=fixed, nomoe_device_s=nomoe_dev)
         row["token_s_raw"] = raw["token_s"]
         if "graphs" in raw:
             row["graphs"] = raw["graphs"]
