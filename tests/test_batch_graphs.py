@@ -250,7 +250,16 @@ class _Forced:
         return idx.astype(np.int64), np.full((n, self.K), 1.0 / self.K, np.float32)
 
 
-@pytest.mark.parametrize("routing,fmt", [("router", "f32"), ("forced", "f32"), ("router", "int4")])
+class _Dropped(_Forced):
+    """The benchmarks' no-routed-expert override: every slot of every row dropped (idx -1)."""
+
+    def __call__(self, layer, n):
+        self.calls.append((layer, n))
+        return np.full((n, self.K), -1, np.int64), np.zeros((n, self.K), np.float32)
+
+
+@pytest.mark.parametrize("routing,fmt", [("router", "f32"), ("forced", "f32"), ("dropped", "f32"),
+                                         ("router", "int4")])
 def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing, fmt):
     from coli.gpu.cuda_backend import CudaBackend
     from coli.loader import open_weights
@@ -269,7 +278,8 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, r
     toks = [model.greedy_eager(q, c) for q, c in zip([p, p[:5], p[:20]], caches)]
     dec = batch_graphs(model)
     c = model.config
-    forced = _Forced(c.num_experts_per_tok, c.n_routed_experts) if routing == "forced" else None
+    forced = {"forced": _Forced, "dropped": _Dropped}.get(routing)
+    forced = forced(c.num_experts_per_tok, c.n_routed_experts) if forced is not None else None
     model.route_override = forced
     marks = []
     for step in range(4):
@@ -287,7 +297,11 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, r
         assert forced.calls == [(i, 3) for _ in range(4) for i in c.moe_layers]
         tables = [args[0] for name, args in captured if name == "expert_table"]
         K = c.num_experts_per_tok
-        assert tables == [st.dyn.ptr + st.layout.route_offset(i) + 4 * K * r for i in c.moe_layers for r in range(3)]
+        if routing == "dropped":      # the routed sums are zeroed, no expert is read
+            assert tables == [] and sum(name == "zero" for name, _ in captured) == len(c.moe_layers)
+        else:
+            assert tables == [st.dyn.ptr + st.layout.route_offset(i) + 4 * K * r for i in c.moe_layers
+                              for r in range(3)]
     bufs = [{int(x.ptr) for lc in cache.layers for x in (lc.lat, lc.k_pe, lc.k_idx) if x is not None}
             for cache in caches]
     rows = []

@@ -111,6 +111,12 @@ class BatchStepLayout:
             buf[o + 4 * B * K:o + 8 * B * K].view(np.float32)[:] = np.asarray(w, np.float32).reshape(-1)
 
 
+def all_dropped(routes: dict, B: int, K: int) -> bool:
+    """Whether a forced routing drops every slot of every row of every MoE layer (the no-routed-expert step)."""
+    return bool(routes) and all(r is not None and np.shape(r[0]) == (B, K) and (np.asarray(r[0]) < 0).all()
+                                for r in routes.values())
+
+
 def batch_route_mode(routes: dict, B: int, K: int, E: int) -> str | None:
     """Why a forced routing of a B-row step cannot be replayed (None: it can): every MoE layer must force all B x K
     slots to experts 0..E-1 (a dropped slot, -1, or a layer keeping the router's choice runs the step eagerly)."""
@@ -242,10 +248,13 @@ class BatchGraphDecoder:
         routes, mode = None, "router"
         if m.route_override is not None:           # drawn once per step: a replay reads them from its inputs
             routes = {i: m.route_override(i, B) for i in c.moe_layers}
-            why = batch_route_mode(routes, B, c.num_experts_per_tok, c.n_routed_experts)
-            if why is not None:
-                return self._eager(rows, routes, why)
-            mode = "forced"
+            if all_dropped(routes, B, c.num_experts_per_tok):
+                mode = "dropped"                   # every slot of every layer dropped (the benchmarks' no-expert
+            else:                                  # step): the routed sums are zeros, as the eager step's
+                why = batch_route_mode(routes, B, c.num_experts_per_tok, c.n_routed_experts)
+                if why is not None:
+                    return self._eager(rows, routes, why)
+                mode = "forced"
         for r in rows:
             r.cache.reserve(1)
         spans = [single._attn_span(r.cache.length + 1) for r in rows]
@@ -262,7 +271,8 @@ class BatchGraphDecoder:
         positions = [r.cache.length for r in rows]
         tables = [cos_sin_table([p], c.qk_rope_head_dim, c.rope_theta) for p in positions]
         st.layout.pack(st.pinned_in, [int(x[0]) for x in ids], positions,
-                       np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables]), routes)
+                       np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables]),
+                       routes if mode == "forced" else None)
         if g is None:
             st.positions, st.capacities, st.spans = positions, [r.cache.capacity for r in rows], spans
             st.mode = mode
