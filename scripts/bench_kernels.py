@@ -353,7 +353,7 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
     positions = np.array([pos])
     cos, sin = cos_sin_table(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     layout = StepLayout(cfg.qk_rope_head_dim // 2, tuple(cfg.moe_layers), cfg.num_experts_per_tok)
-    st = DeviceStep(rt, layout, None, cfg.n_routed_experts, None)
+    st = DeviceStep(rt, layout, None, cfg.n_routed_experts, None, cfg.hidden_size)
     layout.pack(st.pinned_in, 0, pos, cos, sin)
     rt.upload_bytes(st.pinned_in, st.dyn.ptr)
     st.pos, st.capacity, st.mode, st.keep = pos, cache.capacity, "dropped", []

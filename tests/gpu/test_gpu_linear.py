@@ -110,7 +110,7 @@ def test_linear_many_equals_linear(gb, rng, version, S):
 
 
 @pytest.mark.parametrize("rows,cols,fmt,group", LINEAR_SHAPES + [(98, 98, "int4", 32)])
-@pytest.mark.parametrize("S", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 8, 16])
 def test_gemv2r_gives_every_row_of_a_few_rows_step(gb, rng, rows, cols, fmt, group, S):
     """gemv2r_<fmt> (a step of 2..8 rows, each weight chunk read once per launch and dotted with every staged row;
     o_proj's 16384 columns fit 3 rows a launch): every output element written (NaN-poisoned first), each row
