@@ -138,9 +138,9 @@ def test_a_kernel_version_setting_must_name_a_version():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
     """linear_many at one token (COLI_GEMV_KERNELS=v3): q_a | kv_a | indexer wk of the dense core's format in one
-    gemv2x launch, the f32 weights_proj alone; q_b | wq_b in one. v2 launches each matrix alone; a prefill (S > 1)
-    takes a GEMM per matrix (int4 on the tensor cores where its rows fill their blocks: q_a, not kv_a's 576); a group
-    gemv2 cannot find by a shift leaves them apart."""
+    gemv2x launch, the f32 weights_proj alone; q_b | wq_b in one. v2 launches each matrix alone; a step of a few rows
+    (S = 5) goes through gemv2r (int8) or, for int4 past 4 rows, a GEMM per matrix (the tensor cores where its rows
+    fill their blocks: q_a, not kv_a's 576); a group gemv2 cannot find by a shift leaves them apart."""
     H, Lq = 6144, 2048
     for gemv, want_x, want_q in (("v3", [f"gemv2x_{fmt}", "gemv2_f32"], [f"gemv2x_{fmt}"]),
                                  ("v2", [f"gemv2_{fmt}"] * 3 + ["gemv2_f32"], [f"gemv2_{fmt}"] * 2)):
@@ -159,7 +159,9 @@ def test_a_glm5_layers_projections_of_one_input_share_a_launch(fmt):
         assert [x[0] for x in gb.rt.launches] == want_q
     gb = _backend(gemv="v3")
     gb.linear_many(gb.rt.empty((5, H)), [_weight(gb, 2048, H, fmt), _weight(gb, 576, H, fmt)])
-    want_s5 = ["pf_split_rows", "pf_linear_int4", "gemm_nt_int4"] if fmt == "int4" else [f"gemm_nt_{fmt}"] * 2
+    # a step of 5 rows: int8 through gemv2r, each matrix read once per launch of 3 + 2 staged rows (gemv_rows_plan);
+    # int4 past GEMV_ROWS_INT4 rows on the tensor cores where its rows fill their blocks (q_a), a GEMM for kv_a's 576
+    want_s5 = ["pf_split_rows", "pf_linear_int4", "gemm_nt_int4"] if fmt == "int4" else [f"gemv2r_{fmt}"] * 4
     assert [x[0] for x in gb.rt.launches] == want_s5
     if fmt == "int4":
         gb = _backend(gemv="v3")
