@@ -53,15 +53,24 @@ def parse_batches(text: str) -> list[int]:
 def check_batches(batches: list[int], scenarios: list[str], trace_tokens: int) -> None:
     """Refuse a --batch that cannot run: no warm/cold-ram scenario asked, or more sequences than the trace has
     tokens (each sequence needs its own start in it)."""
-    if batches == [1]:
+    check_row_sizes("--batch", batches, scenarios, trace_tokens, "batched rows",
+                    " and each sequence needs its own start in it")
+
+
+def check_row_sizes(option: str, sizes: list[int], scenarios: list[str], trace_tokens: int, rows: str,
+                    why_more: str) -> None:
+    """The checks --batch and --verify share: their rows run on the warm and cold-ram engines (BATCH_SCENARIOS), and
+    a size above the trace's tokens cannot route distinct trace tokens; `rows` names what the option runs, `why_more`
+    says (after the trace's token count) why a larger size cannot. A size list of just 1 asks nothing."""
+    if sizes == [1]:
         return
     if not set(BATCH_SCENARIOS) & set(scenarios):
-        listed = ",".join(map(str, batches))
-        raise ColiError(f"--batch {listed}: batched rows run in the {' and '.join(BATCH_SCENARIOS)} scenarios; "
+        listed = ",".join(map(str, sizes))
+        raise ColiError(f"{option} {listed}: {rows} run in the {' and '.join(BATCH_SCENARIOS)} scenarios; "
                         f"--scenario asks for neither")
-    if max(batches) > trace_tokens:
-        raise ColiError(f"--batch {max(batches)}: the slice's routing trace has {trace_tokens} tokens and each "
-                        f"sequence needs its own start in it (make the slice with --tokens {max(batches)} or more)")
+    if max(sizes) > trace_tokens:
+        raise ColiError(f"{option} {max(sizes)}: the slice's routing trace has {trace_tokens} tokens{why_more} "
+                        f"(make the slice with --tokens {max(sizes)} or more)")
 
 
 def sequence_starts(B: int, trace_tokens: int) -> list[int]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from coli.errors import ColiError
 
-VERIFY_SCENARIOS = ("warm", "cold-ram")     # the scenarios whose engine also runs the verify steps
+VERIFY_SCENARIOS = ("warm", "cold-ram")     # the scenarios whose engine also runs the verify steps (as --batch)
 ACCEPTANCES = (0.6, 0.8, 0.9)               # issue 16 §5: tok/s at these acceptances
 DEFAULT_AUTO_ACCEPTANCE = 0.8
 TARGET = {"warm": 1.5}                      # issue 16: >= 1.5x tok/s at acceptance 0.8, warm (cold-ram: reported)
@@ -86,15 +86,8 @@ def parse_acceptance(value) -> float:
 def check_verify(sizes: list[int], scenarios: list[str], trace_tokens: int) -> None:
     """Refuse a --verify that cannot run: no warm/cold-ram scenario asked, or a step of more positions than the
     trace has tokens (its positions must route distinct trace tokens)."""
-    if sizes == [1]:
-        return
-    if not set(VERIFY_SCENARIOS) & set(scenarios):
-        listed = ",".join(map(str, sizes))
-        raise ColiError(f"--verify {listed}: verify steps run in the {' and '.join(VERIFY_SCENARIOS)} scenarios; "
-                        f"--scenario asks for neither")
-    if max(sizes) > trace_tokens:
-        raise ColiError(f"--verify {max(sizes)}: the slice's routing trace has {trace_tokens} tokens, fewer than the "
-                        f"step's positions (make the slice with --tokens {max(sizes)} or more)")
+    from coli.bench.batch_decode import check_row_sizes
+    check_row_sizes("--verify", sizes, scenarios, trace_tokens, "verify steps", ", fewer than the step's positions")
 
 
 # ---- the arithmetic (pure) -----------------------------------------------------------------------------------

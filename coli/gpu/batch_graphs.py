@@ -26,7 +26,6 @@ default (COLI_BATCH_GRAPHS=1 turns it on) until measured on the H200; COLI_GRAPH
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,10 +33,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from coli.gpu.graphs import MAX_GRAPHS, _Bounded, env_switch, step_key, why_not_graphable
+from coli.gpu.graphs import (_Bounded, capture_step, env_switch, load_modules, step_key,
+                             why_not_graphable)
 from coli.model.backend import cos_sin_table
-
-log = logging.getLogger("coli.cuda")
 
 
 def batch_graphs_enabled(env: dict | None = None) -> bool:
@@ -342,46 +340,25 @@ class BatchGraphDecoder:
         return st
 
     def _capture(self, key: tuple, rows, st: BatchStepInputs):
-        from coli.gpu.cuda_runtime import MODULES, CudaError
+        from coli.gpu.cuda_runtime import MODULES
         from coli.model.batch import step_logits
         b, rt = self.b, self.b.rt
         lengths = [r.cache.length for r in rows]
-        busy, b.busy = b.busy, None
         st.keep = []
-        try:
-            for mod in MODULES:      # loaded before: the eager first step ran the grouped MoE, not the decode kernels
-                try:
-                    rt.module(mod)
-                except CudaError:        # a module this toolkit rejects (moe_mma): the backend does without it
-                    pass
-            rt.begin_capture()
+
+        def body():
             b.step = st
             st.select(None)
             rt.drv.memcpy_htod_async(st.dyn.ptr, st.pinned_in, rt.stream)
             logits, _ = step_logits(self.model, rows, all_positions=False)     # [B, V]
             b.argmax_into(logits, st.out_d.ptr)
             rt.drv.memcpy_dtoh_async(st.pinned_out, st.out_d.ptr, rt.stream)
-            b.step = None
-            g = rt.end_capture()
-        except Exception as e:   # noqa: BLE001 -- any failure leaves this batch eager (which raises a real error)
-            b.step = None
-            rt.abort_capture()
-            self.failed[key] = f"capture failed: {type(e).__name__}: {e}"
-            log.warning("batched decode step not graphable, running it eagerly: %s", self.failed[key])
-            return None
-        except BaseException:
-            b.step = None
-            rt.abort_capture()
-            raise
-        finally:
-            b.busy = busy
+
+        def restore():
             st.select(None)
             for r, n in zip(rows, lengths):    # the capture ran no kernel: the replay advances the caches
                 r.cache.length = n
-        g.keep.append(st.keep)
-        self.graphs[key] = g
-        self.captures += 1
-        while len(self.graphs) > MAX_GRAPHS:
-            _, old = self.graphs.popitem(last=False)
-            old.close()
-        return g
+
+        # modules loaded before: the eager first step ran the grouped MoE, not the decode kernels
+        return capture_step(self, key, b, "batched decode step", lambda: load_modules(rt, MODULES), body, restore,
+                            lambda: st.keep)

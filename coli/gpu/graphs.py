@@ -204,6 +204,56 @@ def why_not_graphable(model, ids: Sequence[int]) -> str | None:
     return None
 
 
+# ---- capturing ------------------------------------------------------------------------------------------------
+def capture_step(owner, key: tuple, b, what: str, prepare: Callable[[], None], body: Callable[[], None],
+                 restore: Callable[[], None], keep: Callable[[], list]):
+    """The capture the replayed-step decoders share (GraphDecoder, BatchGraphDecoder, MtpRoundGraphs): prepare()
+    (module loads: no stream work), then body() -- the step's work on the compute stream, which sets b.step itself --
+    captured into a graph, kept in owner.graphs[key] with keep()'s buffers (what its kernels use for as long as it
+    lives; the oldest of more than MAX_GRAPHS closed) and counted in owner.captures. A failure is remembered in
+    owner.failed[key] with one warning and gives None (the caller runs the step eagerly, which raises a real error);
+    restore() runs either way (the capture ran no kernel: the caches are put back where they were)."""
+    rt = b.rt
+    busy, b.busy = b.busy, None
+    try:
+        prepare()
+        rt.begin_capture()
+        body()
+        b.step = None
+        g = rt.end_capture()
+    except Exception as e:   # noqa: BLE001 -- any failure leaves this shape eager
+        b.step = None
+        rt.abort_capture()
+        owner.failed[key] = f"capture failed: {type(e).__name__}: {e}"
+        log.warning("%s not graphable, running it eagerly: %s", what, owner.failed[key])
+        return None
+    except BaseException:
+        b.step = None
+        rt.abort_capture()
+        raise
+    finally:
+        b.busy = busy
+        restore()
+    g.keep.append(keep())
+    owner.graphs[key] = g
+    owner.captures += 1
+    while len(owner.graphs) > MAX_GRAPHS:
+        _, old = owner.graphs.popitem(last=False)
+        old.close()
+    return g
+
+
+def load_modules(rt, names) -> None:
+    """Load (compile once) the kernel modules a captured step launches from; a module this toolkit rejects (moe_mma)
+    is skipped: the backend does without it."""
+    from coli.gpu.cuda_runtime import CudaError
+    for mod in names:
+        try:
+            rt.module(mod)
+        except CudaError:
+            pass
+
+
 # ---- the device side -------------------------------------------------------------------------------------------
 class DeviceStep:
     """The device buffers of a replayed step and what CudaBackend reads while one is captured (backend.step)."""
@@ -528,11 +578,12 @@ class GraphDecoder:
         b, rt, st = self.b, self.b.rt, self._step
         st.pos, st.capacity, st.mode, st.keep = cache.length, cache.capacity, mode, []
         pos = cache.length
-        busy, b.busy = b.busy, None
-        try:
+
+        def prepare():
             for mod in ("graph", "indexer", "argmax"):   # compiled before: loading a module is no stream work
                 rt.module(mod)
-            rt.begin_capture()
+
+        def body():
             b.step = st
             rt.drv.memcpy_htod_async(st.dyn.ptr, st.pinned_in, rt.stream)
             hn = self.model.hidden_device([tok], cache)                        # [1, H]
@@ -540,27 +591,8 @@ class GraphDecoder:
             logits = b.linear(hn, self.model.lm_head)                          # [1, V]
             b.argmax_into(logits, st.out_d.ptr)
             rt.drv.memcpy_dtoh_async(st.pinned_out, st.out_d.ptr, rt.stream)
-            b.step = None
-            g = rt.end_capture()
-        except Exception as e:   # noqa: BLE001 -- any failure leaves this shape eager (which raises a real error)
-            b.step = None
-            rt.abort_capture()
-            cache.length = pos
-            self.failed[key] = f"capture failed: {type(e).__name__}: {e}"
-            log.warning("decode step not graphable, running it eagerly: %s", self.failed[key])
-            return None
-        except BaseException:
-            b.step = None
-            rt.abort_capture()
-            cache.length = pos
-            raise
-        finally:
-            b.busy = busy
-        cache.length = pos               # the capture ran no kernel: the replay advances the cache
-        g.keep.append(st.keep)
-        self.graphs[key] = g
-        self.captures += 1
-        while len(self.graphs) > MAX_GRAPHS:
-            _, old = self.graphs.popitem(last=False)
-            old.close()
-        return g
+
+        def restore():
+            cache.length = pos           # the capture ran no kernel: the replay advances the cache
+
+        return capture_step(self, key, b, "decode step", prepare, body, restore, lambda: st.keep)

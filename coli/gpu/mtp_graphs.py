@@ -26,7 +26,6 @@ COLI_GRAPHS=0) it runs eagerly with the same results; `last_reason` says why.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -34,11 +33,8 @@ from typing import Any
 import numpy as np
 
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout
-from coli.gpu.graphs import MAX_GRAPHS, _Bounded, step_key, why_not_graphable
+from coli.gpu.graphs import _Bounded, capture_step, load_modules, step_key, why_not_graphable
 from coli.model.backend import cos_sin_table
-
-log = logging.getLogger("coli.cuda")
-
 
 def mtp_graphs_enabled(env: dict | None = None) -> bool:
     """COLI_MTP_GRAPHS: "1" (default) greedy one-draft MTP rounds replayed from CUDA graphs, "0" eager rounds."""
@@ -170,21 +166,15 @@ class MtpRoundGraphs:
         return self._verify_in, self._mtp_in
 
     def _capture(self, key: tuple, last: int, d1: int, cache, mtp_cache):
-        from coli.gpu.cuda_runtime import MODULES, CudaError
+        from coli.gpu.cuda_runtime import MODULES
         from coli.model.batch import forward_rows
         head, b = self.head, self.b
         rt = b.rt
         vin, min_ = self._verify_in, self._mtp_in
         P = cache.length
-        busy, b.busy = b.busy, None
         vin.keep, min_.keep = [], []
-        try:
-            for mod in MODULES:      # loaded before: a module load is no stream work (moe_mma may be refused)
-                try:
-                    rt.module(mod)
-                except CudaError:
-                    pass
-            rt.begin_capture()
+
+        def body():
             rt.drv.memcpy_htod_async(vin.dyn.ptr, vin.pinned_in, rt.stream)
             rt.drv.memcpy_htod_async(min_.dyn.ptr, min_.pinned_in, rt.stream)
             b.step = vin
@@ -197,27 +187,11 @@ class MtpRoundGraphs:
             _, ml = head.step_rows([0] * ROWS, hn, mtp_cache)                 # [2, V]
             b.argmax_into(ml, min_.out_d.ptr)
             rt.drv.memcpy_dtoh_async(min_.pinned_out, min_.out_d.ptr, rt.stream)
-            b.step = None
-            g = rt.end_capture()
-        except Exception as e:   # noqa: BLE001 -- any failure leaves this shape eager (which raises a real error)
-            b.step = None
-            rt.abort_capture()
-            self.failed[key] = f"capture failed: {type(e).__name__}: {e}"
-            log.warning("MTP round not graphable, running it eagerly: %s", self.failed[key])
-            return None
-        except BaseException:
-            b.step = None
-            rt.abort_capture()
-            raise
-        finally:
-            b.busy = busy
+
+        def restore():
             vin.select(None)
             min_.select(None)
             cache.length = mtp_cache.length = P        # the capture ran no kernel: the replay advances the caches
-        g.keep.append(vin.keep + min_.keep)
-        self.graphs[key] = g
-        self.captures += 1
-        while len(self.graphs) > MAX_GRAPHS:
-            _, old = self.graphs.popitem(last=False)
-            old.close()
-        return g
+
+        return capture_step(self, key, b, "MTP round", lambda: load_modules(rt, MODULES), body, restore,
+                            lambda: vin.keep + min_.keep)
