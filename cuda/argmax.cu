@@ -25,6 +25,7 @@ __device__ inline void block_argmax(float &v, int &i) {
 // argmax_partial(x, n, pv, pi): for row s = blockIdx.y of x [S, n], block b = blockIdx.x of G finds the first
 // maximum of its strided share; pv/pi [S, G].  grid (G, S), block 1024.
 extern "C" __global__ void argmax_partial(const float *x, int n, float *pv, int *pi) {
+    COLI_PDL_ENTRY();
     const float *r = x + (long long)blockIdx.y * n;
     float v = -INFINITY;
     int i = 0x7fffffff;
@@ -39,6 +40,7 @@ extern "C" __global__ void argmax_partial(const float *x, int n, float *pv, int 
 // argmax_final(pv, pi, G, out): out[s] = index of the first maximum of row s (from argmax_partial's G partials).
 //   grid S, block 1024.
 extern "C" __global__ void argmax_final(const float *pv, const int *pi, int G, int *out) {
+    COLI_PDL_ENTRY();
     float v = -INFINITY;
     int i = 0x7fffffff;
     for (int j = threadIdx.x; j < G; j += blockDim.x)

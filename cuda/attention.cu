@@ -88,6 +88,7 @@ __device__ void mla_attend_body(const float *qa, const float *q, int dq, int pe_
                                                const float *lat, const float *kpe, const int *idx,            \
                                                const int *cnt, int kmax, int start, int nh, int Lkv, int dr,  \
                                                float scale, float *ctx) {                                     \
+        COLI_PDL_ENTRY();                                                                                     \
         mla_attend_body<NJ>(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, nh, Lkv, dr, scale, ctx);     \
     }
 MLA_KERNEL(1)
@@ -314,6 +315,7 @@ __device__ void mla_part_body(const float *qa, const float *q, int dq, int pe_of
         const float *qa, const float *q, int dq, int pe_off, const float *lat, const float *kpe,              \
         const int *idx, const int *cnt, int kmax, int start, const int *T_dev, int S, int nh, int Lkv,        \
         int dr, float scale, int chunk, int nchunk, float *pm, float *pl, float *pc) {                        \
+        COLI_PDL_ENTRY();                                                                                     \
         mla_part_body<NJ, PIPE>(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, T_dev, S, nh, Lkv, dr,    \
                                 scale, chunk, nchunk, pm, pl, pc);                                            \
     }
@@ -334,6 +336,7 @@ MLA_PART_KERNEL(mla_attend_part1, 16, false)
 extern "C" __global__ void mla_attend_combine(const float *pm, const float *pl, const float *pc, const int *idx,
                                               const int *cnt, int start, const int *T_dev, int S, int nh, int Lkv,
                                               int chunk, int nchunk, float *ctx) {
+    COLI_PDL_ENTRY();
     const int h = blockIdx.x, s = blockIdx.y;
     const int n = attend_keys(idx, cnt, start, T_dev, S, s);
     const int nc = min(nchunk, (n + chunk - 1) / chunk);
@@ -565,6 +568,7 @@ __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_of
         const float *qa, const float *q, int dq, int pe_off, const float *lat, const float *kpe,              \
         const int *idx, const int *cnt, int kmax, int start, const int *T_dev, int S, int nh, int Lkv,        \
         int dr, float scale, int chunk, int nchunk, float *pm, float *pl, float *pc) {                        \
+        COLI_PDL_ENTRY();                                                                                     \
         mla_tile_body<NBUF>(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, T_dev, S, nh, Lkv, dr, scale, \
                             chunk, nchunk, pm, pl, pc);                                                       \
     }
@@ -574,6 +578,7 @@ MLA_TILE_KERNEL(1, 2)
 extern "C" __global__ void mla_attend_combine4(const float *pm, const float *pl, const float *pc, const int *idx,
                                                const int *cnt, int start, const int *T_dev, int S, int nh, int Lkv,
                                                int chunk, int nchunk, float *ctx) {
+    COLI_PDL_ENTRY();
     // M and L as block reductions (each thread one chunk's m, l per step: one round trip for up to 128 chunks, not
     // one per chunk), the chunks' weights e^(m_c - M) in shared memory, 128 at a time
     __shared__ float red[4], wsh[128];
@@ -727,11 +732,13 @@ __device__ void mla_o_body(QMat W, int wrow0, int wz, int N, const float *x, lon
     extern "C" __global__ void __launch_bounds__(256) mla_qabs_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int K, \
                                                                       const float *x, long long x_z, float *y, \
                                                                       long long y_z) {                         \
+        COLI_PDL_ENTRY();                                                                                      \
         mla_qabs_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, K, x, x_z, y, y_z);                                  \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) mla_o_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int N,    \
                                                                    const float *x, long long x_z, float *y,    \
                                                                    long long y_z) {                            \
+        COLI_PDL_ENTRY();                                                                                      \
         mla_o_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z);                                     \
     }
 COLI_FOR_FORMATS(MLA_PROJ_KERNELS)

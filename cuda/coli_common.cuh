@@ -18,6 +18,20 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// ---- programmatic dependent launch (PDL, sm_90+) -------------------------------------------------------
+// Every __global__ kernel opens with COLI_PDL_ENTRY() (tests/test_pdl.py fails on one that does not). With COLI_PDL=1
+// the replayed graphs' kernel->kernel edges are programmatic (coli/gpu/pdl.py): a kernel's grid may be launched
+// while its predecessor still runs, and `griddepcontrol.wait` holds every thread until the predecessor grids have
+// COMPLETED and their memory is visible -- so a kernel that waits first thing reads exactly what it reads today.
+// `launch_dependents` first lets the next kernel's launch (its fixed 2-3 us of launch and ramp) overlap this one's
+// run. Without a programmatic edge both instructions are no-ops; below sm_90 (no such instructions) nothing at all.
+// The "memory" clobber keeps the compiler from moving any load or store above the wait.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define COLI_PDL_ENTRY() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define COLI_PDL_ENTRY() do {} while (0)
+#endif
+
 #define FMT_F32 0
 #define FMT_BF16 1
 #define FMT_INT8 2

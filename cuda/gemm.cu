@@ -116,11 +116,13 @@ __device__ void gemm_body(const float *A, long long lda, long long a_z, int M, Q
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                                \
     gemm_nt_##NAME(const float *A, long long lda, long long a_z, int M, QMAT_PARAMS(w), int wrow0, int wz,    \
                    int N, int K, float *C, long long ldc, long long c_z) {                                    \
+        COLI_PDL_ENTRY();                                                                                     \
         gemm_body<FMT, false>(A, lda, a_z, M, QMAT_MAKE(w, FMT), wrow0, wz, N, K, C, ldc, c_z);              \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                                \
     gemm_nn_##NAME(const float *A, long long lda, long long a_z, int M, QMAT_PARAMS(w), int wrow0, int wz,    \
                    int N, int K, float *C, long long ldc, long long c_z) {                                    \
+        COLI_PDL_ENTRY();                                                                                     \
         gemm_body<FMT, true>(A, lda, a_z, M, QMAT_MAKE(w, FMT), wrow0, wz, N, K, C, ldc, c_z);               \
     }
 COLI_FOR_FORMATS(GEMM_KERNELS)
@@ -192,6 +194,7 @@ __device__ void moe_down_gemm_body(const u8 *const *table, long long down_off, i
     moe_gateup_gemm_##NAME(const u8 *const *table, long long gate_off, long long up_off, int rows, int cols,  \
                            int group, int rpt, long long tile_bytes, const int *tiles, const int *pair_token,  \
                            const float *x, float *hb) {                                                       \
+        COLI_PDL_ENTRY();                                                                                     \
         moe_gateup_gemm_body<FMT>(table, gate_off, up_off, rows, cols, group, rpt, tile_bytes, tiles,          \
                                   pair_token, x, hb);                                                         \
     }                                                                                                         \
@@ -199,6 +202,7 @@ __device__ void moe_down_gemm_body(const u8 *const *table, long long down_off, i
     moe_down_gemm_##NAME(const u8 *const *table, long long down_off, int rows, int cols, int group, int rpt,  \
                          long long tile_bytes, const int *tiles, const int *pair_token, const int *pair_slot,  \
                          const float *pair_w, const float *hb, int K, float *Y) {                             \
+        COLI_PDL_ENTRY();                                                                                     \
         moe_down_gemm_body<FMT>(table, down_off, rows, cols, group, rpt, tile_bytes, tiles, pair_token,        \
                                 pair_slot, pair_w, hb, K, Y);                                                 \
     }
@@ -207,6 +211,7 @@ COLI_FOR_FORMATS(MOE_GEMM_KERNELS)
 // ---- moe_reduce ---------------------------------------------------------------------------------------
 // out[s, n] (+)= sum_{k < K} Y[s, k, n], slots summed in order.   grid-stride over S * H, block 256.
 extern "C" __global__ void moe_reduce(const float *Y, int S, int K, int H, float *out, int accumulate) {
+    COLI_PDL_ENTRY();
     const long long total = (long long)S * H;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {

@@ -43,6 +43,7 @@ __device__ void gemv_body(QMat W, int wrow0, int wz, int N, const float *x, long
 #define GEMV_KERNEL(NAME, FMT)                                                                               \
     extern "C" __global__ void gemv_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int N, const float *x,          \
                                            long long x_z, float *y, long long y_z) {                           \
+        COLI_PDL_ENTRY();                                                                                      \
         gemv_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z);                                     \
     }
 COLI_FOR_FORMATS(GEMV_KERNEL)
@@ -135,6 +136,7 @@ __device__ void gemv_t_body(QMat W, int wrow0, int wz, int K, const float *x, lo
     extern "C" __global__ void __launch_bounds__(512) gemv_t_##NAME(QMAT_PARAMS(w), int wrow0, int wz, int K, \
                                                                     const float *x, long long x_z, float *y,  \
                                                                     long long y_z) {                          \
+        COLI_PDL_ENTRY();                                                                                     \
         gemv_t_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, K, x, x_z, y, y_z);                                   \
     }
 COLI_FOR_FORMATS(GEMV_T_KERNEL)
@@ -177,6 +179,7 @@ __device__ void moe_gateup_body(const u8 *const *table, const u8 *base, long lon
 extern "C" __global__ void moe_gateup_int4_v1(const u8 *const *table, const u8 *base, long long gate_off,
                                               long long up_off, int rows, int cols, int group, int rpt,
                                               long long tile_bytes, int K, const float *x, float *h) {
+    COLI_PDL_ENTRY();
     moe_gateup_body<FMT_INT4>(table, base, gate_off, up_off, rows, cols, group, rpt, tile_bytes, K, x, h);
 }
 
@@ -257,6 +260,7 @@ __device__ void moe_down_body(const u8 *const *table, const u8 *base, long long 
 extern "C" __global__ void moe_down_int4_v1(const u8 *const *table, const u8 *base, long long down_off, int rows,
                                             int cols, int group, int rpt, long long tile_bytes, int K,
                                             const float *wts, const float *h, float *y, int accumulate) {
+    COLI_PDL_ENTRY();
     moe_down_body<FMT_INT4>(table, base, down_off, rows, cols, group, rpt, tile_bytes, K, wts, h, y, accumulate);
 }
 
@@ -342,6 +346,7 @@ __device__ void moe_gateup2_body(const u8 *const *table, const u8 *base, long lo
     extern "C" __global__ void __launch_bounds__(512) moe_gateup_##NAME(                                      \
         const u8 *const *table, const u8 *base, long long gate_off, long long up_off, int rows, int cols,     \
         int group, int rpt, long long tile_bytes, int K, const float *x, float *h) {                          \
+        COLI_PDL_ENTRY();                                                                                     \
         moe_gateup2_body<FMT>(table, base, gate_off, up_off, rows, cols, group, rpt, tile_bytes, K, x, h);    \
     }
 COLI_FOR_FORMATS(MOE_GATEUP2_KERNEL)
@@ -464,6 +469,7 @@ __device__ void moe_down2_body(const u8 *const *table, const u8 *base, long long
     extern "C" __global__ void __launch_bounds__(MOE_DN_LB) moe_down_##NAME(                                        \
         const u8 *const *table, const u8 *base, long long down_off, int rows, int cols, int group, int rpt,   \
         long long tile_bytes, int K, const float *wts, const float *h, float *y, int accumulate) {            \
+        COLI_PDL_ENTRY();                                                                                     \
         moe_down2_body<FMT>(table, base, down_off, rows, cols, group, rpt, tile_bytes, K, wts, h, y,          \
                             accumulate);                                                                      \
     }
@@ -656,6 +662,7 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
     extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, 2) gemv2_##NAME(                               \
         QMAT_PARAMS(w), int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z,       \
         int ks) {                                                                                             \
+        COLI_PDL_ENTRY();                                                                                     \
         gemv2_body<FMT>(QMAT_MAKE(w, FMT), wrow0, wz, N, x, x_z, y, y_z, ks);                                \
     }
 COLI_FOR_FORMATS(GEMV2_KERNEL)
@@ -676,6 +683,7 @@ __device__ void gemv2r_body(QMat W, int N, const float *x, long long x_z, float 
 #define GEMV2R_KERNEL(NAME, FMT)                                                                             \
     extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS) gemv2r_##NAME(                                 \
         QMAT_PARAMS(w), int N, const float *x, long long x_z, float *y, long long y_z, int nx, int ks) {       \
+        COLI_PDL_ENTRY();                                                                                      \
         gemv2r_body<FMT>(QMAT_MAKE(w, FMT), N, x, x_z, y, y_z, nx, ks);                                       \
     }
 COLI_FOR_FORMATS(GEMV2R_KERNEL)
@@ -712,6 +720,7 @@ __device__ void gemv2x_body(const QMat *Ws, float *const *ys, int nm, const floa
     extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, 2) gemv2x_##NAME(                              \
         QMAT_PARAMS(a), QMAT_PARAMS(b), QMAT_PARAMS(c), QMAT_PARAMS(d), int nm, const float *x, float *ya,      \
         float *yb, float *yc, float *yd, int ks) {                                                            \
+        COLI_PDL_ENTRY();                                                                                     \
         const QMat Ws[GEMV2X_MAX] = {QMAT_MAKE(a, FMT), QMAT_MAKE(b, FMT), QMAT_MAKE(c, FMT), QMAT_MAKE(d, FMT)}; \
         float *const ys[GEMV2X_MAX] = {ya, yb, yc, yd};                                                       \
         gemv2x_body<FMT>(Ws, ys, min(max(nm, 1), GEMV2X_MAX), x, ks);                                         \
@@ -723,6 +732,7 @@ COLI_FOR_FORMATS(GEMV2X_KERNEL)
 // 8 per thread in flight, grid-stride; folds them into one word per thread so nothing is optimised away.
 extern "C" __global__ void read_ceiling(const u8 *const *table, long long off, long long nbytes, int K,
                                         unsigned *sink) {
+    COLI_PDL_ENTRY();
     const long long n16 = nbytes / 16, total = n16 * K;
     const long long stride = (long long)gridDim.x * blockDim.x;
     unsigned acc = 0;
@@ -748,6 +758,7 @@ extern "C" __global__ void read_ceiling(const u8 *const *table, long long off, l
 // Queued before a timed run of launches, it lets the host enqueue all of them while the GPU waits, so the events
 // around them time the kernels back to back (GPU time), not the rate at which Python issues launches.
 extern "C" __global__ void bench_spin(long long ns) {
+    COLI_PDL_ENTRY();
     long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do {

@@ -15,6 +15,7 @@
 #include "coli_common.cuh"
 
 extern "C" __global__ void kv_put(const float *src, long long n, const int *pos, float *dst) {
+    COLI_PDL_ENTRY();
     float *row = dst + (long long)pos[0] * n;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         row[i] = src[i];
@@ -22,5 +23,6 @@ extern "C" __global__ void kv_put(const float *src, long long n, const int *pos,
 
 extern "C" __global__ void expert_table(const int *idx, int K, const unsigned long long *slots,
                                         unsigned long long *table) {
+    COLI_PDL_ENTRY();
     for (int k = threadIdx.x; k < K; k += blockDim.x) table[k] = slots[idx[k]];
 }

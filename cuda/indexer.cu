@@ -43,6 +43,7 @@ __device__ __forceinline__ void indexer_scores_body(const float *iq, const float
 
 extern "C" __global__ void indexer_scores(const float *iq, const float *kidx, const float *hw, int ih, int ihd,
                                           int start, int T, float qscale, float wscale, int topk, float *score) {
+    COLI_PDL_ENTRY();
     indexer_scores_body(iq, kidx, hw, ih, ihd, start, T, qscale, wscale, topk, score);
 }
 
@@ -50,6 +51,7 @@ extern "C" __global__ void indexer_scores(const float *iq, const float *kidx, co
 // replayed from a CUDA graph (coli/gpu/graphs.py): grid (ceil(capacity / 64), S); blocks past T return at once.
 extern "C" __global__ void indexer_scores_dyn(const float *iq, const float *kidx, const float *hw, int ih, int ihd,
                                               const int *posT, float qscale, float wscale, int topk, float *score) {
+    COLI_PDL_ENTRY();
     indexer_scores_body(iq, kidx, hw, ih, ihd, posT[0], posT[1], qscale, wscale, topk, score);
 }
 
@@ -148,6 +150,7 @@ __device__ __forceinline__ void topk_select_body(const float *score, int T, int 
 
 extern "C" __global__ void __launch_bounds__(1024) topk_select(const float *score, int T, int start, int topk,
                                                                int kmax, int *idx, int *cnt) {
+    COLI_PDL_ENTRY();
     topk_select_body(score, T, start, topk, kmax, idx, cnt);
 }
 
@@ -155,5 +158,6 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const float *scor
 // with n_vis <= topk gets idx = 0 .. n_vis-1 and cnt = n_vis, which mla_attend reads exactly as the dense mask.
 extern "C" __global__ void __launch_bounds__(1024) topk_select_dyn(const float *score, const int *posT, int topk,
                                                                    int kmax, int *idx, int *cnt) {
+    COLI_PDL_ENTRY();
     topk_select_body(score, posT[1], posT[0], topk, kmax, idx, cnt);
 }

@@ -124,6 +124,7 @@ __device__ inline void split_block64(float v0, float v1, int lane, u8 *q, int *c
 //   while its first weights are in flight -- measured 13 % slower on the H200: the split's ~1200 instructions
 //   per warp do not hide behind the loads.)
 extern "C" __global__ void moe_split_x4(const float *v, int nvec, int cols, u8 *q, int *cx, float *fx) {
+    COLI_PDL_ENTRY();
     const int X = blockIdx.x, z = blockIdx.y, lane = threadIdx.x;
     const float *src = v + (long long)z * cols + 64 * X;
     const long long nchunk = cols / 32, nblk = cols / 64;
@@ -245,6 +246,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MMA_MINB) moe_gateu
     const u8 *const *table, long long gate_off, long long up_off, int rows, int cols, int group, int rpt,
     long long tile_bytes, int K, const u8 *xq, const int *xc, const float *xf, float *h, u8 *hq, int *hc,
     float *hf) {
+    COLI_PDL_ENTRY();
     extern __shared__ float4 smem4[];
     u8 *sq = reinterpret_cast<u8 *>(smem4);
     const int nchunk = cols / 32, nblk = cols / 64;
@@ -292,6 +294,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MMA_MINB) moe_gateu
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS, MMA_MINB) moe_down_mma_int4(
     const u8 *const *table, long long down_off, int rows, int cols, int group, int rpt, long long tile_bytes,
     int K, const float *wts, const u8 *hq, const int *hc, const float *hf, float *y, int accumulate) {
+    COLI_PDL_ENTRY();
     constexpr int T = MMA_DT;
     extern __shared__ float4 smem4[];
     __shared__ float red[MMA_WARPS][16 * T];

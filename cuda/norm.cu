@@ -10,6 +10,7 @@
 //   12: D = 6144 is two rounds of loads per pass, 2048 one (8 loads in flight: 8 us for 6144 in the layer, 47 registers).
 #define NORM_U 12
 extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int D, float eps) {
+    COLI_PDL_ENTRY();
     __shared__ float red[32];
     const float *xr = x + (long long)blockIdx.x * D;
     float *yr = y + (long long)blockIdx.x * D;
@@ -42,6 +43,7 @@ extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int
 // layernorm(x, w, b, y, D, eps): xc = x - mean(x); y = xc / sqrt(mean(xc^2) + eps) * w + b
 //   x, y [R, D] fp32 (y may alias x), w, b [D].  grid R, block 256.
 extern "C" __global__ void layernorm(const float *x, const float *w, const float *b, float *y, int D, float eps) {
+    COLI_PDL_ENTRY();
     __shared__ float red[32];
     const float *xr = x + (long long)blockIdx.x * D;
     float *yr = y + (long long)blockIdx.x * D;

@@ -131,6 +131,7 @@ __device__ inline void pf_split64(float v0, float v1, int lane, u8 *q, int *m) {
 // x [R, C] fp32 (row stride ldx) -> xq, xm (layouts above).   grid (ceil(R * C / 64 / 8)), block 256: a warp a block.
 extern "C" __global__ void __launch_bounds__(PF_THREADS) pf_split_rows(const float *x, int R, int C, long long ldx,
                                                                        u8 *xq, int *xm) {
+    COLI_PDL_ENTRY();
     const int nG = C / 64, lane = threadIdx.x & 31;
     const long long i = (long long)blockIdx.x * (PF_THREADS / 32) + (threadIdx.x >> 5);
     if (i >= (long long)R * nG) return;
@@ -272,6 +273,7 @@ __device__ inline void pf_row(const QMat &m, int r, const u8 **rowd, const u8 **
 //   grid (N / PF_ROWS, ceil(S / PF_TOKS)), block 256, dynamic smem = pf_smem(C, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4(
     QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
+    COLI_PDL_ENTRY();
     extern __shared__ float4 smem4[];
     u8 *smem = reinterpret_cast<u8 *>(smem4);
     const QMat W = QMAT_MAKE(w, FMT_INT4);
@@ -305,6 +307,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4(
     const u8 *const *table, long long gate_off, long long up_off, int rows, int cols, int group, int rpt,
     long long tile_bytes, const int *tiles, const int *pair_token, const u8 *xq, const int *xm, u8 *hq, int *hm) {
+    COLI_PDL_ENTRY();
     extern __shared__ float4 smem4[];
     u8 *smem = reinterpret_cast<u8 *>(smem4);
     const int e = tiles[3 * blockIdx.y], p0 = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];
@@ -356,6 +359,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
     const u8 *const *table, long long down_off, int rows, int cols, int group, int rpt, long long tile_bytes,
     const int *tiles, const int *pair_token, const int *pair_slot, const float *pair_w, const u8 *hq, const int *hm,
     int K, float *Y) {
+    COLI_PDL_ENTRY();
     extern __shared__ float4 smem4[];
     u8 *smem = reinterpret_cast<u8 *>(smem4);
     const int e = tiles[3 * blockIdx.y], p0 = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2];

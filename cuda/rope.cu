@@ -8,6 +8,7 @@
 // and everything outside the span is copied. y must not alias x.  grid-stride over S*n*d, block 256.
 extern "C" __global__ void rope(const float *x, const float *cs, const float *sn, float *y, int S, int n, int d,
                                 int off, int half) {
+    COLI_PDL_ENTRY();
     const long long total = (long long)S * n * d;
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {

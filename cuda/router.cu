@@ -21,6 +21,7 @@ __device__ inline void warp_argmax(float &v, int &i) {
 
 extern "C" __global__ void route_topk(const float *logits, const float *bias, int E, int n_group, int topk_group,
                                       int K, int norm, float scaling, int *idx, float *w) {
+    COLI_PDL_ENTRY();
     extern __shared__ float smem[];
     float *p = smem, *c = smem + E;
     float *gscore = c + E;

@@ -16,7 +16,11 @@ Measures, in one run:
      (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), every
      version (COLI_ATTN_KERNELS) in one run, the default's parts (q_abs, context, o; the GEMVs split2 uses for
      q_abs and o), every split version's context alone, and both tile kernels' chunk sweeps. --attn-only: the
-     copy and these rows.
+     copy and these rows;
+  4. the whole dense part of a decode layer replayed as one CUDA graph (int8 and int4 cores, T = --layer-T), each
+     GEMV version captured twice: ordinary edges and programmatic kernel->kernel edges (PDL, coli/gpu/pdl.py),
+     timed interleaved, each replay checked bitwise against the eager step. --dense-layer-only: the copy, the
+     dense GEMVs and these rows.
 Prints a table and, last, one JSON line.
 """
 
@@ -377,24 +381,34 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
             gb.step = st
             try:
                 eager = rt.to_host(body())                                    # compiles, sizes scratch; reference
-                rt.begin_capture()
-                try:
-                    y = body()
-                    g = rt.end_capture()
-                except BaseException:
-                    rt.abort_capture()
-                    raise
+                graphs = {}
+                for pdl in (False, True):       # the same body captured twice: ordinary edges, programmatic (PDL)
+                    rt.begin_capture()
+                    try:
+                        y = body()
+                        graphs[pdl] = (rt.end_capture(pdl=pdl), y)
+                    except BaseException:
+                        rt.abort_capture()
+                        raise
             finally:
                 gb.step = None
-            g.launch(rt)
-            replay = rt.to_host(y)
-            results[ver] = replay
-            us = tm.per_call_us(lambda i: g.launch(rt), iters) / layers
-            us2 = tm.per_call_us(lambda i: g.launch(rt), iters) / layers
+            replays = {}
+            for pdl, (g, y) in graphs.items():
+                g.launch(rt)
+                replays[pdl] = rt.to_host(y)
+            g, g1 = graphs[False][0], graphs[True][0]
+            results[ver] = replay = replays[False]
+            # interleaved (off, on, off, on): a clock or thermal drift during the run does not favour either
+            us, us_p = (tm.per_call_us(lambda i: gr.launch(rt), iters) / layers for gr in (g, g1))
+            us2, us2_p = (tm.per_call_us(lambda i: gr.launch(rt), iters) / layers for gr in (g, g1))
             out[ver] = {"us_per_layer": round(us, 2), "us_per_layer_repeat": round(us2, 2), "graph_nodes": g.nodes,
                         "replay_equals_eager": bool(np.array_equal(replay, eager)),
-                        "finite": bool(np.isfinite(replay).all())}
-            g.close()
+                        "finite": bool(np.isfinite(replay).all()),
+                        "pdl": {"us_per_layer": round(us_p, 2), "us_per_layer_repeat": round(us2_p, 2),
+                                "edges": g1.pdl_edges, "replay_equals_eager": bool(np.array_equal(replays[True], eager)),
+                                "saved_us_per_layer": round((us + us2 - us_p - us2_p) / 2, 2)}}
+            for gr in (g, g1):
+                gr.close()
         ref = results[versions[-1]].astype(np.float64)
         for ver in versions:
             out[ver]["rel_diff_vs_" + versions[-1]] = float(np.linalg.norm(results[ver] - ref) / np.linalg.norm(ref))
@@ -845,6 +859,11 @@ def _report(a, res, rows, copy_bw, rt) -> int:
                 print(f"  gemv {ver}: {v['us_per_layer']:.1f} us (repeat {v['us_per_layer_repeat']:.1f}), "
                       f"{v['graph_nodes']} nodes, replay == eager {v['replay_equals_eager']}, "
                       f"rel diff vs v1 {v.get('rel_diff_vs_v1', float('nan')):.1e}")
+                p = v.get("pdl")
+                if p:
+                    print(f"    with PDL ({p['edges']} kernel->kernel edges programmatic): {p['us_per_layer']:.1f} us "
+                          f"(repeat {p['us_per_layer_repeat']:.1f}), saves {p['saved_us_per_layer']:.1f} us per layer, "
+                          f"replay == eager {p['replay_equals_eager']}")
         print(f"  its kernels one by one (v3, events between them; sum {d['kernels_us_sum_per_layer']:.1f} us per layer):")
         for k in d["kernels"]:
             bw = f"{k['bytes'] / k['us'] / 1e3 / copy_bw * 100:.0f}% of copy" if k["bytes"] and k["us"] > 0 else ""

@@ -125,7 +125,8 @@ def test_route_mode():
 
 # ---- the driver's ctypes prototypes against cuda.h -------------------------------------------------------------
 HANDLES = {"CUstream", "CUevent", "CUgraph", "CUgraphExec", "CUcontext", "CUgraphNode"}
-ENUMS = {"CUresult", "CUstreamCaptureMode", "CUstreamCaptureStatus"}
+ENUMS = {"CUresult", "CUstreamCaptureMode", "CUstreamCaptureStatus", "CUgraphNodeType"}
+STRUCTS = {"CUgraphEdgeData"}       # passed by pointer: kind *e
 
 
 def _cuda_h() -> Path | None:
@@ -166,6 +167,8 @@ def _c_kind(param: str) -> str:
             return "*z"
         if base == "float":
             return "*f"
+        if base in STRUCTS:
+            return "*e"
     elif stars == 2 and base == "char":
         return "*s"
     raise AssertionError(f"cuda.h parameter of a type the check does not know: {param!r}")
@@ -191,6 +194,8 @@ def _ctypes_kind(t) -> str:
         return "*f"
     if inner is ctypes.c_char_p:
         return "*s"
+    if isinstance(inner, type) and issubclass(inner, ctypes.Structure) and inner.__name__ in STRUCTS:
+        return "*e"
     raise AssertionError(f"ctypes type the check does not know: {t!r}")
 
 
@@ -213,6 +218,37 @@ def test_driver_ctypes_prototypes_match_cuda_h(tmp_path):
         want = [_c_kind(p) for p in params]
         got = [_ctypes_kind(t) for t in args]
         assert got == want, f"{name}: ctypes {got}, cuda.h {want} ({m.group(1)})"
+
+
+@pytest.mark.skipif(_cuda_h() is None or shutil.which("gcc") is None,
+                    reason="cuda.h or gcc not found (install the CUDA toolkit to check the driver's graph constants)")
+def test_graph_edge_struct_and_constants_match_cuda_h(tmp_path):
+    """COLI_PDL writes CUgraphEdgeData structs and compares node types: their layout and the enum values are
+    cuda.h's, compiled and printed by gcc, not copied by hand."""
+    from coli.gpu import driver as D
+    src = tmp_path / "t.c"
+    src.write_text("""#include <stdio.h>
+#include <stddef.h>
+#include <cuda.h>
+int main(void) {
+    printf("%zu %zu %zu %zu %zu\\n", sizeof(CUgraphEdgeData), offsetof(CUgraphEdgeData, from_port),
+           offsetof(CUgraphEdgeData, to_port), offsetof(CUgraphEdgeData, type), offsetof(CUgraphEdgeData, reserved));
+    printf("%d %d %d %d %d\\n", (int)CU_GRAPH_NODE_TYPE_KERNEL, (int)CU_GRAPH_DEPENDENCY_TYPE_DEFAULT,
+           (int)CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, (int)CU_GRAPH_KERNEL_NODE_PORT_DEFAULT,
+           (int)CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC);
+    return 0;
+}
+""")
+    exe = tmp_path / "t"
+    subprocess.run(["gcc", "-I", str(_cuda_h().parent), str(src), "-o", str(exe)], check=True, capture_output=True)
+    layout, values = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")[:2]
+    S = D.CUgraphEdgeData
+    assert [int(v) for v in layout.split()] == [ctypes.sizeof(S), S.from_port.offset, S.to_port.offset,
+                                                S.type.offset, S.reserved.offset]
+    assert [int(v) for v in values.split()] == [D.CU_GRAPH_NODE_TYPE_KERNEL, D.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT,
+                                                D.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC,
+                                                D.CU_GRAPH_KERNEL_NODE_PORT_DEFAULT,
+                                                D.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC]
 
 
 def test_the_decoder_remembers_a_bounded_number_of_shapes():

@@ -175,6 +175,9 @@ class CudaRuntime:
         self._fns: dict[tuple[str, str], Any] = {}
         self._smem_set: dict[int, int] = {}
         self.launches = 0
+        # COLI_PDL: captured graphs get programmatic kernel->kernel edges (coli/gpu/pdl.py); benchmarks flip it
+        from coli.gpu.pdl import pdl_enabled
+        self.pdl = pdl_enabled()
         # While a graph is captured (begin_capture .. end_capture): every allocation made, kept alive by the graph
         # (its replays use the same addresses); None when not capturing.
         self._capture_keep: list | None = None
@@ -264,8 +267,9 @@ class CudaRuntime:
             raise CudaError(f"cannot capture the decode step into a CUDA graph: {e}") from None
         self._capture_keep = []
 
-    def end_capture(self) -> "CudaGraph":
-        """End the capture -> the instantiated graph, holding every buffer allocated during the capture."""
+    def end_capture(self, pdl: bool | None = None) -> "CudaGraph":
+        """End the capture -> the instantiated graph, holding every buffer allocated during the capture. pdl (None:
+        self.pdl, COLI_PDL): its kernel->kernel edges made programmatic first (CudaGraph.pdl_edges counts them)."""
         from coli.gpu.driver import DriverError, get_driver
         d = get_driver()
         keep, self._capture_keep = self._capture_keep, None
@@ -275,12 +279,44 @@ class CudaRuntime:
             g = d.end_capture(int(self.stream.handle))
             try:
                 nodes = d.graph_nodes(g)
-                ex = d.graph_instantiate(g)
+                converted = self._programmatic(d, g) if (self.pdl if pdl is None else pdl) else []
+                ex = self._instantiate(d, g, converted)
             finally:
                 d.graph_destroy(g)
         except DriverError as e:
             raise CudaError(f"capturing the decode step into a CUDA graph failed: {e}") from None
-        return CudaGraph(ex, keep, nodes)
+        return CudaGraph(ex, keep, nodes, len(converted))
+
+    def _programmatic(self, d, g: int) -> list:
+        """Make g's kernel->kernel edges programmatic -> the converted edges; [] (one warning) where this device or
+        driver cannot. Raises only when the graph could not be put back as captured (pdl.GraphBroken)."""
+        from coli.gpu import pdl
+        from coli.gpu.driver import DriverError
+        if tuple(self.cc) < pdl.MIN_CC:
+            pdl.warn_once(f"{self.name} is sm_{self.cc[0]}{self.cc[1]}; programmatic launch needs sm_90+")
+            return []
+        try:
+            return pdl.make_programmatic(d, g)
+        except pdl.GraphBroken:
+            raise
+        except DriverError as e:
+            pdl.warn_once(str(e))
+            return []
+
+    @staticmethod
+    def _instantiate(d, g: int, converted: list) -> int:
+        """Instantiate g; if the driver refuses it with programmatic edges, once more as captured (one warning)."""
+        from coli.gpu import pdl
+        from coli.gpu.driver import DriverError
+        try:
+            return d.graph_instantiate(g)
+        except DriverError as e:
+            if not converted:
+                raise
+            pdl.revert(d, g, converted)
+            pdl.warn_once(f"instantiating a graph with programmatic edges failed ({e})")
+            converted.clear()
+            return d.graph_instantiate(g)
 
     def abort_capture(self) -> None:
         """Leave a capture that failed half-way (the stream returns to eager use; the partial graph is dropped)."""
@@ -374,10 +410,11 @@ class CudaRuntime:
 class CudaGraph:
     """An instantiated CUDA graph (driver handle) and the device buffers its nodes use, kept as long as it is."""
 
-    def __init__(self, exec_handle: int, keep: list, nodes: int):
+    def __init__(self, exec_handle: int, keep: list, nodes: int, pdl_edges: int = 0):
         self.exec = exec_handle
         self.keep = keep
         self.nodes = nodes
+        self.pdl_edges = pdl_edges       # kernel->kernel edges made programmatic (COLI_PDL; 0: as captured)
 
     def launch(self, rt: CudaRuntime) -> None:
         from coli.gpu.driver import DriverError, get_driver

@@ -37,6 +37,25 @@ FATAL_CODES = {
     201,  # CUDA_ERROR_INVALID_CONTEXT (the context was destroyed)
 }
 FATAL_CODES.discard(701)
+# Graph edges and node types (cuda.h, CUDA >= 12.3), for the programmatic edges of coli/gpu/pdl.py;
+# tests/test_graphs.py checks these against the header.
+CU_GRAPH_NODE_TYPE_KERNEL = 0
+CU_GRAPH_DEPENDENCY_TYPE_DEFAULT = 0
+CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1
+CU_GRAPH_KERNEL_NODE_PORT_DEFAULT = 0
+CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1
+
+
+class CUgraphEdgeData(ctypes.Structure):
+    """cuda.h's CUgraphEdgeData: 8 bytes, all unsigned char (zeroed: an ordinary full dependency)."""
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+# Calls a driver older than CUDA 12.3 lacks: bound when present (Driver.missing lists the absent ones); only
+# COLI_PDL uses them, and it falls back to the graph as captured without them.
+OPTIONAL = frozenset({"cuGraphGetEdges_v2", "cuGraphNodeGetType", "cuGraphRemoveDependencies_v2",
+                      "cuGraphAddDependencies_v2"})
 
 
 def signatures() -> dict[str, list]:
@@ -72,6 +91,12 @@ def signatures() -> dict[str, list]:
         "cuGraphExecDestroy": [P],
         "cuGraphDestroy": [P],
         "cuGraphGetNodes": [P, ctypes.POINTER(P), ctypes.POINTER(S)],
+        # programmatic edges (OPTIONAL: CUDA >= 12.3)
+        "cuGraphGetEdges_v2": [P, ctypes.POINTER(P), ctypes.POINTER(P), ctypes.POINTER(CUgraphEdgeData),
+                               ctypes.POINTER(S)],
+        "cuGraphNodeGetType": [P, ctypes.POINTER(I)],
+        "cuGraphRemoveDependencies_v2": [P, ctypes.POINTER(P), ctypes.POINTER(P), ctypes.POINTER(CUgraphEdgeData), S],
+        "cuGraphAddDependencies_v2": [P, ctypes.POINTER(P), ctypes.POINTER(P), ctypes.POINTER(CUgraphEdgeData), S],
     }
     return sig
 
@@ -95,7 +120,11 @@ class Driver:
             raise ColiError(f"libcuda.so.1 cannot be loaded ({e}): no CUDA driver on this machine") from None
         L = self.lib
         self.signatures = signatures()
+        self.missing: set[str] = set()          # OPTIONAL calls this driver does not export
         for name, args in self.signatures.items():
+            if name in OPTIONAL and not hasattr(L, name):
+                self.missing.add(name)
+                continue
             fn = getattr(L, name)
             fn.argtypes = args
             fn.restype = ctypes.c_int
@@ -206,6 +235,37 @@ class Driver:
         n = ctypes.c_size_t(0)
         self.check(self.lib.cuGraphGetNodes(ctypes.c_void_p(g), None, ctypes.byref(n)), "cuGraphGetNodes")
         return int(n.value)
+
+    def graph_edges(self, g: int) -> list[tuple[int, int, tuple[int, int, int]]]:
+        """Every edge of graph g: (from node, to node, (from_port, to_port, type)) as cuGraphGetEdges_v2 lists them."""
+        n = ctypes.c_size_t(0)
+        self.check(self.lib.cuGraphGetEdges_v2(ctypes.c_void_p(g), None, None, None, ctypes.byref(n)),
+                   "cuGraphGetEdges")
+        if n.value == 0:
+            return []
+        frm, to, data = (ctypes.c_void_p * n.value)(), (ctypes.c_void_p * n.value)(), (CUgraphEdgeData * n.value)()
+        self.check(self.lib.cuGraphGetEdges_v2(ctypes.c_void_p(g), frm, to, data, ctypes.byref(n)), "cuGraphGetEdges")
+        return [(int(frm[i] or 0), int(to[i] or 0), (data[i].from_port, data[i].to_port, data[i].type))
+                for i in range(n.value)]
+
+    def node_type(self, node: int) -> int:
+        t = ctypes.c_int()
+        self.check(self.lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t)), "cuGraphNodeGetType")
+        return int(t.value)
+
+    @staticmethod
+    def _edge_args(frm: int, to: int, data: tuple[int, int, int]):
+        d = CUgraphEdgeData()
+        d.from_port, d.to_port, d.type = data
+        return (ctypes.byref(ctypes.c_void_p(frm)), ctypes.byref(ctypes.c_void_p(to)), ctypes.byref(d))
+
+    def graph_remove_edge(self, g: int, frm: int, to: int, data: tuple[int, int, int]) -> None:
+        f, t, d = self._edge_args(frm, to, data)
+        self.check(self.lib.cuGraphRemoveDependencies_v2(ctypes.c_void_p(g), f, t, d, 1), "cuGraphRemoveDependencies")
+
+    def graph_add_edge(self, g: int, frm: int, to: int, data: tuple[int, int, int]) -> None:
+        f, t, d = self._edge_args(frm, to, data)
+        self.check(self.lib.cuGraphAddDependencies_v2(ctypes.c_void_p(g), f, t, d, 1), "cuGraphAddDependencies")
 
     def graph_launch(self, ex: int, s: int) -> None:
         self.check(self.lib.cuGraphLaunch(ctypes.c_void_p(ex), ctypes.c_void_p(s)), "cuGraphLaunch")
