@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from checkpoints import mtp_layer_tensors, with_mtp_layer
+from checkpoints import mtp_layer_tensors, torch_mtp_logits, with_mtp_layer
 from coli_run import coli_run_json
 from coli.container.writer import ConvertOptions, convert
 from coli.generate import Generation
@@ -35,61 +35,6 @@ def mtp_oracle(oracle_root, tmp_path_factory):
     return src, with_mtp_layer(src, tmp_path_factory.mktemp("mtp") / "default", seed=11)
 
 
-def _torch_mtp_logits(d, prompt, dtype):
-    """The MTP layer's logits for the pairs (h_i, t_{i+1}), i = 0..n-2, in torch: the main model and the MTP
-    layer's decoder are transformers' GlmMoeDsa classes; enorm/hnorm/eh_proj/shared_head.norm around it are written
-    here from the DeepSeek-V3 layout (vLLM deepseek_mtp.py): eh_proj(concat[enorm(embed), hnorm(h)])."""
-    import torch
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-    from coli.weights import HFCheckpoint
-
-    main = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=dtype, experts_implementation="eager",
-                                                attn_implementation="eager").eval()
-    cfg = main.config.to_dict()
-    cfg.update(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["sparse"], first_k_dense_replace=0,
-               layer_types=["indexed_attention"])
-    for k in ("index_topk_pattern", "index_topk_freq"):
-        cfg.pop(k, None)
-    cfg1 = GlmMoeDsaConfig(**cfg)
-    cfg1._attn_implementation = "eager"
-    cfg1._experts_implementation = "eager"
-    layer_model = GlmMoeDsaForCausalLM(cfg1).to(dtype).eval()
-    ck = HFCheckpoint(d)
-    L = ck.config.num_hidden_layers
-    p = f"model.layers.{L}."
-    t = {n: torch.from_numpy(np.array(ck.dense(n))).to(dtype) for n in ck.mtp_names()}
-    state = {}
-    for n, v in t.items():
-        rest = n[len(p):]
-        if rest.startswith(("enorm", "hnorm", "eh_proj", "shared_head")) or ".mlp.experts." in "." + rest:
-            continue
-        state["model.layers.0." + rest] = v
-    E, Im = ck.config.n_routed_experts, ck.config.moe_intermediate_size
-    ex = ck.experts(L, range(E))
-    state["model.layers.0.mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.from_numpy(np.concatenate([ex[e].gate, ex[e].up])) for e in range(E)]).to(dtype)
-    state["model.layers.0.mlp.experts.down_proj"] = torch.stack([torch.from_numpy(ex[e].down) for e in range(E)]).to(dtype)
-    state["model.norm.weight"] = t[p + "shared_head.norm.weight"]
-    state["lm_head.weight"] = main.lm_head.weight.detach()
-    missing, unexpected = layer_model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"model.embed_tokens.weight"}, (missing, unexpected)
-
-    def rms(x, w):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + ck.config.rms_norm_eps))
-
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        h = main.model(input_ids=ids).last_hidden_state               # [1, n, H], after the final norm
-        emb = main.model.embed_tokens(ids)                            # [1, n, H]
-        x = torch.cat([rms(emb[:, 1:], t[p + "enorm.weight"]), rms(h[:, :-1], t[p + "hnorm.weight"])], dim=-1)
-        x = x @ t[p + "eh_proj.weight"].T                             # [1, n-1, H]
-        logits = layer_model(inputs_embeds=x).logits[0]               # [n-1, V]
-    ck.close()
-    return logits.double().numpy()
-
-
 def test_mtp_layer_matches_a_float64_torch_reimplementation(oracle_root, tmp_path):
     import torch
     from tolerances import reference_error_bound
@@ -97,8 +42,8 @@ def test_mtp_layer_matches_a_float64_torch_reimplementation(oracle_root, tmp_pat
     src = oracle_dir(oracle_root, "long-prompt")                     # 40 positions, index_topk 8: the indexer selects
     d = with_mtp_layer(src, tmp_path / "m", seed=3)
     prompt = load_oracle(src)["prompt_ids"]
-    exact = _torch_mtp_logits(d, prompt, torch.float64)
-    ref32 = _torch_mtp_logits(d, prompt, torch.float32)
+    exact = torch_mtp_logits(d, prompt, torch.float64)
+    ref32 = torch_mtp_logits(d, prompt, torch.float32)
     model, _ = load_model(d)
     head = load_mtp_head(model)
     hn, _ = model.forward_hidden(prompt, model.new_cache())
