@@ -110,8 +110,11 @@ def torch_mtp_logits(d, prompt, dtype):
     main = GlmMoeDsaForCausalLM.from_pretrained(d, dtype=dtype, experts_implementation="eager",
                                                 attn_implementation="eager").eval()
     cfg = main.config.to_dict()
+    # one layer of the main model's attention kind, spelled as this transformers spells it (5.23: "indexed_attention";
+    # other releases name it otherwise and refuse the rest)
+    kinds = cfg.get("layer_types") or ["indexed_attention"]
     cfg.update(num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["sparse"], first_k_dense_replace=0,
-               layer_types=["indexed_attention"])
+               layer_types=[kinds[-1]])
     for k in ("index_topk_pattern", "index_topk_freq"):
         cfg.pop(k, None)
     cfg1 = GlmMoeDsaConfig(**cfg)
