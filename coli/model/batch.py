@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from coli.model.backend import cos_sin_table
-from coli.model.forward import GlmMoeDsaModel
+from coli.model.forward import GlmMoeDsaModel, checked_ids
 from coli.model.kv_cache import KVCache
 
 
@@ -169,10 +169,7 @@ def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
     rows, attention per segment over its own cache rows. -> h [S, H] before the final norm. The caches' lengths are
     the caller's to advance (segments of one cache at consecutive positions share it: forward_rows)."""
     c, b = model.config, model.backend
-    # RoPE angles per row, as the row alone computes them (the same call, so the same values bit for bit)
-    tables = [cos_sin_table(s.positions, c.qk_rope_head_dim, c.rope_theta) for s in segs]
-    cos = np.concatenate([t[0] for t in tables])                        # [S, dr/2]
-    sin = np.concatenate([t[1] for t in tables])
+    cos, sin = segment_angles(c, segs)                                  # [S, dr/2] each
 
     h = b.embed(model.embed, ids)                                       # [S, H]
     allowed: list = [None] * len(segs)                                  # per row: its last full indexer's mask
@@ -184,6 +181,13 @@ def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
         x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)                # [S, H]
         h = b.add(h, model._mlp(i, lw, x2, h))                          # one router, one stream() of the union
     return h
+
+
+def segment_angles(c, segs: list[_Segment]) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE angles cos, sin [S, dr/2] of the segments' positions end to end, each segment's as it alone computes them
+    (the same call, so the same values bit for bit)."""
+    tables = [cos_sin_table(s.positions, c.qk_rope_head_dim, c.rope_theta) for s in segs]
+    return np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables])
 
 
 def attention_rows(model: GlmMoeDsaModel, i: int, w, p, segs: list[_Segment], allowed: list):
@@ -220,12 +224,7 @@ def forward_rows(model: GlmMoeDsaModel, cache: KVCache, ids: Sequence[int]):
     the backend; the cache advanced by S. The same tokens as forward_hidden (not the same bits: the attention is
     split differently)."""
     c, b = model.config, model.backend
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        raise ValueError("forward_rows() needs at least one new position")
-    if ids.min() < 0 or ids.max() >= c.vocab_size:
-        bad = int(ids[(ids < 0) | (ids >= c.vocab_size)][0])
-        raise ValueError(f"token id {bad} is outside the vocabulary (0..{c.vocab_size - 1})")
+    ids = checked_ids(ids, c.vocab_size, "forward_rows()")
     segs = position_rows(cache, int(ids.size))
     cache.reserve(len(segs))
     h = _layers(model, segs, ids)                                       # [S, H]

@@ -158,6 +158,18 @@ class AttentionInputs:
                                cut(self.head_w))
 
 
+def checked_ids(ids: Sequence[int], vocab_size: int, what: str) -> np.ndarray:
+    """ids as int64 [S], or a ValueError naming the problem before anything runs: no position, or the first token
+    outside the vocabulary."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError(f"{what} needs at least one new position")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    return ids
+
+
 class GlmMoeDsaModel:
     """Weights resident on a backend plus the forward pass. Routed experts come from `experts`."""
 
@@ -234,13 +246,8 @@ class GlmMoeDsaModel:
 
     def _final_hidden(self, ids: Sequence[int], cache: KVCache, all_rows: bool) -> Array:
         c, b = self.config, self.backend
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = checked_ids(ids, c.vocab_size, "forward()")
         S = int(ids.shape[0])
-        if S == 0:
-            raise ValueError("forward() needs at least one new position")
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= c.vocab_size)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{c.vocab_size - 1})")
         start = cache.length
         cache.reserve(S)
         positions = np.arange(start, start + S)                        # [S]
