@@ -152,16 +152,14 @@ class MtpHead:
         (coli.model.batch.forward_rows): the fixed shape a CUDA graph replays (coli/gpu/mtp_graphs.py). The same
         layer and inputs as step(), not the same bits (the attention is split differently). Inside a captured
         round the tokens come from the step's device inputs (the verify rows' argmax), not from ids."""
-        from coli.model.batch import attention_rows, position_rows
+        from coli.model.batch import attention_rows, position_rows, segment_angles
         m, c, b, w = self.model, self.model.config, self.model.backend, self.w
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         S = int(ids.shape[0])
         x = self._combine(ids, h)                                                  # [S, H]
         segs = position_rows(cache, S)
         cache.reserve(S)
-        tables = [cos_sin_table(s.positions, c.qk_rope_head_dim, c.rope_theta) for s in segs]   # per row, as alone
-        cos = np.concatenate([t[0] for t in tables])                              # [S, dr/2]
-        sin = np.concatenate([t[1] for t in tables])
+        cos, sin = segment_angles(c, segs)                                        # [S, dr/2], per row as alone
         lw = w.layer
         xn = b.rms_norm(x, lw.input_norm, c.rms_norm_eps)
         p = m._attention_inputs(0, lw.attn, xn, cos, sin)
@@ -398,6 +396,7 @@ class SpeculativeDecoder:
         # after a row round (row_round): the next round's d_1, already drafted -- the MTP cache is then in step
         # with the main one and nothing waits (pending_h None)
         self.ready: int | None = None
+        self._qbuf = self._qview = None      # the queue's device buffer and the view of it pending_h is (_queue)
         self.stats = MtpStats(self.k)
 
     @staticmethod
@@ -526,17 +525,22 @@ class SpeculativeDecoder:
         return [tok]
 
     def _queue(self, h: Array, ids: list[int]) -> None:
-        """Append hidden states h [n, H] (on the backend) and the tokens one ahead of them to the MTP side's queue
-        (a device-side concatenation: no host round trip per plain step)."""
+        """Append hidden states h [n, H] (on the backend) and the tokens one ahead of them to the MTP side's queue.
+        The queue lives on the device in a buffer of doubling capacity (_qbuf; pending_h a view of its first rows), so
+        a run of plain rounds appends one row each instead of copying the whole queue each time, and never goes
+        through the host."""
         b = self.model.backend
         if self.pending_h is None or self.pending_h.shape[0] == 0:
             self.pending_h, self.pending_ids = h, list(ids)
             return
         m, n = self.pending_h.shape[0], h.shape[0]
-        both = b.empty((m + n, self.model.config.hidden_size))                  # [m + n, H]
-        b.place_rows(both, 0, self.pending_h)
-        b.place_rows(both, m, h)
-        self.pending_h, self.pending_ids = both, self.pending_ids + list(ids)
+        if self.pending_h is not self._qview or self._qbuf.shape[0] < m + n:
+            buf = b.empty((max(16, 2 * (m + n)), self.model.config.hidden_size))    # [capacity, H]
+            b.place_rows(buf, 0, self.pending_h)
+            self._qbuf = buf
+        b.place_rows(self._qbuf, m, h)
+        self._qview = b.row_range(self._qbuf, 0, m + n)                          # [m + n, H]
+        self.pending_h, self.pending_ids = self._qview, self.pending_ids + list(ids)
 
     def end_round(self, hn: Array, logits: Array) -> list[int]:
         """The verified row's final-normed hidden states [k+1, H] and logits [k+1, V] (on the backend; the main cache
