@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from coli.gpu.graphs import (_Bounded, capture_step, env_switch, load_modules, step_key,
+from coli.gpu.graphs import (_Bounded, capture_step, drop_graphs, env_switch, load_modules, step_key,
                              why_not_graphable)
 from coli.model.backend import cos_sin_table
 
@@ -288,11 +288,7 @@ class BatchGraphDecoder:
         return [int(t) for t in st.pinned_out[:B]]
 
     def reset(self) -> None:
-        for g in self.graphs.values():
-            g.close()
-        self.graphs.clear()
-        self.seen.clear()
-        self.failed.clear()
+        drop_graphs(self)
         self.inputs.clear()
         self._bound = None
 

@@ -243,6 +243,16 @@ def capture_step(owner, key: tuple, b, what: str, prepare: Callable[[], None], b
     return g
 
 
+def drop_graphs(owner) -> None:
+    """What every replayed-step decoder's reset() starts with: its graphs closed (their buffers back to the pool),
+    the keys seen and failed forgotten."""
+    for g in owner.graphs.values():
+        g.close()
+    owner.graphs.clear()
+    owner.seen.clear()
+    owner.failed.clear()
+
+
 def load_modules(rt, names) -> None:
     """Load (compile once) the kernel modules a captured step launches from; a module this toolkit rejects (moe_mma)
     is skipped: the backend does without it."""
@@ -448,14 +458,10 @@ class GraphDecoder:
 
     def reset(self) -> None:
         """Drop every graph (their buffers go back to the pool) and the slot table."""
-        for g in self.graphs.values():
-            g.close()
-        self.graphs.clear()
+        drop_graphs(self)
         for t in self.tapes.values():
             t.close()
         self.tapes.clear()
-        self.seen.clear()
-        self.failed.clear()
         self._experts_ref = None
         self._step = None
 

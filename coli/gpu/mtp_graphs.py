@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout
-from coli.gpu.graphs import _Bounded, capture_step, load_modules, step_key, why_not_graphable
+from coli.gpu.graphs import _Bounded, capture_step, drop_graphs, load_modules, step_key, why_not_graphable
 from coli.model.backend import cos_sin_table
 
 def mtp_graphs_enabled(env: dict | None = None) -> bool:
@@ -110,11 +110,7 @@ class MtpRoundGraphs:
         return va, ma
 
     def reset(self) -> None:
-        for g in self.graphs.values():
-            g.close()
-        self.graphs.clear()
-        self.seen.clear()
-        self.failed.clear()
+        drop_graphs(self)
         self._verify_in = self._mtp_in = None
         self._bound = None
 
