@@ -26,8 +26,7 @@ Extrapolation (`split_times`, `extrapolate`): a token's time T over the slice's 
     GLM-5 tokens/s = 1 / (fixed_token_s + 75 x moe_layer_s + 78 x dense_layer_s + head_s_full)
 (Before 2026-12-01 evening the whole T_nomoe was spread over the slice's L layers -- dense_layer_s = (T_nomoe -
 head_s_slice) / L, still in the JSON as dense_layer_ms_spread and used when the no-expert token runs eagerly --
-which charged the per-token host time to every layer, 39 times over in a 78-layer token. The JSON also keeps a
-wall-only cross-check, what a layer adds to the token (L layers against the first alone: `marginal_split`).)
+which charged the per-token host time to every layer, 39 times over in a 78-layer token.)
 head_s_slice is the lm_head matmul measured on its own; head_s_full scales it by 154880 / the slice's vocabulary
 (a memory-bound GEMV). In the warm scenario T - T_nomoe is the MoE compute time: the "dense-layer time measured in
 the warm scenario as forward time minus MoE time" is T_nomoe's share by construction. GLM-5's 3 dense layers are
@@ -96,18 +95,6 @@ def extrapolate(moe_layer_s: float, dense_layer_s: float, head_s: float, moe_lay
     """GLM-5 tokens/s = 1 / (per-token fixed time + 75 x MoE-layer time + 78 x dense-layer time + head time)."""
     t = fixed_s + moe_layers * moe_layer_s + layers * dense_layer_s + head_s
     return 1.0 / t if t > 0 else float("inf")
-
-
-def marginal_split(nomoe_token_s: float, nomoe_one_layer_s: float, n_layers: int,
-                   head_s: float) -> tuple[float, float]:
-    """(dense_layer_s, fixed_s) from the no-routed-expert token over the slice's L layers and over its first layer
-    alone: a layer's wall time is what each layer past the first adds, (T_L - T_1) / (L - 1); what T_1 holds beside
-    that layer and the head is paid once per token -- the graph launch, the read-back, the host's step -- and
-    does not grow with the layers (a replayed step runs every layer in one graph). Noise clamps to 0."""
-    if n_layers < 2:
-        raise ValueError("the marginal split needs a slice of at least 2 layers")
-    dense = max(nomoe_token_s - nomoe_one_layer_s, 0.0) / (n_layers - 1)
-    return dense, max(nomoe_one_layer_s - dense - head_s, 0.0)
 
 
 def device_split(nomoe_token_s: float, nomoe_device_s: float, n_layers: int, head_s: float) -> tuple[float, float]:
@@ -320,19 +307,11 @@ class _Runner:
         self._mem = None
 
     # ---- decode ------------------------------------------------------------------------------------------
-    def decode(self, override=None, layers: int | None = None) -> list[float]:
-        """Seconds of each of N greedy tokens after the warm-up. layers: run only the model's first `layers`
-        layers (the marginal split's one-layer token: the graphs are dropped before and after, a captured step
-        bakes the layers it ran)."""
+    def decode(self, override=None) -> list[float]:
         m, rt = self.model, self.b.rt
         saved = m.route_override
-        saved_layers = m.layers
         if override is not None:
             m.route_override = override
-        if layers is not None:
-            if m.step_graphs is not None:
-                m.step_graphs.reset()
-            m.layers = m.layers[:layers]
         try:
             self.routing.reset(0)
             cache = m.new_cache(WARMUP_TOKENS + self.N + 8)
@@ -360,10 +339,6 @@ class _Runner:
             return times
         finally:
             m.route_override = saved
-            if layers is not None:
-                m.layers = saved_layers
-                if m.step_graphs is not None:
-                    m.step_graphs.reset()
 
     _before: Callable[[], None] | None = None
     graphs: dict | None = None     # the last decode's replay counters (None: every step eager)
@@ -596,18 +571,6 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             res["split"] = "spread"
             res["notes"].append("the no-routed-expert token ran eagerly (no device time): the whole token is spread "
                                 "over the slice's layers, host time included")
-    if nomoe is not None and r.L >= 2:
-        # cross-check from wall times alone: what a layer adds to the token (L layers against the first alone) --
-        # noisier (two wall means of a jittery host path), in the JSON only
-        try:
-            t1 = r.decode(override=DropAllExperts(r.K), layers=1)
-            one = float(np.mean(t1))
-            dense_m, fixed_m = marginal_split(nomoe, one, r.L, head_slice)
-            res["nomoe_one_layer_token_ms"] = summarise([x * 1e3 for x in t1])
-            res["dense_layer_ms_marginal"] = dense_m * 1e3
-            res["fixed_token_ms_marginal"] = fixed_m * 1e3
-        except Exception as e:   # noqa: BLE001
-            res["notes"].append(f"the one-layer decode (a cross-check) failed: {type(e).__name__}: {e}")
     raws: dict[str, dict] = {}
     n_cold = max(scal["slice_vram_slots"], 2 * r.K)
     batched = _batched(r, res, batches, tokens)

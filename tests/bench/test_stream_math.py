@@ -37,28 +37,16 @@ def test_split_and_extrapolate():
         st.split_times(1, 1, 0, 0)
 
 
-def test_marginal_split_charges_the_fixed_time_once_per_token():
-    # a token of 2 layers without routed experts takes 0.62 ms, of 1 layer 0.42 ms, the head 0.06 ms: each layer
-    # adds 0.2 ms, and 0.42 - 0.2 - 0.06 = 0.16 ms is paid once per token whatever the depth
-    dense, fixed = st.marginal_split(0.00062, 0.00042, 2, 0.00006)
-    assert dense == pytest.approx(0.0002) and fixed == pytest.approx(0.00016)
-    dense3, fixed3 = st.marginal_split(0.00082, 0.00042, 3, 0.00006)     # 3 layers: (T_3 - T_1) / 2
-    assert dense3 == pytest.approx(0.0002) and fixed3 == pytest.approx(0.00016)
-    moe = 0.00007
-    tps = st.extrapolate(moe, dense, 0.002, fixed_s=fixed)
-    assert tps == pytest.approx(1 / (0.00016 + 75 * moe + 78 * 0.0002 + 0.002))
-    # the old split spreads the whole token over the 2 layers: 39 x the fixed time in a 78-layer model
-    _, spread = st.split_times(0.00062, 0.00062, 2, 0.00006)
-    assert spread == pytest.approx(0.00028) and st.extrapolate(moe, spread, 0.002) < tps
-    assert st.marginal_split(0.0004, 0.00042, 2, 0.00006) == (0.0, pytest.approx(0.00036))   # noise clamps to 0
-    with pytest.raises(ValueError):
-        st.marginal_split(1, 1, 1, 0)
-
-
 def test_device_split_takes_the_layers_from_the_graphs_device_time():
     # the replayed no-expert token: 0.62 ms of wall, 0.41 ms on the device of which the head 0.03 ms, 2 layers
     dense, fixed = st.device_split(0.00062, 0.00041, 2, 0.00003)
     assert dense == pytest.approx(0.00019) and fixed == pytest.approx(0.00021)
+    moe = 0.00007                                   # the fixed time once per token, the layers 75 / 78 times
+    tps = st.extrapolate(moe, dense, 0.002, fixed_s=fixed)
+    assert tps == pytest.approx(1 / (0.00021 + 75 * moe + 78 * 0.00019 + 0.002))
+    # the old split spreads the whole token over the 2 layers: 39 x the per-token time in a 78-layer model
+    _, spread = st.split_times(0.00062, 0.00062, 2, 0.00003)
+    assert spread == pytest.approx(0.000295) and st.extrapolate(moe, spread, 0.002) < tps
     assert st.device_split(0.0004, 0.00041, 2, 0.0005) == (0.0, 0.0)          # noise clamps to 0
     with pytest.raises(ValueError):
         st.device_split(1, 1, 0, 0)
