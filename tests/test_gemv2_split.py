@@ -14,12 +14,11 @@ from coli.gpu.cuda_backend import GEMV2_WARPS, gemv2_fits, gemv2_split
 from coli.gpu.cuda_runtime import kernels_dir
 
 
-def coverage(N: int, nchunks: int, ks: int, grid: int) -> np.ndarray:
-    """How many times gemv2_body's warps read each (row, chunk) -> int [N, nchunks]."""
-    seen = np.zeros((N, nchunks), int)
+def visits(npairs: int, nchunks: int, ks: int, grid: int):
+    """gemv2_core's walk (cuda/gemv.cu, transliterated): block b's warp (pp, seg) takes row pair g * P + pp of every
+    group g = b, b + grid, ... and column segment seg. -> (pair, segment, first chunk, end chunk) per visit."""
     P = GEMV2_WARPS // ks
     cps = -(-nchunks // ks)
-    npairs = (N + 1) // 2
     ngroups = -(-npairs // P)
     for b in range(grid):
         for warp in range(GEMV2_WARPS):
@@ -28,11 +27,16 @@ def coverage(N: int, nchunks: int, ks: int, grid: int) -> np.ndarray:
             c_hi = min(nchunks, c_lo + cps)
             for g in range(b, ngroups, grid):
                 p = g * P + pp
-                if p >= npairs:
-                    continue
-                rows = {2 * p, min(2 * p + 1, N - 1)}      # the last odd row is read twice, written once
-                for r in rows:
-                    seen[r, c_lo:c_hi] += 1
+                if p < npairs:
+                    yield p, seg, c_lo, c_hi
+
+
+def coverage(N: int, nchunks: int, ks: int, grid: int) -> np.ndarray:
+    """How many times gemv2_body's warps read each (row, chunk) -> int [N, nchunks]."""
+    seen = np.zeros((N, nchunks), int)
+    for p, _, c_lo, c_hi in visits((N + 1) // 2, nchunks, ks, grid):
+        for r in {2 * p, min(2 * p + 1, N - 1)}:            # the last odd row is read twice, written once
+            seen[r, c_lo:c_hi] += 1
     return seen
 
 
@@ -79,9 +83,6 @@ def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int) -> list[np.
     pend = np.cumsum([(r + 1) // 2 for r in rows]).tolist()
     seen = [np.zeros((r, nchunks), int) for r in rows]
     writes = [np.zeros(r, int) for r in rows]
-    P = GEMV2_WARPS // ks
-    cps = -(-nchunks // ks)
-    ngroups = -(-pend[-1] // P)
 
     def which(p):
         m = 0
@@ -89,22 +90,14 @@ def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int) -> list[np.
             m += 1
         return m, p - (pend[m - 1] if m else 0)
 
-    for b in range(grid):
-        for warp in range(GEMV2_WARPS):
-            pp, seg = divmod(warp, ks)
-            c_lo = min(nchunks, seg * cps)
-            c_hi = min(nchunks, c_lo + cps)
-            for g in range(b, ngroups, grid):
-                p = g * P + pp
-                if p >= pend[-1]:
-                    continue
-                m, lp = which(p)
-                for r in {2 * lp, min(2 * lp + 1, rows[m] - 1)}:
-                    seen[m][r, c_lo:c_hi] += 1
-                if seg == 0:                                   # the segment-0 warp writes the pair's rows
-                    writes[m][2 * lp] += 1
-                    if 2 * lp + 1 < rows[m]:
-                        writes[m][2 * lp + 1] += 1
+    for p, seg, c_lo, c_hi in visits(pend[-1], nchunks, ks, grid):
+        m, lp = which(p)
+        for r in {2 * lp, min(2 * lp + 1, rows[m] - 1)}:
+            seen[m][r, c_lo:c_hi] += 1
+        if seg == 0:                                           # the segment-0 warp writes the pair's rows
+            writes[m][2 * lp] += 1
+            if 2 * lp + 1 < rows[m]:
+                writes[m][2 * lp + 1] += 1
     return seen, writes
 
 
