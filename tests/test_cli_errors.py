@@ -76,6 +76,7 @@ def _one_error_line(rc: int, lines: list[str]) -> str:
     (["nosuch"], "No such command 'nosuch'"),
     (["up", "--max-batch", "0"], "Invalid value for '--max-batch'"),
     (["up", "--step-tokens", "0"], "Invalid value for '--step-tokens'"),
+    (["up", "--prefill-chunk", "-1"], "Invalid value for '--prefill-chunk'"),
 ])
 @pytest.mark.timeout(60)
 def test_usage_errors_are_one_line_naming_the_option(args, needle, tmp_path):

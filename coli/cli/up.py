@@ -60,6 +60,12 @@ def up(
     step_tokens: int = typer.Option(DEFAULT_STEP_TOKENS, "--step-tokens", min=1,
                                     help="A step's token budget: one per decoding sequence, the rest for prompt chunks "
                                          "(bounds inter-token latency while prompts prefill)."),
+    prefill_chunk: int = typer.Option(0, "--prefill-chunk", min=0, metavar="N",
+                                      help="A step's token budget while the experts stream (not all resident in VRAM): "
+                                           "a step copies nearly every expert anyway, so prompts go in chunks this "
+                                           "large, decode rows riding along. 0 = auto: GPU, the largest power of two "
+                                           "<= 8192 and --max-context whose activations take <= 1/8 of --vram-gb "
+                                           "(reserved from it); CPU, --step-tokens."),
     mtp: str = typer.Option("off", "--mtp", metavar="off|on|N|auto",
                             help="MTP speculative decoding for requests that do not say (their \"mtp\" field): "
                                  "draft with the model's MTP head, verify in one step (docs/mtp.md)."),
@@ -79,7 +85,8 @@ def up(
         gpu = {"vram_gb": vram_gb, "vram_slots": vram_slots, "policy": vram_policy, "tile_kb": stream_tile_kb,
                "max_context": max_context}
         _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
-            record_routing, pilot, gpu, stage_timeout, http or http_shown, batch=(max_batch, step_tokens), mtp=mtp)
+            record_routing, pilot, gpu, stage_timeout, http or http_shown, batch=(max_batch, step_tokens, prefill_chunk),
+            mtp=mtp)
         ok = True
         if gateway is not None and detach:
             _confirm_gateway(gateway, name, http, startup_timeout)
@@ -164,7 +171,7 @@ def _confirm_gateway(gateway, name: str, http: str, startup_timeout: float) -> N
 @clean_errors
 def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, queue_depth, log_level,
         record_routing=None, pilot="off", gpu=None, stage_timeout=5.0, http=None,
-        batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS), mtp="off"):
+        batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, 0), mtp="off"):
     from coli.cli.common import require_device
     from coli.model_store import check_model_dir
     from coli.pilot import parse_pilot
@@ -186,7 +193,7 @@ def _up(model, name, ram_gb, device, detach, startup_timeout, reader_threads, qu
                       startup_timeout=startup_timeout, reader_threads=reader_threads, queue_depth=queue_depth,
                       log_level=log_level, record_routing=str(record_routing.resolve()) if record_routing else None,
                       pilot=ahead, gpu=dict(gpu or {}), stage_timeout=stage_timeout, http=http,
-                      max_batch=batch[0], step_tokens=batch[1], mtp=mtp)
+                      max_batch=batch[0], step_tokens=batch[1], prefill_chunk=batch[2], mtp=mtp)
     say = _say_while_the_terminal_lasts
     if sys.stdin is not None and sys.stdin.isatty():
         say("press Ctrl-C (or run `coli down" + ("" if name == "default" else f" --name {name}") + "`) to stop")
@@ -204,13 +211,14 @@ def _say_while_the_terminal_lasts(message: str) -> None:
 
 
 def _detach(model, name, ram_gb, device, startup_timeout, reader_threads, queue_depth, log_level, record_routing=None,
-            pilot=0, gpu=None, stage_timeout=5.0, http=None, batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS), mtp="off"):
+            pilot=0, gpu=None, stage_timeout=5.0, http=None, batch=(DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, 0), mtp="off"):
     from coli.protocol.rundir import RunDir, default_base
 
     args = [sys.executable, "-m", "coli.cli.main", "up", "--name", name, "--ram-gb", str(ram_gb), "--device", device,
             "--startup-timeout", str(startup_timeout), "--reader-threads", str(reader_threads),
             "--queue-depth", str(queue_depth), "--log-level", log_level, "--stage-timeout", str(stage_timeout),
-            "--max-batch", str(batch[0]), "--step-tokens", str(batch[1]), "--mtp", mtp]
+            "--max-batch", str(batch[0]), "--step-tokens", str(batch[1]), "--prefill-chunk", str(batch[2]),
+            "--mtp", mtp]
     if model is not None:
         args += ["--model", str(model.resolve())]
     if record_routing is not None:

@@ -37,11 +37,13 @@ STAGE = "executor"
 def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str, container_dir: str,
                   device: str = "cpu", log_level: str = "info", sessions_dir: str | None = None,
                   record_routing: str | None = None, pilot: int = 0, gpu: dict | None = None,
-                  control: bytes | None = None, max_batch: int = 1, step_tokens: int = 0, mtp: str = "off") -> None:
+                  control: bytes | None = None, max_batch: int = 1, step_tokens: int = 0, mtp: str = "off",
+                  prefill_chunk: int = 0) -> None:
     """`control`: the supervisor's routing identity (a per-run secret handed over at spawn); requests and
     control messages from any other peer are refused. None accepts any peer. `max_batch` sequences run at once
     (stages/executor/scheduler.py); `step_tokens` is a step's token budget (0: DEFAULT_STEP_TOKENS); `mtp` is the
-    drafting of a request that does not say (`coli up --mtp`, docs/mtp.md)."""
+    drafting of a request that does not say (`coli up --mtp`, docs/mtp.md); `prefill_chunk` is a step's token budget
+    while the experts stream (0: auto, coli/gpu/prefill_budget.py)."""
     rd = RunDir(run_name, run_base, create=False)
     log = configure_logging(rd.log_path(STAGE), STAGE, log_level)
     die_with_parent()
@@ -109,8 +111,15 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
                              idle=pump, log=log)
     faults = Faults.from_env()
     vx = None
+    step_tokens = step_tokens or DEFAULT_STEP_TOKENS
+    # numpy: every step decodes each expert it uses from its RAM-tier record, so the experts always stream; its
+    # default chunk stays step_tokens (its step costs arithmetic that grows with the tokens; docs/runtime.md)
+    cpu_chunk = prefill_chunk or step_tokens
+    chunk, streaming = cpu_chunk, True
     if backend.name == "cuda":
-        model, vx = _gpu_model(cfg, weights, backend, experts, arena, table, gpu or {}, faults, log, state)
+        model, vx, chunk = _gpu_model(cfg, weights, backend, experts, arena, table, gpu or {}, faults, log, state,
+                                      prefill_chunk, step_tokens)
+        streaming = vx.n_slots < len(cfg.moe_layers) * cfg.n_routed_experts    # not every routed expert resident
     else:
         model = GlmMoeDsaModel(cfg, weights, backend, experts=experts)
     state["model"], state["vx"] = model, vx
@@ -145,6 +154,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         m = GlmMoeDsaModel(cfg, weights, nb, experts=experts)
         attach_hooks(m)
         state["model"] = m
+        sched.prefill_chunk, sched.streaming = cpu_chunk, True     # the GPU's chunk may not suit numpy's memory
         if sessions.live:     # their caches lived on the GPU; each one's last committed turn stays loadable
             log.warning("sessions_dropped_on_demotion", sessions=list(sessions.live))
             for name in list(sessions.live):
@@ -160,7 +170,8 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
     ticker = Ticker(0.5)
     t_start = time.time()
     log.info("started", device=backend.name, load_s=round(time.perf_counter() - t_load, 3), slots=arena.n_slots,
-             pilot=pilot, vram=state["vram"], max_batch=max_batch)
+             pilot=pilot, vram=state["vram"], max_batch=max_batch, step_tokens=step_tokens, prefill_chunk=chunk,
+             experts_stream=streaming)
 
     def publish_stats() -> None:
         if state["supervisor"] is None:
@@ -194,7 +205,7 @@ def executor_main(run_name: str, run_base: str, arena_name: str, table_name: str
         log.warning("max_batch_one_for_routing_trace", max_batch=max_batch,
                     note="--record-routing serves one sequence per step")
         max_batch = 1
-    sched = Scheduler(max_batch, step_tokens or DEFAULT_STEP_TOKENS)
+    sched = Scheduler(max_batch, step_tokens, chunk, streaming)
     def answer(peer: bytes, msg) -> None:
         try:
             send(sock, msg, peer=peer)
@@ -269,8 +280,11 @@ def _gpu_fatal(e: Exception) -> bool:
                                    "device-side assert", "gpu lost", "cuda_error_unknown"))
 
 
-def _gpu_model(cfg, weights, backend, experts, arena, table, gpu: dict, faults, log, state):
-    """The model on the CUDA backend with the VRAM expert cache over the RAM tier's arena. -> (model, source)."""
+def _gpu_model(cfg, weights, backend, experts, arena, table, gpu: dict, faults, log, state, prefill_chunk: int = 0,
+               step_tokens: int = DEFAULT_STEP_TOKENS):
+    """The model on the CUDA backend with the VRAM expert cache over the RAM tier's arena, the budget reserving the
+    prefill chunk's rows (0: auto from the budget). -> (model, source, prefill chunk)."""
+    from coli.gpu.prefill_budget import auto_prefill_chunk
     from coli.gpu.setup import build_vram_experts
     from coli.model.forward import GlmMoeDsaModel
     from coli.stages.executor.gpu_host import ArenaHostTier
@@ -283,14 +297,17 @@ def _gpu_model(cfg, weights, backend, experts, arena, table, gpu: dict, faults, 
     backend.faults = faults if faults.rates else None
     host = ArenaHostTier(experts, arena, table, cfg.n_routed_experts)
     vram_gb, slots = gpu.get("vram_gb"), gpu.get("vram_slots")
-    if vram_gb is None and slots is None:       # no budget given: what the device has free, less a margin
-        free, _total = backend.rt.drv.mem_get_info()
-        vram_gb = (backend.rt.pool.active_bytes + 0.9 * free) / 1e9
+    free, _total = backend.rt.drv.mem_get_info()
+    device_gb = (backend.rt.pool.active_bytes + 0.9 * free) / 1e9     # what the device has free, less a margin
+    if vram_gb is None and slots is None:       # no budget given
+        vram_gb = device_gb
+    max_context = int(gpu.get("max_context") or 4096)
+    chunk = prefill_chunk or auto_prefill_chunk(cfg, int((vram_gb or device_gb) * 1e9), max_context, step_tokens)
     vx, plan = build_vram_experts(model, host, cfg, weights.record_layout, vram_gb=vram_gb, slots=slots,
-                                  max_context=int(gpu.get("max_context") or 4096), policy=gpu.get("policy") or "freq",
+                                  max_context=max_context, policy=gpu.get("policy") or "freq",
                                   tile_bytes=int(gpu.get("tile_kb") or 1024) * 1024,
-                                  faults=faults if faults.rates else None, log=log)
+                                  faults=faults if faults.rates else None, log=log, prefill_rows=chunk)
     state["vram"] = plan["line"]
     state["gpu_name"] = backend.rt.name
-    log.info("vram_pool", **{k: v for k, v in plan.items() if k != "line"}, line=plan["line"])
-    return model, vx
+    log.info("vram_pool", **{k: v for k, v in plan.items() if k != "line"}, line=plan["line"], prefill_chunk=chunk)
+    return model, vx, chunk

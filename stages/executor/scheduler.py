@@ -13,6 +13,12 @@ The policy (docs/runtime.md, "Continuous batching"):
   oldest sequence first; a prompt longer than that takes several steps. A newcomer's first token comes after
   ceil(prompt / (step_tokens - decoding)) steps: time to first token is bounded too, and a long prompt cannot
   stall the streams already running. At least one prompt token per step goes to prefill, whatever decodes.
+- **While the experts stream** (`streaming`: the executor's expert source cannot hold every routed expert, so each
+  step copies the union of its rows' experts), the step's budget is `prefill_chunk` instead of `step_tokens`: a
+  128-token chunk already routes to nearly every expert of every layer (GLM-5: ~250 of 256), so a step costs about
+  one copy of the model whatever its size, and a prompt cut in 128-token chunks copies it once per chunk. One large
+  chunk copies it once; decode rows ride along in that step (their experts are in the union anyway). With every
+  expert resident the step's cost grows with its tokens, and `step_tokens` stays the budget.
 - A row samples a token only when it feeds a sequence's last pending token (a prompt's last chunk, or a decode
   token); a chunk short of the prompt's end only fills the cache.
 - **Finish**: an eos id (unless ignore_eos: 'stop', the token included), `max_tokens` ('length'), a cancel
@@ -91,13 +97,19 @@ class StepOutcome:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, step_tokens: int):
+    def __init__(self, max_batch: int, step_tokens: int, prefill_chunk: int | None = None, streaming: bool = False):
+        """`prefill_chunk` (None: step_tokens) is the step's token budget while `streaming` (the experts stream);
+        the executor sets `streaming` from its expert source, and again when the source changes (GPU lost)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1 (got {step_tokens})")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (got {prefill_chunk})")
         self.max_batch = max_batch
         self.step_tokens = step_tokens
+        self.prefill_chunk = step_tokens if prefill_chunk is None else prefill_chunk
+        self.streaming = bool(streaming)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # running totals for stats: steps, rows, and tokens fed by kind (prefill = prompt tokens)
@@ -179,13 +191,18 @@ class Scheduler:
             self.waiting.remove(seq)
 
     # ---- stepping ----------------------------------------------------------------------------------
+    @property
+    def budget(self) -> int:
+        """The next step's token budget: prefill_chunk while the experts stream, else step_tokens."""
+        return self.prefill_chunk if self.streaming else self.step_tokens
+
     def plan(self) -> list[Row]:
         """The next step's rows: every decoding sequence's token, then prompt chunks, oldest first, within
         the budget left (at least one prompt token when any prompt is pending)."""
         live = [s for s in self.running if s.cache is not None and s.pending and not s.cancel_requested
                 and not s.external]
         rows = [Row(s, list(s.pending), True) for s in live if len(s.pending) == 1 and not s.prefilling]
-        budget = max(1, self.step_tokens - len(rows))
+        budget = max(1, self.budget - len(rows))
         for s in live:
             if len(s.pending) == 1 and not s.prefilling:
                 continue
@@ -254,4 +271,5 @@ class Scheduler:
     def snapshot(self) -> dict:
         """Counters for `coli stats`: running and waiting now, plus running totals (steps, rows, tokens fed)."""
         return {"batch_running": len(self.running), "batch_waiting": len(self.waiting),
-                "max_batch": self.max_batch, "step_tokens": self.step_tokens, **self.counters}
+                "max_batch": self.max_batch, "step_tokens": self.step_tokens, "prefill_chunk": self.prefill_chunk,
+                "experts_stream": int(self.streaming), **self.counters}

@@ -68,6 +68,7 @@ class RunOptions:
     max_batch: int = DEFAULT_MAX_BATCH  # sequences the executor runs at once (continuous batching)
     step_tokens: int = DEFAULT_STEP_TOKENS  # one step's token budget: every decode row plus prefill chunks
     mtp: str = "off"        # MTP drafting for a request that does not say: off | on | 1..3 | auto (docs/mtp.md)
+    prefill_chunk: int = 0  # a step's token budget while the experts stream (0: auto from the VRAM budget)
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Supervisor:
                                        o.queue_depth, o.log_level, control)),
             "executor": (executor_main, (o.name, base, arena.name, table.name, str(container), device, o.log_level,
                                          str(sessions_dir(container)), o.record_routing, o.pilot, dict(o.gpu),
-                                         control, o.max_batch, o.step_tokens, o.mtp)),
+                                         control, o.max_batch, o.step_tokens, o.mtp, o.prefill_chunk)),
         }
         self.ctx = zmq.Context()
         self.client_sock = make_socket(self.ctx, zmq.ROUTER, rd.endpoint("client"), bind=True)

@@ -37,10 +37,13 @@ def oracle(root):
     return src, container(root, src, "bserve-f32", experts="f32", dense="f32")
 
 
-def _run(d, tag, extra_env=None):
+def _run(d, tag, extra_env=None, prefill_chunk="8"):
+    """6 VRAM slots: the experts stream, so `prefill_chunk` is the step's budget (8: prompts chunked beside the
+    decode rows as with --step-tokens 8; "0": auto, from the device's memory: whole prompts in one step)."""
     short = Path(tempfile.mkdtemp(prefix="cb", dir="/tmp"))       # ipc:// paths must stay under 107 bytes
     r = Run(d, f"b{tag}", short / "runs", short / "cache", 1.0, extra_env,
-            ("--device", "gpu", "--vram-slots", "6", "--max-batch", "3", "--step-tokens", "8"))
+            ("--device", "gpu", "--vram-slots", "6", "--max-batch", "3", "--step-tokens", "8",
+             "--prefill-chunk", prefill_chunk))
     st = r.wait_ready(180)
     return r, st
 
@@ -86,6 +89,22 @@ def test_gpu_stage_batch_gives_each_request_its_solo_tokens(oracle):
                equal={k: s.error is None for k, s in streams.items()})
         _check(src, o, streams)
         assert ex["rows"] > ex["steps"] and ex.get("vram_slots") == 6 and ex["failed"] == 0
+    finally:
+        run.stop()
+
+
+def test_gpu_stage_with_the_auto_prefill_chunk_feeds_whole_prompts_and_each_request_keeps_its_solo_tokens(oracle):
+    src, d = oracle
+    o = load_oracle(src)
+    run, st = _run(d, "chunk", prefill_chunk="0")
+    try:
+        assert st.get("device") == "cuda", run.output()
+        streams = _mix(run, o["prompt_ids"])
+        ex = executor_stats(run)
+        report("gpu_batch_prefill_chunk", **{k: ex.get(k) for k in ("steps", "rows", "prefill_chunk", "experts_stream",
+                                                                    "prefill_tokens_fed", "copies")})
+        _check(src, o, streams)
+        assert ex["experts_stream"] == 1 and ex["prefill_chunk"] >= len(o["prompt_ids"]), ex
     finally:
         run.stop()
 

@@ -4,6 +4,7 @@ oracle prompt; sampled: the same seed alone), a cancelled one stops at a token b
 session's turn continues from its cache, and a request that fails in a batch fails alone."""
 
 import threading
+import time
 
 import pytest
 
@@ -94,3 +95,29 @@ def test_a_sessions_second_turn_sent_while_its_first_runs_waits_for_it_and_reuse
     assert other.tokens == alone(default_oracle, p[:9], 12)
     # at the executor the second turn waited for the first; the other request, sent with it, did not
     assert other.done.timing["queued_s"] < again.done.timing["queued_s"]
+
+
+@pytest.mark.timeout(240)
+def test_with_a_prefill_chunk_a_prompt_goes_in_one_step_beside_a_running_stream_and_tokens_stay_solo(default_oracle,
+                                                                                                      start_run):
+    o = load_oracle(default_oracle)
+    p = o["prompt_ids"]
+    # the numpy executor decodes every expert from its RAM-tier record each step: its experts stream, so the step's
+    # budget is --prefill-chunk, not --step-tokens (2 would cut a 20-token prompt into 10 steps)
+    run = start_run(default_oracle, args=("--max-batch", "2", "--step-tokens", "2", "--prefill-chunk", "64"))
+    started = threading.Event()
+    a = Stream(run, p, 32, started=started)
+    b = Stream(run, p[1:20], 4, after=started)      # joins a's decode: its 19 prompt tokens ride one step with it
+    for s in (a, b):
+        s.start()
+    for s in (a, b):
+        s.join(200)
+    for s in (a, b):
+        assert s.error is None, s.error
+    assert a.tokens == o["greedy_tokens"]
+    assert b.tokens == alone(default_oracle, p[1:20], 4)
+    st = executor_stats(run, since=time.time())
+    assert st["prefill_chunk"] == 64 and st["step_tokens"] == 2 and st["experts_stream"] == 1, st
+    # one step per token of a (its prompt in its first); b's prefill and decode all ride along. With the
+    # 2-token budget a's prompt alone would take 10 steps.
+    assert st["steps"] == 32, st

@@ -187,3 +187,45 @@ def test_a_round_of_a_sequence_cancelled_meanwhile_is_dropped():
     start(s, q)
     assert s.cancel("q")
     assert s.commit_tokens(q, [3, 4], 1.0).tokens == [] and q.out == []
+
+
+# ---- while the experts stream: one large prefill chunk (the step copies the union of experts anyway) ------------
+
+def test_while_experts_stream_a_prompt_is_fed_in_prefill_chunks_and_decode_rows_ride_along():
+    s = Scheduler(max_batch=4, step_tokens=8, prefill_chunk=100, streaming=True)
+    start(s, seq("a", 2), seq("b", 3))
+    step(s)                                     # a and b decode from here on
+    start(s, seq("long", 250))
+    chunks = []
+    while s.find("long").prefilling:
+        rows, _ = step(s)
+        assert [len(r.ids) for r in rows if r.seq.request_id in ("a", "b")] == [1, 1]   # fed every step
+        assert sum(len(r.ids) for r in rows) <= 100                                    # still bounded
+        chunks += [(len(r.ids), r.samples) for r in rows if r.seq.request_id == "long"]
+    assert chunks == [(98, False), (98, False), (54, True)]     # 100 - 2 decode rows, not 8 - 2
+
+
+def test_with_every_expert_resident_the_small_step_budget_stays():
+    s = Scheduler(max_batch=4, step_tokens=8, prefill_chunk=100, streaming=False)
+    start(s, seq("long", 20))
+    rows, _ = step(s)
+    assert [len(r.ids) for r in rows] == [8]
+    s.streaming = True                          # the source changed (e.g. the GPU was lost): the next step follows
+    rows, _ = step(s)
+    assert [(len(r.ids), r.samples) for r in rows] == [(12, True)]
+
+
+def test_while_experts_stream_a_prompt_still_gets_a_token_when_decode_rows_fill_the_chunk():
+    s = Scheduler(max_batch=4, step_tokens=64, prefill_chunk=2, streaming=True)
+    start(s, seq("a", 1), seq("b", 1))
+    step(s)
+    start(s, seq("c", 3))
+    rows, _ = step(s)
+    assert [(r.seq.request_id, len(r.ids)) for r in rows] == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_prefill_chunk_defaults_to_the_step_budget_and_must_be_positive():
+    s = Scheduler(max_batch=1, step_tokens=8, streaming=True)
+    assert s.budget == 8 and s.snapshot()["prefill_chunk"] == 8 and s.snapshot()["experts_stream"] == 1
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        Scheduler(max_batch=1, step_tokens=8, prefill_chunk=0)

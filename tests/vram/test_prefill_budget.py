@@ -1,0 +1,50 @@
+"""The prefill chunk the GPU's memory allows (coli/gpu/prefill_budget.py) and its reserve in the VRAM plan
+(coli/gpu/setup.py plan_slots): pure arithmetic on GLM-5's config, no GPU."""
+
+import pytest
+
+from coli.config import ModelConfig
+from coli.errors import ColiError
+from coli.gpu import cuda_backend
+from coli.gpu.prefill_budget import (AUTO_SHARE, PREFILL_CHUNK_BYTES, auto_prefill_chunk, moe_token_bytes,
+                                     prefill_workspace_bytes, row_bytes)
+from coli.gpu.setup import WORKSPACE_BYTES, plan_slots
+
+GLM5 = ModelConfig()
+GB = 10**9
+
+
+def test_the_moe_buffers_follow_the_backends_chunk_bound():
+    assert PREFILL_CHUNK_BYTES == cuda_backend.PREFILL_CHUNK_BYTES
+    # below the bound the MoE buffers grow with the rows; past it they stay one chunk
+    small = prefill_workspace_bytes(GLM5, 128)
+    assert small == 128 * (row_bytes(GLM5) + moe_token_bytes(GLM5))
+    big = prefill_workspace_bytes(GLM5, 8192)
+    assert big == 8192 * row_bytes(GLM5) + PREFILL_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("budget_gb,chunk", [(16, 1024), (24, 2048), (48, 4096), (80, 8192), (141, 8192)])
+def test_auto_takes_the_largest_power_of_two_within_an_eighth_of_the_budget(budget_gb, chunk):
+    got = auto_prefill_chunk(GLM5, budget_gb * GB, max_context=202752, step_tokens=128)
+    assert got == chunk
+    assert prefill_workspace_bytes(GLM5, got) * AUTO_SHARE <= budget_gb * GB
+    if got < 8192:      # the next power of two would not fit
+        assert prefill_workspace_bytes(GLM5, 2 * got) * AUTO_SHARE > budget_gb * GB
+
+
+def test_auto_is_bounded_by_max_context_and_never_below_the_step_budget():
+    assert auto_prefill_chunk(GLM5, 141 * GB, max_context=3000, step_tokens=128) == 2048
+    assert auto_prefill_chunk(GLM5, 1 * GB, max_context=4096, step_tokens=128) == 128
+
+
+def test_the_vram_plan_reserves_the_chunk_before_the_expert_slots():
+    kw = dict(vram_gb=40.0, max_context=4096)
+    plain = plan_slots(GLM5, 20 << 20, 10 * GB, **kw)
+    chunk = plan_slots(GLM5, 20 << 20, 10 * GB, **kw, prefill_rows=4096)
+    assert chunk["workspace_bytes"] == WORKSPACE_BYTES + prefill_workspace_bytes(GLM5, 4096)
+    assert chunk["slots"] < plain["slots"]
+
+
+def test_a_chunk_the_budget_cannot_hold_names_both_settings():
+    with pytest.raises(ColiError, match=r"raise --vram-gb.*8192-token prefill chunk.*lower --prefill-chunk"):
+        plan_slots(GLM5, 20 << 20, 10 * GB, vram_gb=15.0, max_context=4096, prefill_rows=8192)
