@@ -2,7 +2,8 @@
 # Issue 14/15 acceptance figures on the device machine (an H200) in ONE call, in priority order, each step capped so
 # the whole call stays under ~7 min: the GPU suite (tests + nvcc compile for sm_86/89/90/120), `coli bench stream`
 # on the 2-layer GLM-5 slice with convert's int8 dense core (warm, cold-ram, sync, spec on/off, the 16/24/32 GB
-# budgets; --batch 1,4,8,16 and MTP's --verify 2,3,4 where the bench has them), the batched warm decode with replayed
+# budgets; --batch 1,4,8,16 and MTP's --verify 2,3,4 where the bench has them; then, in its own call, the TTFT rows
+# --prefill 512,2048,8192 on warm, cold-ram and the 16 GB budget), the batched warm decode with replayed
 # batched graphs (scripts/bench_batch.py, COLI_BATCH_GRAPHS=1), MTP on the demo model (scripts/bench_mtp.py),
 # then scripts/bench_kernels.py.
 # The slice is made in the background while the tests run. Everything lands in $OUT/results.tgz (re-packed after each
@@ -46,6 +47,27 @@ say "bench stream exit $?"
 grep -E "^(warm|cold-ram|sync|spec-ram|spec-ram-off|budget)" "$R/bench_stream.log" | head -30 | tee -a "$OUT/summary.txt"
 grep -E "best k = |--mtp auto at acceptance" "$R/bench_stream.log" | tee -a "$OUT/summary.txt"
 pack
+# time to first token (issue 15 §1/§3), its own call: a budget engine's prefill reads every expert from the disk
+# (~8 s a prefill on the slice), too long beside the decode rows' 300 s; ~2 min here
+if python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--prefill" >/dev/null; then
+    timeout 240 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,budget --tokens 4 \
+        --vram-gb 16 --ram-gb 64 --tile-kb 1024 --prefill ${PREFILL_SIZES:-512,2048,8192} \
+        --json-out "$R/bench_prefill.json" >"$R/bench_prefill.log" 2>&1
+    say "bench stream --prefill exit $?"
+    python3 - "$R/bench_prefill.json" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys
+for r in json.load(open(sys.argv[1])).get("prefill", {}).get("rows", []):
+    if r.get("run") is False:
+        print(f"prefill {r['scenario']} S={r.get('tokens')}: not run: {r.get('reason')}")
+        continue
+    g = lambda k, f="{:.2f}": "-" if r.get(k) is None else f.format(r[k])
+    print(f"prefill {r['scenario']} S={r['tokens']}: TTFT {g('ttft_s_glm5')} s, copy-all {g('copy_all_s_glm5')} s, "
+          f"ratio {g('ttft_over_copy_all')}, MoE {g('moe_layer_ms', '{:.1f}')} / compute "
+          f"{g('moe_compute_ms_per_layer', '{:.1f}')} / dense {g('dense_layer_ms', '{:.1f}')} ms a layer, "
+          f"copied {(r.get('copied_bytes_glm5') or 0) / 1e9:.0f} GB, {r.get('target') or ''}")
+PY
+    pack
+fi
 COLI_BATCH_GRAPHS=1 timeout 50 python3 scripts/bench_batch.py --model "$SLICE" --device gpu --batch 1,8 --steps 8 \
     >"$R/bench_batch.jsonl" 2>"$R/bench_batch.err"
 say "bench batch exit $?"

@@ -476,13 +476,16 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
 def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0, ram_gb: float = 64.0,
                   tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
                   report: Callable[[str], None] = print, batches: list[int] | None = None,
-                  verify: list[int] | None = None, mtp_acceptance: float = 0.8) -> dict:
+                  verify: list[int] | None = None, mtp_acceptance: float = 0.8,
+                  prefill: list[int] | None = None) -> dict:
     """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md).
     vram_gb: one budget or several ("16,24,32" or a list): the budget scenarios run once per budget (rows
     budget-16gb, ...), everything else at the first. batches (coli.bench.batch_decode): besides its row, warm
     and cold-ram run B sequences together on their engine for each B (res["batch"]); None or [1]: not run.
     verify (coli.bench.verify_step): warm and cold-ram also time verify steps of S positions of one sequence
-    (res["verify"]) and what MTP would give, `auto` judged at mtp_acceptance; None or [1]: not run."""
+    (res["verify"]) and what MTP would give, `auto` judged at mtp_acceptance; None or [1]: not run. prefill
+    (coli.bench.prefill): cold-ram and each budget-nospec engine time a prefill of S prompt tokens for each S, warm
+    the same as the compute reference (res["prefill"]); None or []: not run."""
     from coli.bench.budget import parse_budgets
     budgets = parse_budgets(",".join(f"{v:g}" for v in vram_gb) if isinstance(vram_gb, (list, tuple)) else vram_gb)
     vram_gb = budgets[0]
@@ -575,6 +578,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     n_cold = max(scal["slice_vram_slots"], 2 * r.K)
     batched = _batched(r, res, batches, tokens)
     verified = _verified(r, res, verify, tokens)
+    prefilled = _prefilled(r, res, prefill)
 
     def guarded(name, fn):
         report(f"{name} ...")
@@ -599,6 +603,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                 row = {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
                 batched("warm", None)
                 verified("warm", None)
+                prefilled("warm", None)
                 return row
             finally:
                 r.model.experts = _NoExperts()
@@ -617,6 +622,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                 try:
                     batched("cold-ram", lambda: (vx.finish(), vx.snapshot())[1])
                     verified("cold-ram", lambda: (vx.finish(), vx.snapshot())[1])
+                    prefilled("cold-ram", lambda: (vx.finish(), vx.snapshot())[1])
                 finally:
                     r.model.experts = _NoExperts()
         finally:
@@ -694,6 +700,12 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                     pilot = OraclePilot(vx, r.routing, r.L) if spec else None
                     try:
                         row = r.run_vx(rname, vx, host, source=pilot, nvme=host.direct)
+                        if not spec:        # the engine as `coli up` runs it (no oracle): its TTFT rows
+                            r.model.experts = vx
+                            try:
+                                prefilled(rname, lambda: (vx.finish(), vx.snapshot())[1])
+                            finally:
+                                r.model.experts = _NoExperts()
                     finally:
                         vx.close()
                         host.close()
@@ -742,6 +754,12 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         res["batch"]["acceptance"] = acceptance(res["batch"]["rows"])
     if "verify" in res:
         finish_verify(res, r.cfg.hidden_size, r.cfg.vocab_size, mtp_acceptance)
+    if "prefill" in res:
+        from coli.bench.prefill import prefill_rows
+        res["prefill"]["rows"] = prefill_rows(
+            res["prefill"].pop("raw"), L=r.L, head_s=head_slice, head_s_full=head_full, fixed_s=fixed,
+            peak_GBps=(ceil or {}).get("whole_GBps"), record_bytes=r.layout.nbytes, hidden=r.cfg.hidden_size,
+            moe_inter=r.cfg.moe_intermediate_size, top_k=r.K)
     _plots(res, plots_dir, ceil, report)
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
@@ -753,6 +771,9 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     if "verify" in res:
         from coli.bench.verify_step import print_verify_table
         print_verify_table(res, report)
+    if "prefill" in res:
+        from coli.bench.prefill import print_prefill_table
+        print_prefill_table(res, report)
     return res
 
 
@@ -814,6 +835,26 @@ def _verified(r: "_Runner", res: dict, sizes: list[int] | None, tokens: int):
             res["verify"]["steps"].append({"scenario": name, "run": False, "reason": f"{type(e).__name__}: {e}",
                                            "traceback": traceback.format_exc()[-3000:]})
             r.report(f"{name} verify steps failed: {type(e).__name__}: {e}")
+    return run
+
+
+def _prefilled(r: "_Runner", res: dict, sizes: list[int] | None):
+    """fn(scenario, snapshot): the TTFT prefills of that scenario on the engine now in r.model.experts, their raw rows
+    in res["prefill"]["raw"] (figures once every scenario ran: the warm ones are the compute reference). A no-op
+    without --prefill."""
+    if not sizes:
+        return lambda name, snapshot: None
+    from coli.bench.prefill import EXTRAPOLATION_NOTE, PrefillBench
+    pb = PrefillBench(r.model, r.routing, sizes, sync=r.b.rt.synchronize)
+    T = r.routing.n_tokens
+    res["prefill"] = {"sizes": list(sizes), "raw": pb.raws, "notes": [EXTRAPOLATION_NOTE]}
+    if max(sizes) > T:
+        res["prefill"]["notes"].append(
+            f"the slice's trace has {T} tokens: a prefill of more rows wraps around it (rows repeat its routing; a "
+            f"layer's expert union is the same, each expert's rows scale)")
+
+    def run(name: str, snapshot) -> None:
+        pb.run(name, snapshot, report=r.report)
     return run
 
 

@@ -101,6 +101,8 @@ tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache ca
 --batch 1,4,8,16: warm and cold-ram also decode B sequences together (one batched step over their rows, the union of their experts asked once per layer), each its own stretch of the trace; rows of aggregate and per-sequence tokens/s and expert bytes per token, against B = 1 of the same run.
 
 --verify 2,3,4: warm and cold-ram also time MTP's verify step of S = k+1 positions of one sequence (routing from consecutive trace tokens: the real adjacent-token expert union) against the one-token step, and what k drafts would give at acceptance 0.6 / 0.8 / 0.9 (the slice's random weights cannot accept drafts: the acceptance is a parameter), the break-even acceptance and what --mtp auto would choose at --mtp-acceptance.
+
+--prefill 512,2048,8192: cold-ram and each budget-nospec engine (warm too, as the compute reference) time a prefill of S prompt tokens (one forward over a fresh cache, rows on consecutive trace tokens), extrapolated to GLM-5's time to first token, beside the time to copy every GLM-5 expert once at this run's H2D peak, the expert bytes the prefill copied and the MoE's compute time. S is at most 8192 (a slice's 8,192-token prefill holds ~7 GB of activations); each S is timed once, and the rows add about a minute to a warm,cold-ram,budget run.
 """
 
 
@@ -130,23 +132,29 @@ def stream(
                                                                        "--mtp auto's rule is judged at (the demo "
                                                                        "model's measured figure; the slice cannot "
                                                                        "accept drafts)."),
+    prefill: str = typer.Option("", "--prefill", help="Prompt lengths in tokens, a comma list (512,2048,8192; at "
+                                                      "most 8192): time-to-first-token rows on the cold-ram and "
+                                                      "budget engines (warm: the compute reference); empty: not run."),
 ) -> None:
-    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch, verify, mtp_acceptance)
+    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch, verify, mtp_acceptance, prefill)
 
 
 @clean_errors
 def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch="1", verify="1",
-            mtp_acceptance="0.8"):
+            mtp_acceptance="0.8", prefill=""):
     from coli.bench.batch_decode import check_batches, parse_batches
     from coli.bench.budget import parse_budgets
     from coli.bench.stream import parse_scenarios, run_scenarios
     from coli.bench.verify_step import check_verify, parse_acceptance, parse_verify
+    from coli.bench.prefill import check_prefill, parse_prefill
     from coli.errors import ColiError
     names = parse_scenarios(scenario)
     vram_gb = parse_budgets(vram_gb)          # a bad list is refused before the GPU is touched
     batches = parse_batches(batch)
     sizes = parse_verify(verify)
     acceptance = parse_acceptance(mtp_acceptance)
+    prompts = parse_prefill(prefill)
+    check_prefill(prompts, names)
     if not Path(dir).is_dir():
         raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
     if batches != [1]:
@@ -169,7 +177,7 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, ba
             stderr_note(f"--plots {plots}: {why}; the benchmark runs without them")
     run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
                   plots_dir=plots, peer="peer" in names, report=stderr_note, batches=batches, verify=sizes,
-                  mtp_acceptance=acceptance)
+                  mtp_acceptance=acceptance, prefill=prompts)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,36 @@
+"""`coli bench stream --prefill` on the CUDA backend, end to end on a tiny 2-layer slice (seconds, before the GLM-5
+slice's minutes): the cold-ram and budget engines time each prompt length, cold-ram copies exactly the union of the
+prompt's experts (each once: retention off), nothing falls back to the CPU, and the TTFT figures are there with the
+warm engine's compute beside them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_bench_stream_prefill_rows(tmp_path):
+    from coli.bench.slice import SliceOptions, make_slice
+    from coli.bench.stream import run_scenarios
+    from coli.bench.trace_router import TRACE_NAME
+    from coli.container.reader import ContainerReader
+    from coli.trace import read_trace
+    d = tmp_path / "s2"
+    make_slice(d, SliceOptions(preset="tiny", layers=2, trace="uniform", tokens=64, seed=5))
+    res = run_scenarios(d, ["warm", "cold-ram", "budget"], tokens=2, peer=False, report=lambda s: None,
+                        prefill=[16, 100])
+    rows = res["prefill"]["rows"]
+    assert [(r["scenario"], r.get("tokens"), r.get("run", True)) for r in rows] == [
+        ("cold-ram", 16, True), ("cold-ram", 100, True), ("budget-nospec", 16, True), ("budget-nospec", 100, True)
+    ], [r.get("reason") for r in rows]
+    idx = read_trace(d / TRACE_NAME).idx                                       # [T, L, K]
+    rec = ContainerReader(d).record_layout.nbytes
+    for r in rows:
+        assert r["ttft_s_glm5"] > 0 and r["cpu_fallbacks"] == 0, r
+        assert r["moe_compute_ms_per_layer"] is not None and r["copy_all_s_glm5"] > 0, r
+        if r["scenario"] == "cold-ram":
+            tok = np.arange(r["tokens"]) % idx.shape[0]
+            union = sum(len({int(e) for e in idx[tok, layer].ravel() if e >= 0}) for layer in range(idx.shape[1]))
+            assert r["copies"] == union and r["copied_bytes_slice"] == union * rec, r
