@@ -52,7 +52,7 @@ pack
 if python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--prefill" >/dev/null; then
     timeout 240 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,budget --tokens 4 \
         --vram-gb 16 --ram-gb 64 --tile-kb 1024 --prefill ${PREFILL_SIZES:-512,2048,8192} \
-        --json-out "$R/bench_prefill.json" >"$R/bench_prefill.log" 2>&1
+        --prefill-ahead --json-out "$R/bench_prefill.json" >"$R/bench_prefill.log" 2>&1
     say "bench stream --prefill exit $?"
     python3 - "$R/bench_prefill.json" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys
@@ -64,7 +64,7 @@ for r in json.load(open(sys.argv[1])).get("prefill", {}).get("rows", []):
     print(f"prefill {r['scenario']} S={r['tokens']}: TTFT {g('ttft_s_glm5')} s, copy-all {g('copy_all_s_glm5')} s, "
           f"ratio {g('ttft_over_copy_all')}, MoE {g('moe_layer_ms', '{:.1f}')} / compute "
           f"{g('moe_compute_ms_per_layer', '{:.1f}')} / dense {g('dense_layer_ms', '{:.1f}')} ms a layer, "
-          f"copied {(r.get('copied_bytes_glm5') or 0) / 1e9:.0f} GB, {r.get('target') or ''}")
+          f"copied {(r.get('copied_bytes_glm5') or 0) / 1e9:.0f} GB, {r.get('target') or ''} {r.get('ahead') or ''}")
 PY
     pack
 fi

@@ -21,6 +21,12 @@ Beside it, per S:
     copied bytes      = the engine's copy_bytes during the prefill (slice), x 75 / L for GLM-5
     moe_compute_s     = the warm engine's (every expert resident) moe_layer_s(S) x 75: the grouped MoE's arithmetic
                         alone, what the copies can hide under (null without the warm scenario)
+
+`--prefill-ahead` (coli/gpu/layer_ahead.py, measured first): the cold-ram rows also run on engines that put the next
+MoE layer's experts on the speculative lane as soon as a layer's step has asked for its own (rows "cold-ram+ahead",
+the same slots; "cold-ram-2E" and "cold-ram-2E+ahead", two layers' worth of slots, what a card with room for the next
+layer gives), each "+ahead" row set against its plain one (`ahead_figures`: in a forward only the last L - 1 layers
+have a layer before them, GLM-5 74).
 """
 
 from __future__ import annotations
@@ -110,10 +116,11 @@ def prefill_figures(raw: dict, *, L: int, head_s: float, head_s_full: float, fix
                            "ttft_over_copy_all": ttft / copy_all if copy_all else None}
     c = raw.get("counters")
     if c is not None:
-        cb = c.get("copy_bytes", 0)
+        cb = c.get("copy_bytes", 0) + (c.get("spec_bytes") or 0)     # demand + layer-ahead (speculative lane)
         out["copied_bytes_slice"] = cb
         out["copied_bytes_glm5"] = cb * 75 / L
-        out["copies"] = c.get("copies")
+        out["copies"] = c.get("copies", 0) + (c.get("spec_copies") or 0)
+        out["ahead_bytes_slice"] = c.get("spec_bytes") or 0
         out["copied_over_all_experts"] = cb / (L * GLM5_EXPERTS * record_bytes) if record_bytes else None
         cs = c.get("demand_copy_s")
         out["copy_busy_GBps"] = cb / cs / 1e9 if cs else None
@@ -137,15 +144,45 @@ def prefill_figures(raw: dict, *, L: int, head_s: float, head_s_full: float, fix
     return out
 
 
+def ahead_figures(row: dict, plain: dict, L: int, moe_layers: int = 75) -> dict:
+    """A layer-ahead row against the same engine without it, same S (pure): in one forward only the slice's last
+    L - 1 MoE layers have a layer before them to copy during, so the time saved is per such layer, and GLM-5 has 74
+    of them: ttft_glm5 = the plain row's - 74 x saved."""
+    if L < 2:
+        return {"saved_ms_per_layer": None, "ttft_s_glm5": None, "note": "a 1-layer slice has no layer ahead"}
+    saved = (plain["prefill_ms_slice"] - row["prefill_ms_slice"]) / 1e3 / (L - 1)
+    t = plain["ttft_s_glm5"] - (moe_layers - 1) * saved
+    copy_all = plain.get("copy_all_s_glm5")
+    return {"base": plain["scenario"], "saved_ms_per_layer": saved * 1e3, "ttft_s_glm5": t,
+            "ttft_over_copy_all": t / copy_all if copy_all else None}
+
+
 def prefill_rows(raws: list[dict], **kw) -> list[dict]:
-    """The TTFT rows of every raw row but the warm ones (which they use as the compute reference)."""
+    """The TTFT rows of every raw row but the warm ones (which they use as the compute reference); a layer-ahead row
+    (scenario "X+ahead") also gets `ahead` against X at the same S."""
     warm = {r["tokens"]: r for r in raws if r["scenario"] == "warm" and r.get("run") is not False}
     out = []
     for r in raws:
         if r["scenario"] == "warm":
             continue
         out.append(r if r.get("run") is False else prefill_figures(r, warm=warm.get(r["tokens"]), **kw))
+    done = {(r["scenario"], r["tokens"]): r for r in out if r.get("run") is not False}
+    for r in out:
+        if r.get("run") is not False and r["scenario"].endswith("+ahead"):
+            plain = done.get((r["scenario"][:-len("+ahead")], r["tokens"]))
+            if plain is not None:
+                r["ahead"] = ahead_figures(r, plain, kw["L"])
     return out
+
+
+def forget_resident(vx) -> None:
+    """Every copy landed, then no expert findable in the VRAM pool any more: the next prefill on a layer-ahead
+    engine starts as cold as the plain one (its speculative copies stay resident once used; demand copies with
+    retention off do not)."""
+    vx.finish()
+    for s in range(vx.n_slots):
+        if vx.pool.is_mapped(s):
+            vx.pool.unmap(s)
 
 
 # ---- the measurement ------------------------------------------------------------------------------------------
@@ -185,8 +222,9 @@ class PrefillBench:
         return self._nomoe[S]
 
     def run(self, scenario: str, snapshot: Callable[[], dict] | None = None,
-            report: Callable[[str], None] = lambda s: None) -> None:
-        """Every S on the engine in model.experts -> raw rows in self.raws; an S that fails is a not-run row."""
+            report: Callable[[str], None] = lambda s: None, between: Callable[[], None] | None = None) -> None:
+        """Every S on the engine in model.experts -> raw rows in self.raws; an S that fails is a not-run row.
+        between(): called before each timed prefill (forget_resident on a layer-ahead engine)."""
         from coli.bench.stream import delta
         try:
             self.prefill_s(min(COMPILE_TOKENS, min(self.sizes)))       # compile and allocate, untimed
@@ -197,6 +235,8 @@ class PrefillBench:
         for S in self.sizes:
             report(f"{scenario} prefill of {S} tokens ...")
             try:
+                if between is not None:
+                    between()
                 before = snapshot() if snapshot is not None else None
                 t = self.prefill_s(S)
                 raw = {"scenario": scenario, "tokens": S, "prefill_s": t,
@@ -213,7 +253,7 @@ class PrefillBench:
 
 # ---- the printed table ---------------------------------------------------------------------------------------
 PREFILL_HEADERS = ["scenario", "S", "slice ms", "GLM-5 TTFT s*", "copy-all s", "TTFT / copy-all", "copied GB (GLM-5)",
-                   "MoE ms/layer", "compute ms/layer", "MoE TFLOP/s", "overlap"]
+                   "MoE ms/layer", "compute ms/layer", "MoE TFLOP/s", "overlap", "ahead: TTFT s* (saved ms/layer)"]
 
 
 def _f(v, fmt="{:.2f}") -> str:
@@ -235,7 +275,9 @@ def prefill_table_rows(rows: list[dict]) -> list[list[str]]:
         out.append([r["scenario"], str(r["tokens"]), _f(r["prefill_ms_slice"], "{:.1f}"), _f(r["ttft_s_glm5"]),
                     _f(r.get("copy_all_s_glm5")), ratio, _f(None if gb is None else gb / 1e9, "{:.0f}"),
                     _f(r["moe_layer_ms"], "{:.1f}"), _f(r.get("moe_compute_ms_per_layer"), "{:.1f}"),
-                    _f(r.get("moe_tflops"), "{:.1f}"), _f(r.get("overlap"))])
+                    _f(r.get("moe_tflops"), "{:.1f}"), _f(r.get("overlap")),
+                    "-" if not r.get("ahead") else
+                    f"{_f(r['ahead']['ttft_s_glm5'])} ({_f(r['ahead']['saved_ms_per_layer'], '{:.1f}')})"])
     return out
 
 

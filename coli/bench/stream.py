@@ -477,7 +477,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                   tile_kb: int = 1024, out_json=None, plots_dir=None, peer: bool = True,
                   report: Callable[[str], None] = print, batches: list[int] | None = None,
                   verify: list[int] | None = None, mtp_acceptance: float = 0.8,
-                  prefill: list[int] | None = None) -> dict:
+                  prefill: list[int] | None = None, prefill_ahead: bool = False) -> dict:
     """Run the scenarios on the GPU; returns (and writes to out_json) the result dict (docs/performance.md).
     vram_gb: one budget or several ("16,24,32" or a list): the budget scenarios run once per budget (rows
     budget-16gb, ...), everything else at the first. batches (coli.bench.batch_decode): besides its row, warm
@@ -485,7 +485,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     verify (coli.bench.verify_step): warm and cold-ram also time verify steps of S positions of one sequence
     (res["verify"]) and what MTP would give, `auto` judged at mtp_acceptance; None or [1]: not run. prefill
     (coli.bench.prefill): cold-ram and each budget-nospec engine time a prefill of S prompt tokens for each S, warm
-    the same as the compute reference (res["prefill"]); None or []: not run."""
+    the same as the compute reference (res["prefill"]); None or []: not run. prefill_ahead: the cold-ram prefills
+    also with the next layer's experts copied ahead (coli/gpu/layer_ahead.py), on the same and on 2E slots."""
     from coli.bench.budget import parse_budgets
     budgets = parse_budgets(",".join(f"{v:g}" for v in vram_gb) if isinstance(vram_gb, (list, tuple)) else vram_gb)
     vram_gb = budgets[0]
@@ -579,6 +580,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
     batched = _batched(r, res, batches, tokens)
     verified = _verified(r, res, verify, tokens)
     prefilled = _prefilled(r, res, prefill)
+    if prefill_ahead and prefill:
+        res["prefill"]["ahead"] = True
 
     def guarded(name, fn):
         report(f"{name} ...")
@@ -627,6 +630,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                     r.model.experts = _NoExperts()
         finally:
             vx.close()
+        if not sync and prefill_ahead and prefill:
+            _ahead_rows(r, prefilled, host, n_cold)
         row["label"] = ("sync baseline (whole-record copy, host waits, then compute; RAM source, no retention)"
                         if sync else "cold-ram (all experts in RAM, VRAM retention off)")
         return row
@@ -853,9 +858,26 @@ def _prefilled(r: "_Runner", res: dict, sizes: list[int] | None):
             f"the slice's trace has {T} tokens: a prefill of more rows wraps around it (rows repeat its routing; a "
             f"layer's expert union is the same, each expert's rows scale)")
 
-    def run(name: str, snapshot) -> None:
-        pb.run(name, snapshot, report=r.report)
+    def run(name: str, snapshot, between=None) -> None:
+        pb.run(name, snapshot, report=r.report, between=between)
     return run
+
+
+def _ahead_rows(r: "_Runner", prefilled, host, n_cold: int) -> None:
+    """--prefill-ahead: the cold-ram prefills again with the next layer's experts copied ahead (coli/gpu/layer_ahead.py),
+    on n_cold slots and on two layers' worth (2E), with the 2E engine's plain rows beside them."""
+    from coli.bench.prefill import forget_resident
+    from coli.gpu.layer_ahead import LayerAhead
+    for name, slots, ahead in (("cold-ram+ahead", n_cold, True), ("cold-ram-2E", 2 * r.E, False),
+                               ("cold-ram-2E+ahead", 2 * r.E, True)):
+        r.report(f"{name} ({slots} VRAM slots) ...")
+        vx = r.vram(host, slots, retain=False, speculate=ahead, spec_budget=r.E if ahead else None)
+        try:
+            r.model.experts = LayerAhead(vx, r.cfg.moe_layers, r.E) if ahead else vx
+            prefilled(name, lambda vx=vx: (vx.finish(), vx.snapshot())[1], between=lambda vx=vx: forget_resident(vx))
+        finally:
+            r.model.experts = _NoExperts()
+            vx.close()
 
 
 def finish_verify(res: dict, hidden: int, vocab: int, mtp_acceptance: float) -> None:

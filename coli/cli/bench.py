@@ -135,13 +135,18 @@ def stream(
     prefill: str = typer.Option("", "--prefill", help="Prompt lengths in tokens, a comma list (512,2048,8192; at "
                                                       "most 8192): time-to-first-token rows on the cold-ram and "
                                                       "budget engines (warm: the compute reference); empty: not run."),
+    prefill_ahead: bool = typer.Option(False, "--prefill-ahead", help="With --prefill: the cold-ram prefills also "
+                                                                      "with the next MoE layer's experts copied ahead "
+                                                                      "on the speculative lane (same slots, and two "
+                                                                      "layers' worth), against the same without."),
 ) -> None:
-    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch, verify, mtp_acceptance, prefill)
+    _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch, verify, mtp_acceptance, prefill,
+            prefill_ahead)
 
 
 @clean_errors
 def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, batch="1", verify="1",
-            mtp_acceptance="0.8", prefill=""):
+            mtp_acceptance="0.8", prefill="", prefill_ahead=False):
     from coli.bench.batch_decode import check_batches, parse_batches
     from coli.bench.budget import parse_budgets
     from coli.bench.stream import parse_scenarios, run_scenarios
@@ -155,6 +160,8 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, ba
     acceptance = parse_acceptance(mtp_acceptance)
     prompts = parse_prefill(prefill)
     check_prefill(prompts, names)
+    if prefill_ahead and not (prompts and "cold-ram" in names):
+        raise ColiError("--prefill-ahead: its rows are cold-ram prefills: give --prefill and the cold-ram scenario")
     if not Path(dir).is_dir():
         raise ColiError(f"{dir}: no such slice directory (write one with coli bench make-slice)")
     if batches != [1]:
@@ -177,7 +184,7 @@ def _stream(dir, scenario, tokens, vram_gb, ram_gb, tile_kb, json_out, plots, ba
             stderr_note(f"--plots {plots}: {why}; the benchmark runs without them")
     run_scenarios(dir, names, tokens=tokens, vram_gb=vram_gb, ram_gb=ram_gb, tile_kb=tile_kb, out_json=json_out,
                   plots_dir=plots, peer="peer" in names, report=stderr_note, batches=batches, verify=sizes,
-                  mtp_acceptance=acceptance, prefill=prompts)
+                  mtp_acceptance=acceptance, prefill=prompts, prefill_ahead=prefill_ahead)
 
 
 def register(app: typer.Typer) -> None:

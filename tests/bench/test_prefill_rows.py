@@ -43,6 +43,8 @@ def test_check_prefill():
     (["--prefill", "512,big"], "--prefill 'big': not a whole number"),
     (["--prefill", "9000"], "--prefill 9000: a prompt is 1..8192 tokens"),
     (["--prefill", "512", "--scenario", "warm"], "--prefill 512: the TTFT rows run in the cold-ram and budget"),
+    (["--prefill-ahead", "--scenario", "cold-ram"], "--prefill-ahead: its rows are cold-ram prefills: give --prefill"),
+    (["--prefill", "512", "--prefill-ahead", "--scenario", "budget"], "--prefill-ahead: its rows are cold-ram"),
 ])
 def test_cli_refuses_a_bad_prefill_before_the_gpu(tiny_slice3, nogpu, args, culprit):
     res = CliRunner().invoke(app, ["bench", "stream", str(tiny_slice3), *args])
@@ -103,6 +105,28 @@ def test_prefill_rows_use_the_warm_row_of_the_same_length_and_keep_failures():
     cells = pf.prefill_table_rows(rows)
     assert cells[2][2] == "not run: out of memory" and len(cells[0]) == len(pf.PREFILL_HEADERS)
     assert "(<= 1.3: " in cells[1][5]
+
+
+def test_a_layer_ahead_row_is_set_against_its_plain_engine_per_layer_that_has_one_before_it():
+    plain = pf.prefill_figures(_raw("cold-ram-2E", t=0.520), **KW)
+    ahead = pf.prefill_figures(_raw("cold-ram-2E+ahead", t=0.460, copied=2 * 256 * MB), **KW)
+    rows = pf.prefill_rows([_raw("cold-ram-2E", t=0.520), _raw("cold-ram-2E+ahead", t=0.460)], **KW)
+    a = rows[1]["ahead"]
+    # 60 ms saved in the slice's one layer with a layer before it; GLM-5 has 74 such
+    assert a["base"] == "cold-ram-2E" and a["saved_ms_per_layer"] == pytest.approx(60.0)
+    assert a["ttft_s_glm5"] == pytest.approx(plain["ttft_s_glm5"] - 74 * 0.060)
+    assert a["ttft_over_copy_all"] == pytest.approx(a["ttft_s_glm5"] / plain["copy_all_s_glm5"])
+    assert "ahead" not in rows[0] and ahead["ttft_s_glm5"] > a["ttft_s_glm5"]     # the plain split would credit 2
+    assert pf.ahead_figures(ahead, plain, L=1)["ttft_s_glm5"] is None
+    cells = pf.prefill_table_rows(rows)
+    assert cells[0][-1] == "-" and cells[1][-1] == f"{a['ttft_s_glm5']:.2f} (60.0)"
+
+
+def test_copied_bytes_count_the_layer_ahead_copies_too():
+    raw = _raw("cold-ram+ahead", copied=300 * MB)
+    raw["counters"].update(spec_bytes=212 * MB, spec_copies=212, copies=300)
+    row = pf.prefill_figures(raw, **KW)
+    assert row["copied_bytes_slice"] == 512 * MB and row["copies"] == 512 and row["ahead_bytes_slice"] == 212 * MB
 
 
 # ---- on the numpy path, for real -----------------------------------------------------------------------------

@@ -34,3 +34,26 @@ def test_gpu_bench_stream_prefill_rows(tmp_path):
             tok = np.arange(r["tokens"]) % idx.shape[0]
             union = sum(len({int(e) for e in idx[tok, layer].ravel() if e >= 0}) for layer in range(idx.shape[1]))
             assert r["copies"] == union and r["copied_bytes_slice"] == union * rec, r
+
+
+def test_gpu_bench_stream_prefill_ahead_rows(tmp_path):
+    """--prefill-ahead: the layer-ahead engines run, the 2E one copies experts ahead on the speculative lane, every
+    expert of the prompt's union still arrives (demand or ahead) and nothing falls back to the CPU."""
+    from coli.bench.slice import SliceOptions, make_slice
+    from coli.bench.stream import run_scenarios
+    from coli.bench.trace_router import TRACE_NAME
+    from coli.trace import read_trace
+    d = tmp_path / "s2"
+    make_slice(d, SliceOptions(preset="tiny", layers=2, trace="uniform", tokens=64, seed=5))
+    res = run_scenarios(d, ["cold-ram"], tokens=2, peer=False, report=lambda s: None, prefill=[100],
+                        prefill_ahead=True)
+    rows = {r["scenario"]: r for r in res["prefill"]["rows"]}
+    assert sorted(rows) == ["cold-ram", "cold-ram+ahead", "cold-ram-2E", "cold-ram-2E+ahead"], [
+        r.get("reason") for r in rows.values()]
+    idx = read_trace(d / TRACE_NAME).idx
+    tok = np.arange(100) % idx.shape[0]
+    union = sum(len({int(e) for e in idx[tok, layer].ravel() if e >= 0}) for layer in range(idx.shape[1]))
+    for name, r in rows.items():
+        assert r.get("run", True) and r["cpu_fallbacks"] == 0 and r["copies"] >= union, (name, r)
+    assert rows["cold-ram-2E+ahead"]["ahead_bytes_slice"] > 0, rows["cold-ram-2E+ahead"]
+    assert rows["cold-ram-2E+ahead"]["ahead"]["base"] == "cold-ram-2E"
