@@ -631,7 +631,12 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
         finally:
             vx.close()
         if not sync and prefill_ahead and prefill:
-            _ahead_rows(r, prefilled, host, n_cold)
+            try:
+                _ahead_rows(r, prefilled, host, n_cold)
+            except Exception as e:   # noqa: BLE001 -- the layer-ahead engines failing must not cost the cold-ram row
+                res["prefill"]["raw"].append({"scenario": "cold-ram+ahead", "tokens": None, "run": False,
+                                              "reason": f"{type(e).__name__}: {e}"})
+                r.report(f"layer-ahead prefill rows failed: {type(e).__name__}: {e}")
         row["label"] = ("sync baseline (whole-record copy, host waits, then compute; RAM source, no retention)"
                         if sync else "cold-ram (all experts in RAM, VRAM retention off)")
         return row
