@@ -118,6 +118,6 @@ def test_with_a_prefill_chunk_a_prompt_goes_in_one_step_beside_a_running_stream_
     assert b.tokens == alone(default_oracle, p[1:20], 4)
     st = executor_stats(run, since=time.time())
     assert st["prefill_chunk"] == 64 and st["step_tokens"] == 2 and st["experts_stream"] == 1, st
-    # one step per token of a (its prompt in its first); b's prefill and decode all ride along. With the
-    # 2-token budget a's prompt alone would take 10 steps.
-    assert st["steps"] == 32, st
+    # one step per token of a, its whole prompt in its first; b's prompt rides one of them (+4 at most, should b
+    # join after a has left). With the 2-token budget a's prompt alone would take 10 steps: 41 at least.
+    assert st["steps"] <= 32 + 4, st
