@@ -100,7 +100,16 @@ def batch_rows(e: dict, pe: dict | None, sup: dict | None) -> list[tuple[str, st
     return [("batch", "running / waiting", f"{e.get('batch_running', 0)} / {waiting} (max {e.get('max_batch', 1)})"),
             ("", "tokens per step", f"{(pre + dec) / steps:.1f}" if steps else "-"),
             ("", "sequences per step", f"{rows_ / steps:.1f}" if steps else "-"),
-            ("", "prefill / decode tokens", share)]
+            ("", "prefill / decode tokens", share)] + _budget_row(e)
+
+
+def _budget_row(e: dict) -> list[tuple[str, str, str]]:
+    """Which token budget a step has: --prefill-chunk while the experts stream, else --step-tokens."""
+    if "step_tokens" not in e:
+        return []
+    if e.get("experts_stream") and e.get("prefill_chunk") is not None:
+        return [("", "step budget", f"{e['prefill_chunk']} tokens (experts stream: --prefill-chunk)")]
+    return [("", "step budget", f"{e['step_tokens']} tokens (--step-tokens)")]
 
 
 def render(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None = None, title: str = "",

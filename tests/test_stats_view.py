@@ -62,6 +62,14 @@ def test_the_batch_shows_running_and_waiting_sequences_tokens_per_step_and_the_p
     assert t[("", "prefill / decode tokens")] == "20 % / 80 %"
     since_start = table(now, device="numpy")                        # no previous snapshot: the averages so far
     assert since_start[("", "tokens per step")] == "8.7" and since_start[("", "prefill / decode tokens")] == "46 % / 54 %"
+    assert ("", "step budget") not in t                               # an executor from before the setting
+
+
+def test_the_batch_says_which_step_budget_applies():
+    e = {"t": 1.0, "steps": 1, "step_tokens": 128, "prefill_chunk": 8192, "experts_stream": 1}
+    assert table({"executor": e}, device="cuda")[("", "step budget")] == "8192 tokens (experts stream: --prefill-chunk)"
+    e["experts_stream"] = 0
+    assert table({"executor": e}, device="cuda")[("", "step budget")] == "128 tokens (--step-tokens)"
 
 
 def test_cpu_busy_counts_a_batched_step_once_not_once_per_request():
