@@ -30,11 +30,17 @@ def kv_bytes(cfg: ModelConfig, positions: int) -> int:
 
 def plan_slots(cfg: ModelConfig, record_bytes: int, dense_bytes: int, *, vram_gb: float | None,
                max_context: int, slots: int | None = None, prefill_rows: int = 0) -> dict:
+    """size_pool's plan at this budget; `prefill_rows` (the prefill chunk) reserved in the workspaces unless the
+    budget holds every routed expert without it (then nothing streams and the chunk is never used)."""
     slot_bytes = align(record_bytes, 4096)
     if slots is not None:
         return {"slots": int(slots), "slot_bytes": slot_bytes, "pool_bytes": int(slots) * slot_bytes,
                 "dense_bytes": dense_bytes, "kv_bytes": kv_bytes(cfg, max_context), "workspace_bytes": 0,
                 "budget_bytes": None}
+    if prefill_rows:
+        bare = plan_slots(cfg, record_bytes, dense_bytes, vram_gb=vram_gb, max_context=max_context)
+        if bare["slots"] >= len(cfg.moe_layers) * cfg.n_routed_experts:
+            return bare     # every expert resident even so: steps keep --step-tokens, no chunk to reserve for
     workspace = WORKSPACE_BYTES + prefill_workspace_bytes(cfg, prefill_rows)
     try:
         return size_pool(int(vram_gb * GB), dense_bytes, kv_bytes(cfg, max_context), workspace, slot_bytes,

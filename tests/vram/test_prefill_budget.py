@@ -48,3 +48,13 @@ def test_the_vram_plan_reserves_the_chunk_before_the_expert_slots():
 def test_a_chunk_the_budget_cannot_hold_names_both_settings():
     with pytest.raises(ColiError, match=r"raise --vram-gb.*8192-token prefill chunk.*lower --prefill-chunk"):
         plan_slots(GLM5, 20 << 20, 10 * GB, vram_gb=15.0, max_context=4096, prefill_rows=8192)
+
+
+def test_no_chunk_is_reserved_when_every_expert_fits_without_it():
+    from coli.config import PRESETS
+    tiny = PRESETS["tiny"]
+    n = len(tiny.moe_layers) * tiny.n_routed_experts
+    kw = dict(vram_gb=2.0, max_context=4096)
+    bare = plan_slots(tiny, 1 << 20, 10 << 20, **kw)
+    assert bare["slots"] >= n                          # 2 GB holds every 1 MB expert of the tiny model
+    assert plan_slots(tiny, 1 << 20, 10 << 20, **kw, prefill_rows=8192) == bare
