@@ -49,7 +49,8 @@ grep -E "best k = |--mtp auto at acceptance" "$R/bench_stream.log" | tee -a "$OU
 pack
 # time to first token (issue 15 §1/§3), its own call: a budget engine's prefill reads every expert from the disk
 # (~8 s a prefill on the slice), too long beside the decode rows' 300 s; ~2 min here
-if python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--prefill" >/dev/null; then
+# (SKIP_PREFILL=1 leaves it out: scripts/bench_prefill.sh runs it alone)
+if [ "${SKIP_PREFILL:-0}" != 1 ] && python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--prefill" >/dev/null; then
     timeout 240 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,budget --tokens 4 \
         --vram-gb 16 --ram-gb 64 --tile-kb 1024 --prefill ${PREFILL_SIZES:-512,2048,8192} \
         --prefill-ahead --json-out "$R/bench_prefill.json" >"$R/bench_prefill.log" 2>&1

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Time to first token on the device machine (an H200), alone: `coli bench stream --prefill` on the 2-layer GLM-5
+# slice (issue 15 §1/§3; docs/performance.md "Prefill: time to first token", prediction in docs/perf-notes.md "TTFT").
+# warm (the MoE compute reference), cold-ram and the 16 GB budget, prompts of PREFILL tokens, the layer-ahead rows
+# (--prefill-ahead) beside cold-ram. DENSE=int4 makes (or reuses) a slice whose dense core runs on the tensor-core
+# prefill GEMMs (int8's take the fp32 tiles: the prediction's dense part). Budget: make-slice ~60 s when the slice is
+# not there; the run ~2 min (the budget engine reads every expert from the disk per prefill, ~8 s each).
+set -uo pipefail
+OUT=${OUT:-/tmp/bench_prefill_out}
+DENSE=${DENSE:-int8}
+SLICE=${SLICE:-/tmp/coli_slice2_$DENSE}
+PREFILL=${PREFILL:-512,2048,8192}
+SCENARIOS=${SCENARIOS:-warm,cold-ram,budget}
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+mkdir -p "$OUT"
+{
+  echo "== $(date -u +%FT%TZ) coli bench stream --prefill $PREFILL: 2-layer slice, dense core $DENSE, $SCENARIOS"
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
+  if [ ! -f "$SLICE/coli-manifest.json" ]; then
+    t0=$(date +%s)
+    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
+      --dense-format "$DENSE" --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
+    echo "make-slice: $(( $(date +%s) - t0 )) s"
+  fi
+  t0=$(date +%s)
+  timeout 300 "$PY" -m coli.cli.main bench stream "$SLICE" --scenario "$SCENARIOS" --tokens 4 --vram-gb 16 \
+    --ram-gb 64 --tile-kb 1024 --prefill "$PREFILL" --prefill-ahead --json-out "$OUT/bench_prefill.json"
+  echo "bench stream --prefill: exit $?, $(( $(date +%s) - t0 )) s"
+} 2>&1 | tee "$OUT/bench_prefill.log"
