@@ -6,14 +6,22 @@
 # prefill GEMMs (int8's take the fp32 tiles: the prediction's dense part). Budget: make-slice ~60 s when the slice is
 # not there; the run ~2 min (the budget engine reads every expert from the disk per prefill, ~8 s each).
 set -uo pipefail
-OUT=${OUT:-/tmp/bench_prefill_out}
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
 DENSE=${DENSE:-int8}
 SLICE=${SLICE:-/tmp/coli_slice2_$DENSE}
 PREFILL=${PREFILL:-512,2048,8192}
 SCENARIOS=${SCENARIOS:-warm,cold-ram,budget}
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+PY=${PY:-python3}
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+# the device machine's setup, as scripts/h200_acceptance.sh does it (wheels, then the editable install's mapping)
+if ls .gpuwheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuwheels/*.whl >"$OUT/pip.log" 2>&1
+    export PYTHONPATH=$PWD:/tmp/site
+fi
+"$PY" -c "import coli.stages" 2>/dev/null || timeout 120 "$PY" -m pip install -q --no-index --no-deps \
+    --no-build-isolation -e . >>"$OUT/pip.log" 2>&1
 {
   echo "== $(date -u +%FT%TZ) coli bench stream --prefill $PREFILL: 2-layer slice, dense core $DENSE, $SCENARIOS"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
