@@ -184,6 +184,28 @@ def upload_host_expert(rt: CudaRuntime, ew: ExpertWeights) -> DeviceRecord:
     return DeviceRecord(int(buf), lay, owner=buf)
 
 
+class UploadedExperts:
+    """ExpertSource that uploads each record it is asked for from the container, when asked (the MTP layer's
+    experts where the VRAM budget keeps them out of the device: coli.gpu.setup.plan_mtp). The copy is synchronous
+    into memory from the backend's pool, which the record's owner holds until its kernels are queued; the pool hands
+    it out again only behind them (one compute stream)."""
+
+    def __init__(self, rt: CudaRuntime, weights: Any):
+        if not (hasattr(weights, "read_record") and hasattr(weights, "record_layout")):
+            raise TypeError("UploadedExperts reads a container's expert records")
+        self.rt, self.weights = rt, weights
+        self.layout: RecordLayout = weights.record_layout
+        for m, part in zip(self.layout.matrices, ("gate_proj", "up_proj", "down_proj")):
+            check_format(m.fmt, f"routed experts ({part})")
+        self.uploaded = 0                                    # records copied so far (stats, tests)
+
+    def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, DeviceRecord]]:
+        for e in ids:
+            d = self.rt.to_device(self.weights.read_record(layer, e))     # checksum-verified bytes
+            self.uploaded += 1
+            yield e, DeviceRecord(d.ptr, self.layout, owner=d)
+
+
 class ResidentExperts:
     """ExpertSource with every routed expert of every MoE layer resident on the device, in the container's
     record format (or f32 records for a checkpoint source). One allocation per layer, records back to back

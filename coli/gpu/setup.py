@@ -3,9 +3,19 @@
 The budget (`--vram-gb`) pays, in order: the dense core (measured: what the backend's memory pool holds
 once the model is built), the KV cache at `--max-context` positions (computed from the config), and
 workspaces (activations, per-step tables, the grouped-MoE and indexer chunks) plus the rows of the largest step
-(`prefill_rows`: the prefill chunk, coli/gpu/prefill_budget.py); what is left becomes expert slots. `--vram-slots N` sets the slot count directly (tests, benchmarks)."""
+(`prefill_rows`: the prefill chunk, coli/gpu/prefill_budget.py); what is left becomes expert slots. `--vram-slots N`
+sets the slot count directly (tests, benchmarks).
+
+A container with an MTP layer (issue 16) has one more MoE layer's experts, which the draft head reads. They are
+paid from the same budget (`plan_mtp`): kept resident when they take at most MTP_RESIDENT_SHARE of what the budget
+leaves for experts (a big card: the slots lose little), else uploaded from the container when a draft uses them
+(a consumer card: a resident MTP layer would take most of its slots; room for one step's top-k uploads is
+reserved instead). Before this, the MTP layer's experts were allocated outside the budget on the first MTP request:
+4.9 GB more than `--vram-gb` for GLM-5's int4 layer."""
 
 from __future__ import annotations
+
+import os
 
 from coli.config import ModelConfig
 from coli.errors import ColiError
@@ -16,6 +26,7 @@ from coli.gpu.prefill_budget import prefill_workspace_bytes
 
 GB = 1e9
 WORKSPACE_BYTES = 768 << 20     # MOE_CHUNK_BYTES + INDEXER_CHUNK_BYTES + activations and slack
+MTP_RESIDENT_SHARE = 0.25       # the MTP layer's experts stay resident while they take at most this share of the pool
 
 
 def kv_bytes(cfg: ModelConfig, positions: int) -> int:
@@ -52,6 +63,58 @@ def plan_slots(cfg: ModelConfig, record_bytes: int, dense_bytes: int, *, vram_gb
                         f"({prefill_workspace_bytes(cfg, prefill_rows) / GB:.2f} GB): or lower --prefill-chunk") from None
 
 
+MTP_EXPERTS_CHOICES = ("auto", "resident", "upload")
+
+
+def mtp_experts_choice(env: dict | None = None) -> str:
+    """COLI_MTP_EXPERTS: "auto" (the default: plan_mtp's share rule), "resident" or "upload" (forced: tests, drills)."""
+    v = (os.environ if env is None else env).get("COLI_MTP_EXPERTS", "auto").strip().lower() or "auto"
+    if v not in MTP_EXPERTS_CHOICES:
+        raise ColiError(f"COLI_MTP_EXPERTS={v!r}: use one of {', '.join(MTP_EXPERTS_CHOICES)}")
+    return v
+
+
+def plan_mtp(cfg: ModelConfig, plan: dict, choice: str = "auto") -> dict:
+    """Where the MTP layer's routed experts live under `plan` (plan_slots' result for the main layers) -> the plan,
+    re-sized, with "mtp" ("resident": all E records on the device, paid from the budget; "upload": each draft
+    uploads the records it reads into room reserved for top-k of them; "none": the budget has room for neither)
+    and "mtp_bytes" (what that takes). With --vram-slots (no budget) the layer is resident beside the slots unless
+    `choice` forces "upload"."""
+    slot_bytes = plan["slot_bytes"]
+    layer_bytes = cfg.n_routed_experts * slot_bytes
+    up = cfg.num_experts_per_tok * slot_bytes
+    if plan.get("budget_bytes") is None:
+        return {**plan, "mtp": "upload", "mtp_bytes": up} if choice == "upload" else \
+            {**plan, "mtp": "resident", "mtp_bytes": layer_bytes}
+    ws, kv, dense = plan["workspace_bytes"], plan["kv_bytes"], plan["dense_bytes"]
+    if choice == "upload":
+        choices = (("upload", up),)
+    elif choice == "resident" or layer_bytes <= MTP_RESIDENT_SHARE * plan["pool_bytes"]:
+        choices = (("resident", layer_bytes), ("upload", up))
+    else:
+        choices = (("upload", up),)
+    for mode, extra in choices:
+        try:
+            p = size_pool(plan["budget_bytes"], dense, kv, ws + extra, slot_bytes, min_slots=2)
+        except ColiError:
+            continue
+        return {**p, "workspace_bytes": ws, "mtp": mode, "mtp_bytes": extra}
+    return {**plan, "mtp": "none", "mtp_bytes": 0,
+            "mtp_problem": f"the VRAM budget leaves no room for the MTP layer's experts beside {plan['slots']} "
+                           f"slots (raise --vram-gb)"}
+
+
+def describe_mtp(plan: dict) -> str:
+    """The start-up log's words for plan_mtp's choice."""
+    mode, n = plan.get("mtp"), plan.get("mtp_bytes", 0) / 1e9
+    if mode == "resident":
+        return f"; MTP layer's experts resident ({n:.2f} GB)"
+    if mode == "upload":
+        return f"; MTP layer's experts uploaded on use ({n:.2f} GB reserved: they would take over " \
+               f"{MTP_RESIDENT_SHARE:.0%} of the pool)"
+    return f"; no room for the MTP layer's experts ({plan.get('mtp_problem')})" if mode == "none" else ""
+
+
 def build_vram_experts(model, host, cfg: ModelConfig, layout, *, vram_gb: float | None, slots: int | None = None,
                        max_context: int = 4096, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES,
                        faults=None, log=None, prefill_rows: int = 0):
@@ -61,10 +124,15 @@ def build_vram_experts(model, host, cfg: ModelConfig, layout, *, vram_gb: float 
     dense = int(b.rt.pool.active_bytes)
     plan = plan_slots(cfg, layout.nbytes, dense, vram_gb=vram_gb, max_context=max_context, slots=slots,
                       prefill_rows=prefill_rows)
+    if getattr(model.weights, "mtp_layer", None) is not None:   # the draft head's experts: from the same budget
+        plan = plan_mtp(cfg, plan, mtp_experts_choice())
     vx = VramExperts(b, host, layout, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok,
                      plan["slots"], policy=policy, tile_bytes=tile_bytes, faults=faults, log=log)
     model.experts = vx
     plan["line"] = describe_pool(plan) if plan.get("budget_bytes") else (
         f"VRAM pool: {plan['slots']} slots x {plan['slot_bytes'] / 1e6:.2f} MB (set by --vram-slots), "
         f"dense {dense / 1e9:.3f} GB resident")
+    plan["line"] += describe_mtp(plan)
+    vx.mtp_mode = plan.get("mtp", "resident")          # read by coli.model.mtp.load_mtp_head
+    vx.mtp_problem = plan.get("mtp_problem")
     return vx, plan

@@ -196,12 +196,21 @@ class MtpHead:
 
 
 def load_mtp_head(model: GlmMoeDsaModel) -> MtpHead:
-    """The model's MTP head on its backend (its experts resident on the GPU, like the main layers' by default), or
-    MtpUnavailable naming why the model has none."""
+    """The model's MTP head on its backend, or MtpUnavailable naming why the model has none. On the GPU its experts
+    live where the VRAM plan put them (coli.gpu.setup.plan_mtp, on the model's VramExperts as `mtp_mode`): resident
+    (also with every main expert resident, and without a budget), or uploaded from the container when a draft reads
+    them."""
     experts = None
     if model.backend.name == "cuda" and getattr(model.weights, "mtp_layer", None) is not None:
-        from coli.gpu.cuda_weights import ResidentExperts
-        experts = ResidentExperts(model.backend.rt, model.weights, layers=[mtp_layer(model.config)])
+        from coli.gpu.cuda_weights import ResidentExperts, UploadedExperts
+        mode = getattr(model.experts, "mtp_mode", "resident")
+        if mode == "none":
+            raise MtpUnavailable(f"--mtp: {getattr(model.experts, 'mtp_problem', None) or 'no VRAM for the MTP layer'}"
+                                 f"; run with --mtp off")
+        if mode == "upload":
+            experts = UploadedExperts(model.backend.rt, model.weights)
+        else:
+            experts = ResidentExperts(model.backend.rt, model.weights, layers=[mtp_layer(model.config)])
     return MtpHead(model, model.weights, experts)
 
 

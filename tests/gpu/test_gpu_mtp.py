@@ -128,6 +128,23 @@ def test_gpu_coli_run_mtp_on_and_3_give_the_tokens_without_it(root, src, fmt, vr
         assert ("vram" in j) == bool(vram)                       # streamed through the VRAM cache where asked
 
 
+@pytest.mark.parametrize("choice", ["resident", "upload"])
+def test_gpu_mtp_experts_resident_or_uploaded_under_the_budget_give_the_tokens_without_mtp(root, src, choice):
+    """The MTP layer's experts paid from the VRAM budget (coli.gpu.setup.plan_mtp): resident, or uploaded from the
+    container on each draft (COLI_MTP_EXPERTS forces the share rule's choice); either way `coli run --mtp on|3`
+    gives `--mtp off`'s tokens, and the run says where they lived."""
+    o = load_oracle(src[0])
+    d = container(root, src[1], "int4", experts="int4", dense="int8", group=32)
+    p = o["prompt_ids"]
+    gpu = ("--device", "gpu", "--vram-slots", "6")
+    want = coli_run_json(d, p, 24, *gpu, "--mtp", "off")["tokens"]
+    for mode in ("on", "3"):
+        j = coli_run_json(d, p, 24, *gpu, "--mtp", mode, env={"COLI_MTP_EXPERTS": choice})
+        assert j["tokens"] == want, (choice, mode)
+        assert j["vram"]["mtp_experts"] == choice
+        assert sum(j["stats"]["mtp"]["drafted"]) > 0
+
+
 def test_gpu_mtp_rounds_replay_from_graphs_with_the_tokens_of_eager_rounds(monkeypatch):
     """Greedy one-draft rounds replay one CUDA graph each (coli/gpu/mtp_graphs.py) on the demo model (its trained
     head keeps drafts, so both the accept and the reject path replay): the tokens of decoding without MTP, and of
