@@ -3,8 +3,8 @@ replayed decode graph keyed on them (coli/gpu/graphs.py step_key) hits: on the n
 of a transformers oracle built in this run. The same addresses after a release; never one buffer in two live
 caches (two sequences batched); a cache that grows gives its old buffers back; the pool is bounded; released
 buffers poisoned with NaN never reach the next sequence's tokens (nothing reads past a cache's length); a session
-saved and loaded into reused buffers goes on with transformers' tokens; the executor's serving loop gives each
-ended request's caches back."""
+saved and loaded into reused buffers goes on with transformers' tokens, and gives its cache back when dropped; the
+executor's serving loop gives each ended request's caches back."""
 
 from __future__ import annotations
 
@@ -202,11 +202,15 @@ def test_a_session_saved_and_loaded_into_reused_buffers_goes_on_exactly(oracle, 
     poison(stale)
     marked = buffers(stale)
     stale.release()
-    back = st.load("chat")
+    st.forget("chat")                                   # out of memory: the next turn loads it from its file
+    back = st.get("chat", create=False)
     assert buffers(back.cache) == marked and back.cache.length == n and back.tokens == s.tokens
     extra = o["continuation"]["extra_ids"]
     second = list(Generation(model, [first[-1]] + extra, 32, ignore_eos=True, cache=back.cache))
     assert second == o["continuation"]["greedy_tokens"]
+    dropped, cap = buffers(back.cache), back.cache.capacity
+    assert st.drop("chat") and back.cache.released                  # a dropped session's cache goes back
+    assert buffers(model.new_cache(cap)) == dropped
 
 
 def test_the_serving_loop_gives_each_ended_request_s_cache_back(oracle, model, tmp_path):
