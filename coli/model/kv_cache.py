@@ -42,6 +42,7 @@ class KVCache:
     layers: list[LayerCache] = field(default_factory=list)
     pool: CachePool | None = None      # where its buffers come from and go back to (None: the allocator's only)
     released: bool = False
+    reused: bool = False               # its first buffers were a released cache's (from the pool)
 
     @classmethod
     def empty(cls, config: ModelConfig, backend: Backend, capacity: int = 256,
@@ -56,6 +57,8 @@ class KVCache:
         c, b = self.config, self.backend
         old, old_capacity = self.layers, self.capacity
         got = self.pool.take(capacity) if self.pool is not None else None
+        if not old:
+            self.reused = got is not None
         self.layers = []
         for i in range(c.num_hidden_layers):
             lc = got[i] if got is not None else LayerCache(

@@ -192,6 +192,10 @@ class BatchServer:
                 raise ContextTooLong(problem)
             if cache is None:
                 cache = self.model().new_cache(max(16, len(new_ids) + req.max_tokens))
+                # `coli stats --json`: request caches that got a released one's buffers (their decode graphs replay
+                # from the first step) against those allocated anew
+                key = "kv_caches_reused" if cache.reused else "kv_caches_new"
+                self.counters[key] = self.counters.get(key, 0) + 1
             if self.recorder is not None:
                 self.recorder.new_sequence()
             self.counters["requests"] += 1

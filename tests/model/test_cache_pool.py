@@ -57,11 +57,12 @@ def test_bucket_rounds_up_to_four_steps_an_octave_and_doubling_stays_on_them():
 
 def test_a_released_cache_s_buffers_go_to_the_next_cache_of_its_capacity(model):
     a = model.new_cache(40)
+    assert not a.reused
     key = step_key(a, "router", "k")
     a.release()
     assert model.cache_pool.idle() == {40: 1}
     b = model.new_cache(40)
-    assert step_key(b, "router", "k") == key and b.length == 0      # the same graph key: a captured graph hits
+    assert step_key(b, "router", "k") == key and b.length == 0 and b.reused    # the same graph key: a graph hits
     assert model.cache_pool.idle() == {} and model.cache_pool.hits == 1
     c = model.new_cache(80)                                         # another capacity: new buffers
     assert not buffers(c) & buffers(b)
@@ -244,11 +245,11 @@ def test_the_serving_loop_gives_each_ended_request_s_cache_back(oracle, model, t
     toks = [m.token_id for m in sent if isinstance(m, Token) and m.request_id == "a"]
     assert toks == o["greedy_tokens"][:8] and isinstance(sent[-1], Done)
     cap = bucket(len(p) + 8)
-    assert model.cache_pool.idle() == {cap: 1}
+    assert model.cache_pool.idle() == {cap: 1} and counters["kv_caches_new"] == 1
     server.submit(b"c", req("b", 8))                    # takes a's buffers; cancelled after its first step
     server.submit(b"c", req("s", 8, session="conv"))    # a session: its cache stays with it
     server.step()
-    assert model.cache_pool.idle() == {}
+    assert model.cache_pool.idle() == {} and counters["kv_caches_reused"] == 1
     server.cancel("b")
     run()
     assert model.cache_pool.idle() == {cap: 1} and not sessions.live["conv"].cache.released
