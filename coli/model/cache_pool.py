@@ -35,14 +35,16 @@ PER_CAPACITY = 2     # idle sets kept of one capacity (a batch's sequences end a
 MAX_IDLE = 4         # idle sets kept in all, per pool (one pool per model, one per MTP head)
 
 
-def bucket(capacity: int) -> int:
+def bucket(capacity: int, limit: int = 0) -> int:
     """The capacity a cache of at least `capacity` rows gets: 1..8 as asked, then the next of 4, 5, 6, 7 x 2^k
-    (10, 12, 14, 16, 20, 24, ...). Doubling a bucket gives a bucket."""
+    (10, 12, 14, 16, 20, 24, ...). Doubling a bucket gives a bucket. `limit` (> 0: the model's context) caps the
+    rounding: no cache gets rows past the context for it (a GLM-5 cache at its full context would be 13 % over)."""
     n = max(1, int(capacity))
     if n <= 8:
         return n
     step = 1 << (n.bit_length() - 3)
-    return -(-n // step) * step
+    b = -(-n // step) * step
+    return max(n, int(limit)) if 0 < limit < b else b
 
 
 class CachePool:

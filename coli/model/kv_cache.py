@@ -47,10 +47,11 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, backend: Backend, capacity: int = 256,
               pool: CachePool | None = None) -> "KVCache":
-        """A cache of at least `capacity` rows; with a pool, exactly bucket(capacity) rows, its buffers a released
-        cache's of that capacity when the pool has one."""
+        """A cache of at least `capacity` rows; with a pool, exactly bucket(capacity, the model's context) rows, its
+        buffers a released cache's of that capacity when the pool has one."""
         c = cls(config, backend, pool=pool)
-        c._allocate(bucket(capacity) if pool is not None else max(1, capacity))
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+        c._allocate(bucket(capacity, limit) if pool is not None else max(1, capacity))
         return c
 
     def _allocate(self, capacity: int) -> None:

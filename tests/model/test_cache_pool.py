@@ -53,6 +53,16 @@ def test_bucket_rounds_up_to_four_steps_an_octave_and_doubling_stays_on_them():
     for n in range(1, 3000):
         b = bucket(n)
         assert n <= b <= max(8, n * 1.25) and bucket(b) == b and bucket(2 * b) == 2 * b, n
+    assert bucket(202000, 202752) == 202752 and bucket(300, 310) == 310 and bucket(400, 310) == 400   # not past
+    assert bucket(300, 4096) == 320                                                                  # the context
+
+
+def test_a_cache_is_never_rounded_past_the_model_s_context(model):
+    import dataclasses
+    from coli.model.kv_cache import KVCache
+    cfg = dataclasses.replace(model.config, max_position_embeddings=4000)       # not a bucket (4096 would be)
+    assert KVCache.empty(cfg, model.backend, 3990, pool=CachePool()).capacity == 4000
+    assert KVCache.empty(cfg, model.backend, 3000, pool=CachePool()).capacity == 3072
 
 
 def test_a_released_cache_s_buffers_go_to_the_next_cache_of_its_capacity(model):
