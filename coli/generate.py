@@ -74,6 +74,12 @@ class Generation:
     # otherwise that turn decodes without drafts, the same tokens.
     mtp: tuple | None = None
     mtp_carry: object = None      # after a speculative turn: the MtpCarry to continue this cache with
+    # A cache this generation makes itself (cache=None) ends with it: its buffers (and its MTP cache's) go back to the
+    # model's pool when the iteration ends -- done, stopped or abandoned -- so the next generation of that capacity
+    # gets the same addresses and replays the decode graphs captured for them (coli/model/cache_pool.py). keep_cache:
+    # keep it (`cache` and `mtp_carry` after the turn, to continue the conversation). A cache given in is the
+    # caller's: never released here.
+    keep_cache: bool = False
 
     def __iter__(self) -> Iterator[int]:
         if self.max_tokens < 0:
@@ -85,8 +91,23 @@ class Generation:
                                   int(getattr(self.model.config, "max_position_embeddings", 0) or 0))
         if problem:     # before the cache is sized from max_tokens: 10**11 of them would be a 23 TiB allocation
             raise ContextTooLong(problem)
+        owned = self.cache is None and not self.keep_cache
         if self.cache is None:
             self.cache = self.model.new_cache(max(16, len(self.prompt_ids) + self.max_tokens))
+        try:
+            yield from self._generate()
+        finally:
+            if owned:
+                self._release()
+
+    def _release(self) -> None:
+        """The cache this generation made, and its MTP side, back to their pools (nothing here uses them after)."""
+        carry, self.mtp_carry = self.mtp_carry, None
+        if carry is not None:
+            carry.mtp_cache.release()
+        self.cache.release()
+
+    def _generate(self) -> Iterator[int]:
         sampler = Sampler(self.sampling)
         eos = set() if self.ignore_eos else set(int(e) for e in self.eos_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)

@@ -19,6 +19,7 @@ import numpy as np
 
 from coli.config import ModelConfig
 from coli.model.backend import Array, Backend, cos_sin_table
+from coli.model.cache_pool import CachePool
 from coli.model.kv_cache import KVCache
 from coli.weights import ExpertWeights, WeightSource
 
@@ -193,9 +194,14 @@ class GlmMoeDsaModel:
         # first; it captures this forward once per cache shape and replays it (None: every step eager).
         make = getattr(backend, "graph_decoder", None)
         self.step_graphs = make(self) if make is not None else None
+        # released caches' buffers, for the next cache of the same capacity (the same addresses: the replayed decode
+        # graphs captured for them replay from its first step; coli/model/cache_pool.py)
+        self.cache_pool = CachePool()
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache.empty(self.config, self.backend, capacity)
+        """A cache of at least `capacity` positions (bucket(capacity)), from the pool when it has a released one;
+        whoever owns its lifetime gives it back with `cache.release()`."""
+        return KVCache.empty(self.config, self.backend, capacity, pool=self.cache_pool)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:

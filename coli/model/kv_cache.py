@@ -3,6 +3,12 @@
 
 Storage grows by doubling on the backend; `length` is the number of cached positions. The arrays
 are exactly what a session saves to disk (issue 8), so keep them plain.
+
+With a `pool` (coli/model/cache_pool.py: the model's), buffers come from the idle sets of released caches of the
+same capacity (the same addresses: replayed decode graphs keyed on them hit), a cache that grows gives its old
+buffers back, and `release()` -- by the owner of the cache's lifetime, when nothing uses it any more -- gives the
+current ones back. A released cache holds no buffers: any later use raises CacheReleased instead of writing into a
+set that another sequence may own by then.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ import numpy as np
 
 from coli.config import ModelConfig
 from coli.model.backend import Array, Backend
+from coli.model.cache_pool import CachePool, bucket
+
+
+class CacheReleased(RuntimeError):
+    """A KV cache used after `release()` gave its buffers back (a bug of the code that released it)."""
 
 
 @dataclass
@@ -29,19 +40,29 @@ class KVCache:
     capacity: int = 0
     length: int = 0
     layers: list[LayerCache] = field(default_factory=list)
+    pool: CachePool | None = None      # where its buffers come from and go back to (None: the allocator's only)
+    released: bool = False
+    reused: bool = False               # its first buffers were a released cache's (from the pool)
 
     @classmethod
-    def empty(cls, config: ModelConfig, backend: Backend, capacity: int = 256) -> "KVCache":
-        c = cls(config, backend)
-        c._allocate(max(1, capacity))
+    def empty(cls, config: ModelConfig, backend: Backend, capacity: int = 256,
+              pool: CachePool | None = None) -> "KVCache":
+        """A cache of at least `capacity` rows; with a pool, exactly bucket(capacity, the model's context) rows, its
+        buffers a released cache's of that capacity when the pool has one."""
+        c = cls(config, backend, pool=pool)
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+        c._allocate(bucket(capacity, limit) if pool is not None else max(1, capacity))
         return c
 
     def _allocate(self, capacity: int) -> None:
         c, b = self.config, self.backend
-        old = self.layers
+        old, old_capacity = self.layers, self.capacity
+        got = self.pool.take(capacity) if self.pool is not None else None
+        if not old:
+            self.reused = got is not None
         self.layers = []
         for i in range(c.num_hidden_layers):
-            lc = LayerCache(
+            lc = got[i] if got is not None else LayerCache(
                 b.empty((capacity, c.kv_lora_rank)),
                 b.empty((capacity, c.qk_rope_head_dim)),
                 b.empty((capacity, c.index_head_dim)) if c.indexer_types[i] == "full" else None,
@@ -53,8 +74,26 @@ class KVCache:
                     b.write_rows(lc.k_idx, 0, b.rows(old[i].k_idx, self.length))
             self.layers.append(lc)
         self.capacity = capacity
+        if old and self.pool is not None:
+            # grown: the old rows were copied out above (on the GPU: queued on the compute stream, which orders them
+            # before any write of the set's next owner, queued on the same stream)
+            self.pool.give(old_capacity, old)
+
+    def release(self) -> None:
+        """This cache ends: its buffers go back to its pool (or to the allocator without one). Call it where the
+        cache's lifetime is owned and nothing uses it any more; releasing twice does nothing."""
+        layers, self.layers = self.layers, []
+        if layers and self.pool is not None and not self.released:
+            self.pool.give(self.capacity, layers)
+        self.released, self.length, self.capacity = True, 0, 0
+
+    def _live(self) -> None:
+        if self.released:
+            raise CacheReleased("this KV cache was released (its buffers went back to the model's cache pool) and "
+                                "is used again: the code that released it still had a use for it")
 
     def reserve(self, new_positions: int) -> None:
+        self._live()
         need = self.length + new_positions
         if need > self.capacity:
             cap = self.capacity
@@ -64,6 +103,7 @@ class KVCache:
 
     def write(self, layer: int, start: int, lat: Array, k_pe: Array, k_idx: Array | None) -> None:
         """Store S new positions starting at `start` (= length before this call)."""
+        self._live()
         lc, b = self.layers[layer], self.backend
         b.write_rows(lc.lat, start, lat)
         b.write_rows(lc.k_pe, start, k_pe)
@@ -71,6 +111,7 @@ class KVCache:
             b.write_rows(lc.k_idx, start, k_idx)
 
     def view(self, layer: int, n: int) -> tuple[Array, Array, Array | None]:
+        self._live()
         lc, b = self.layers[layer], self.backend
         return b.rows(lc.lat, n), b.rows(lc.k_pe, n), (b.rows(lc.k_idx, n) if lc.k_idx is not None else None)
 
@@ -82,6 +123,7 @@ class KVCache:
 
     def host_arrays(self) -> dict[str, np.ndarray]:
         """The cached positions as host float32 arrays, named per layer (for saving sessions)."""
+        self._live()
         out: dict[str, np.ndarray] = {}
         b = self.backend
         for i, lc in enumerate(self.layers):

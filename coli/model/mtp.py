@@ -39,6 +39,7 @@ import numpy as np
 from coli.errors import ColiError
 from coli.model.backend import Array, cos_sin_table
 from coli.model.forward import GlmMoeDsaModel, LayerWeights, WeightExperts, load_layer_weights
+from coli.model.cache_pool import CachePool
 from coli.model.kv_cache import KVCache
 from coli.model.sampling import Sampler
 from coli.model.tensors import mtp_layer
@@ -125,9 +126,10 @@ class MtpHead:
         # (coli/gpu/mtp_graphs.py); None: rounds run as verify step + catch-up (SpeculativeDecoder.begin_round)
         make = getattr(b, "mtp_round_graphs", None)
         self.rounds = make(self) if make is not None else None
+        self.cache_pool = CachePool()       # the MTP caches' own (their layout is one layer: not the model's pool)
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache.empty(self.cache_config, self.model.backend, capacity)
+        return KVCache.empty(self.cache_config, self.model.backend, capacity, pool=self.cache_pool)
 
     def step(self, ids: Sequence[int], h: Array, cache: KVCache) -> tuple[Array, Array]:
         """S MTP positions after the cache's: ids [S] are the tokens one ahead of the hidden states h [S, H].

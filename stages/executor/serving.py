@@ -192,6 +192,10 @@ class BatchServer:
                 raise ContextTooLong(problem)
             if cache is None:
                 cache = self.model().new_cache(max(16, len(new_ids) + req.max_tokens))
+                # `coli stats --json`: request caches that got a released one's buffers (their decode graphs replay
+                # from the first step) against those allocated anew
+                key = "kv_caches_reused" if cache.reused else "kv_caches_new"
+                self.counters[key] = self.counters.get(key, 0) + 1
             if self.recorder is not None:
                 self.recorder.new_sequence()
             self.counters["requests"] += 1
@@ -211,6 +215,7 @@ class BatchServer:
             raise
         except MtpUnavailable as e:     # the request's own choice: a bad_request naming why, the run goes on
             self.sched.fail(seq)
+            self._release(seq)
             self.send(t.peer, Error(ERROR_BAD_REQUEST, str(e), req.request_id))
         except Exception as e:
             self._failed(seq, e)
@@ -286,6 +291,7 @@ class BatchServer:
             self.counters["failed"] += 1
             self.log.error("expert_unavailable", request_id=seq.request_id, error=str(e))
             self.sched.fail(seq)
+            self._release(seq)
             self.send(t.peer, Error(ERROR_INTERNAL, f"expert unavailable: {e}", seq.request_id))
             if t.sess is not None:   # what it had before this step stays, as committed with its tokens
                 t.sess.tokens = (seq.prompt + seq.out)[:t.sess.cache.length]
@@ -324,6 +330,7 @@ class BatchServer:
         c["last_tokens_per_s"] = round(timing["decode_tokens_per_s"], 3)
         c["last_latency_s"] = round(timing["total_s"], 4)
         self.send(t.peer, Done(rid, seq.finish, len(seq.out), timing))
+        self._release(seq)
         self.log.info("request", request_id=rid, prompt_tokens=len(seq.prompt), reused_tokens=seq.reused,
                       session=seq.session, tokens=len(seq.out), finish=seq.finish, total_s=round(timing["total_s"], 4),
                       queued_s=round(timing["queued_s"], 4), decode_tps=round(timing["decode_tokens_per_s"], 2))
@@ -340,7 +347,20 @@ class BatchServer:
                        error=f"{type(e).__name__}: {e}", exc_info=e)
         if seq.session is not None:
             self.sessions.recover(seq.session)
+        self._release(seq)
         self.send(t.peer, Error(code, what[:2000], seq.request_id))
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence that left the batch gives the cache it was given at _begin back to the model's pool, and its
+        MTP decoder's cache to the head's (coli/model/cache_pool.py): the next request of that capacity replays the
+        decode graphs captured for those buffers from its first step. A session's cache (and the MTP cache its carry
+        keeps) stays with the session. Called once the sequence is out of the scheduler: no step uses it again."""
+        t: Ticket = seq.payload
+        if t.sess is not None or seq.cache is None:
+            return
+        if t.spec is not None:
+            t.spec.mtp_cache.release()
+        seq.cache.release()
 
     def _commit_session(self, sess, rid: str) -> str | None:
         """Persist the session after a turn; the reason it could not be, or None."""
@@ -367,5 +387,6 @@ class BatchServer:
         for seq in gone:
             if seq.cache is not None and seq.payload.sess is not None:
                 seq.payload.sess.tokens = (seq.prompt + seq.out)[:seq.payload.sess.cache.length]
+            self._release(seq)
         if gone:
             self.log.info("batch_stopped", sequences=len(gone))

@@ -50,6 +50,13 @@ class Session:
     ephemeral: bool = False   # memory only: never saved, dropped instead of spilled (a `coli chat` session)
     mtp_carry: object = None  # coli.model.mtp.MtpCarry: the MTP side of the last turn that drafted (memory only)
 
+    def release(self) -> None:
+        """The session ends: its KV cache and its MTP carry's cache back to their pools (nothing may use them after)."""
+        carry, self.mtp_carry = self.mtp_carry, None
+        if carry is not None:
+            carry.mtp_cache.release()
+        self.cache.release()
+
     def reuse(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one prompt token must stay new so the
         step that follows has logits); returns the tokens still to prefill."""
@@ -142,8 +149,12 @@ class SessionStore:
         del s.tokens[s.cache.length:]
 
     def drop(self, name: str) -> bool:
-        """Forget a session, in memory and on disk; False when there was none."""
+        """Forget a session, in memory and on disk; False when there was none. Its caches go back to their pools
+        (coli/model/cache_pool.py): the caller drops only a session no turn is using (the executor defers a drop
+        asked during a turn: BatchServer.drop_after)."""
         s = self.live.pop(name, None)
+        if s is not None:
+            s.release()
         self.clean.discard(name)
         self.save_failed.discard(name)
         p = self.path(name)
