@@ -615,6 +615,296 @@ extern "C" __global__ void mla_attend_combine4(const float *pm, const float *pl,
             make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
 }
 
+// ==== two 16-key tiles per pass: mla_attend_tile3 (+ mla_attend_combine4) =====================================
+// mla_attend_tile2 at GLM-5's shape spends ~5,600 clk per 16-key tile against ~2,200 clk of FMA issue (docs/perf-notes.md
+// "Where the context's time goes"): its score pass reads 8 16-byte values from shared memory per 64 FMAs of a lane,
+// every tile pays the softmax's chain between two barriers and three barriers, and staging a piece of the tile costs
+// a division. tile3 takes AT3_TK = 32 keys per tile, the same block (AT3_HB = 16 heads, 256 threads) and ownership
+// otherwise:
+//   scores: a lane owns 4 heads x 8 keys (heads hq + 4i, keys kq + 4j, j < 8): 12 16-byte reads per 128 FMAs (25 %
+//           fewer per FMA), 32 independent accumulators; the slices' partials go to shared memory at a swizzled key
+//           column (at3_sp_col) so that neither the writes nor the softmax's reads meet a bank twice in a warp;
+//   softmax: thread (sh, st) takes keys st and st + 16 of head sh: one max and one sum over the half-warp per 32 keys;
+//   context: as tile2 (8 heads x 4 latent dims per thread), 32 keys per pass;
+//   staging: a thread's pieces of a tile are the same (row, float4) for every tile -- only the key index changes -- so
+//           the pattern is computed once per block (one division) and stepped by additions.
+// The query and key rows are at3_row_stride() floats apart (8 past a multiple of 32: the 4 heads and the 2 slices a
+// warp's score pass reads at once fall in 8 distinct 16-byte bank groups). Two key buffers: 217 KB of shared memory
+// at GLM-5's shape (sm_90/sm_100 only; "auto" elsewhere falls back to tile2, tile1, the part kernel). The same grid,
+// arguments, chunks (multiples of 16 keys: a chunk of 16 or 48 ends in a half-empty tile, which only costs work),
+// partials and combine as tile2.
+//   Lkv % 4 == 0, dr % 4 == 0, Lkv <= 4 * 128, Lkv + dr <= 576, lat/kpe 16-byte aligned; grid (nchunk, ceil(nh /
+//   AT3_HB), S), block AT3_THREADS, dynamic smem = attention_split.tile3_smem_bytes(Lkv, dr).
+#define AT3_TK 32        // keys per tile
+#define AT3_HB 16        // heads per block
+#define AT3_KS 16        // slices of the score dot (one half-warp each)
+#define AT3_THREADS 256
+#define AT3_PTS 20       // floats per key row of the probabilities [TK][PTS]: 16 heads, 16-byte rows, 2-way writes
+#define AT3_MAXE ((AT3_TK * 144 + AT3_THREADS - 1) / AT3_THREADS)   // pieces of a tile per thread (D <= 576)
+
+__device__ inline int at3_row_stride(int D) { return ((D + 31) & ~31) + 8; }
+
+// The column of key `key` in row (slice sl, head h) of the partial scores [KS][HB][TK]: a bijection of 0..31 per row.
+// A score-pass warp writes (slices 2w', 2w'+1) x (heads h = hq + 4i, hq < 4) x (keys kq + 4j, kq < 4): bits 0-1 from
+// kq, bit 2 from hq's bit 1, bit 3 from the slice's parity, bit 4 from hq's bit 0 -> 32 banks. A softmax warp reads,
+// for one slice, heads 2w, 2w + 1 x keys st (< 16) or st + 16: st XOR a per-(slice, head pair) constant below 16 is a
+// permutation of 0..15, and bit 4 tells the heads apart -> 32 banks.
+__device__ inline int at3_sp_col(int sl, int h, int key) {
+    return key ^ ((h & 1) << 4) ^ ((h & 2) << 1) ^ ((sl & 1) << 3);
+}
+
+__device__ void mla_tile3_body(const float *qa, const float *q, int dq, int pe_off, const float *lat, const float *kpe,
+                               const int *idx, const int *cnt, int kmax, int start, const int *T_dev, int S, int nh,
+                               int Lkv, int dr, float scale, int chunk, int nchunk, float *pm, float *pl, float *pc) {
+    extern __shared__ float4 at3_sh4[];
+    const int D = Lkv + dr, D4 = D >> 2, L4 = Lkv >> 2, DP = at3_row_stride(D);
+    float *qs = reinterpret_cast<float *>(at3_sh4);           // [HB][DP]: q_abs | q_pe of the block's heads
+    float *ks = qs + AT3_HB * DP;                              // [2][TK][DP]: lat | k_pe of a tile's keys
+    float *sp = ks + 2 * AT3_TK * DP;                          // [KS][HB][TK]: the slices' partial scores (swizzled)
+    float *pt = sp + AT3_KS * AT3_HB * AT3_TK;                 // [TK][PTS]: probabilities of the tile
+    float *cs = pt + AT3_TK * AT3_PTS;                         // [HB]: this tile's rescale of the old context
+    float *ls = cs + AT3_HB;                                   // [HB]: running sum l
+    const int c = blockIdx.x, s = blockIdx.z, tid = threadIdx.x, h0 = blockIdx.y * AT3_HB;
+    const int n = attend_keys(idx, cnt, start, T_dev, S, s);
+    const int lo = c * chunk;
+    if (lo >= n) return;                                       // uniform over the block
+    const int hi = min(lo + chunk, n), ntiles = (hi - lo + AT3_TK - 1) / AT3_TK;
+    const int *idx_s = idx ? idx + (long long)s * kmax : nullptr;
+
+    // Piece e = tid + k * THREADS of a tile (k < AT3_MAXE) is float4 f of row r, e = r * D4 + f: computed here once,
+    // then each next piece is (r, f) + (SR, SF) with one carry (SF < D4). Rows past the tile (r >= TK) are not pieces.
+    const int r0 = tid / D4, f0 = tid - r0 * D4, SR = AT3_THREADS / D4, SF = AT3_THREADS - SR * D4;
+    auto stage = [&](int i, int b) {                           // tile i -> buffer b, every 16-byte piece in flight
+        float *dst = ks + b * AT3_TK * DP;
+        const int j0 = lo + i * AT3_TK;
+        int tk[AT3_MAXE];                                      // every key index loaded before the first copy
+        int r = r0, f = f0;
+#pragma unroll
+        for (int k = 0; k < AT3_MAXE; k++) {
+            const int jj = j0 + r;
+            tk[k] = r < AT3_TK && jj < hi ? (idx_s ? __ldg(idx_s + jj) : jj) : -1;
+            r += SR;
+            f += SF;
+            if (f >= D4) { f -= D4; r++; }
+        }
+        r = r0;
+        f = f0;
+#pragma unroll
+        for (int k = 0; k < AT3_MAXE; k++) {
+            if (r < AT3_TK) {
+                const int t = max(tk[k], 0);
+                const float *src = f < L4 ? lat + (long long)t * Lkv + 4 * f : kpe + (long long)t * dr + 4 * (f - L4);
+                at2_cp16(dst + r * DP + 4 * f, src, tk[k] >= 0);   // absent keys: zero rows (p = 0 must not meet NaN)
+            }
+            r += SR;
+            f += SF;
+            if (f >= D4) { f -= D4; r++; }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int e = tid; e < AT3_HB * D; e += AT3_THREADS) {    // the queries (heads past nh: zeros), with tile 0
+        const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
+        const long long row = (long long)s * nh + h;
+        const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
+        at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
+    }
+    stage(0, 0);
+    // score-phase ownership: slice sl, heads hq + 4i, keys kq + 4j; softmax: head sh, keys st and st + 16; context:
+    // heads 8 hh + i, latent dims 4 d4 .. 4 d4 + 3
+    const int sl = tid >> 4, hq = tid & 3, kq = (tid >> 2) & 3;
+    const int sh = tid >> 4, st = tid & 15;
+    const int hh = tid >> 7, d4 = tid & 127;
+    float m_r = -INFINITY, l_r = 0.f;                          // head sh's running max and sum
+    float4 cv[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) cv[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int it = 0; it < ntiles; it++) {
+        const int b = it & 1;
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();                                       // tile it landed; tile it - 1 is consumed
+        if (it + 1 < ntiles) stage(it + 1, b ^ 1);
+        const float *kb = ks + b * AT3_TK * DP;
+        {   // scores, slice sl's part                                                   a [4 heads][8 keys]
+            float a[4][8];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) a[i][j] = 0.f;
+#pragma unroll 1
+            for (int f = sl; f < D4; f += AT3_KS) {
+                float4 qv[4], kv[8];
+#pragma unroll
+                for (int i = 0; i < 4; i++) qv[i] = *reinterpret_cast<const float4 *>(qs + (hq + 4 * i) * DP + 4 * f);
+#pragma unroll
+                for (int j = 0; j < 8; j++) kv[j] = *reinterpret_cast<const float4 *>(kb + (kq + 4 * j) * DP + 4 * f);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        a[i][j] = fmaf(qv[i].x, kv[j].x, a[i][j]);
+                        a[i][j] = fmaf(qv[i].y, kv[j].y, a[i][j]);
+                        a[i][j] = fmaf(qv[i].z, kv[j].z, a[i][j]);
+                        a[i][j] = fmaf(qv[i].w, kv[j].w, a[i][j]);
+                    }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int h = hq + 4 * i;
+#pragma unroll
+                for (int j = 0; j < 8; j++) sp[(sl * AT3_HB + h) * AT3_TK + at3_sp_col(sl, h, kq + 4 * j)] = a[i][j];
+            }
+        }
+        __syncthreads();
+        {   // softmax step of head sh over the tile (16 lanes of a half-warp, keys st and st + 16 each)
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int k = 0; k < AT3_KS; k++) {
+                const float *row = sp + (k * AT3_HB + sh) * AT3_TK;
+                s0 += row[at3_sp_col(k, sh, st)];
+                s1 += row[at3_sp_col(k, sh, st + 16)];
+            }
+            const int j0 = lo + it * AT3_TK + st;
+            s0 = j0 < hi ? __fmul_rn(s0, scale) : -INFINITY;
+            s1 = j0 + 16 < hi ? __fmul_rn(s1, scale) : -INFINITY;
+            float mt = fmaxf(s0, s1);
+#pragma unroll
+            for (int o = 8; o; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            const float mn = fmaxf(m_r, mt);                   // finite: key 0 of the tile is present
+            const float corr = expf(m_r - mn);                 // 0 on the first tile (m = -inf)
+            const float p0 = expf(s0 - mn), p1 = expf(s1 - mn);   // 0 for absent keys
+            float ps = p0 + p1;
+#pragma unroll
+            for (int o = 8; o; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            l_r = fmaf(l_r, corr, ps);
+            m_r = mn;
+            pt[st * AT3_PTS + sh] = p0;
+            pt[(st + 16) * AT3_PTS + sh] = p1;
+            if (st == 0) { cs[sh] = corr; ls[sh] = l_r; }
+        }
+        __syncthreads();
+        if (d4 < L4) {   // context += P . V over the tile's keys                         cv [8 heads] x 4 dims
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float r = cs[8 * hh + i];
+                cv[i].x *= r; cv[i].y *= r; cv[i].z *= r; cv[i].w *= r;
+            }
+#pragma unroll 4
+            for (int r = 0; r < AT3_TK; r++) {
+                const float4 v = *reinterpret_cast<const float4 *>(kb + r * DP + 4 * d4);
+                const float4 pa = *reinterpret_cast<const float4 *>(pt + r * AT3_PTS + 8 * hh);
+                const float4 pb = *reinterpret_cast<const float4 *>(pt + r * AT3_PTS + 8 * hh + 4);
+                fma4(cv[0], pa.x, v); fma4(cv[1], pa.y, v); fma4(cv[2], pa.z, v); fma4(cv[3], pa.w, v);
+                fma4(cv[4], pb.x, v); fma4(cv[5], pb.y, v); fma4(cv[6], pb.z, v); fma4(cv[7], pb.w, v);
+            }
+        }
+    }
+    if (pm && st == 0 && h0 + sh < nh) {
+        const long long p = ((long long)s * nh + h0 + sh) * nchunk + c;
+        pm[p] = m_r;
+        pl[p] = l_r;
+    }
+    if (d4 >= L4) return;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int h = h0 + 8 * hh + i;
+        if (h >= nh) continue;
+        const long long p = ((long long)s * nh + h) * nchunk + c;
+        float4 o = cv[i];
+        if (!pm) {                                             // one chunk: normalise here (ls: the last tile's l)
+            const float L = ls[8 * hh + i];
+            o = make_float4(__fdiv_rn(o.x, L), __fdiv_rn(o.y, L), __fdiv_rn(o.z, L), __fdiv_rn(o.w, L));
+        }
+        reinterpret_cast<float4 *>(pc + p * Lkv)[d4] = o;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(AT3_THREADS, 1) mla_attend_tile3(
+    const float *qa, const float *q, int dq, int pe_off, const float *lat, const float *kpe, const int *idx,
+    const int *cnt, int kmax, int start, const int *T_dev, int S, int nh, int Lkv, int dr, float scale, int chunk,
+    int nchunk, float *pm, float *pl, float *pc) {
+    COLI_PDL_ENTRY();
+    mla_tile3_body(qa, q, dq, pe_off, lat, kpe, idx, cnt, kmax, start, T_dev, S, nh, Lkv, dr, scale, chunk, nchunk, pm,
+                   pl, pc);
+}
+
+// mla_attend_combine_onepass: tile3's combine. combine4 (64 blocks at GLM-5's decode shape: one per head) waits on
+// ~5 dependent L2 round trips -- the chunks' m for M, m and l again for L, m again for the weights, then the partial
+// contexts in two unrolled batches. Here every block first issues its share of the partial contexts (they do not
+// depend on the weights), then reads m and l (a thread per chunk, read-only and L1-resident for the second look), so
+// a decode row's combine is about one round trip. Block (x, h, s) takes float4 columns x * CMB_COLS .. + CMB_COLS - 1
+// of head h's context (2 blocks per head at Lkv 512: 128 blocks); thread (g, u) = (tid / CMB_COLS, tid % CMB_COLS)
+// sums chunks g, g + CMB_LANES, ... of column u, CMB_BATCH of them per batch in registers; the CMB_LANES sums meet in
+// shared memory. Same arguments as combine4; grid (ceil(Lkv / 4 / CMB_COLS), nh, S), block CMB_THREADS, Lkv % 4 == 0.
+#define CMB_COLS 64
+#define CMB_LANES 2
+#define CMB_BATCH 16
+#define CMB_THREADS 128  // CMB_COLS * CMB_LANES (a literal: the launch bounds read it)
+#define CMB_PER (CMB_LANES * CMB_BATCH)   // chunks per batch of a block
+static_assert(CMB_THREADS == CMB_COLS * CMB_LANES, "a thread per (column, chunk lane)");
+static_assert(CMB_LANES == 2, "the lanes' sums meet in one shared-memory step (other[])");
+static_assert(CMB_PER <= CMB_THREADS, "a thread per chunk weight of a batch");
+
+extern "C" __global__ void __launch_bounds__(CMB_THREADS) mla_attend_combine_onepass(
+    const float *pm, const float *pl, const float *pc, const int *idx, const int *cnt, int start, const int *T_dev,
+    int S, int nh, int Lkv, int chunk, int nchunk, float *ctx) {
+    COLI_PDL_ENTRY();
+    __shared__ float red[CMB_THREADS / 32], wsh[CMB_PER];
+    __shared__ float4 other[CMB_COLS];
+    const int L4 = Lkv >> 2, h = blockIdx.y, s = blockIdx.z, tid = threadIdx.x;
+    if (blockIdx.x * CMB_COLS >= L4) return;                   // uniform over the block
+    const int u = tid % CMB_COLS, g = tid / CMB_COLS, col = blockIdx.x * CMB_COLS + u, lane = tid & 31, warp = tid >> 5;
+    const bool on = col < L4;
+    const int n = attend_keys(idx, cnt, start, T_dev, S, s);
+    const int nc = min(nchunk, (n + chunk - 1) / chunk);
+    const long long p0 = ((long long)s * nh + h) * nchunk;
+    const float4 *pc4 = reinterpret_cast<const float4 *>(pc);
+    const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 v[CMB_BATCH];                                       // chunk cb + g + CMB_LANES k of column col
+    auto load_batch = [&](int cb) {
+#pragma unroll
+        for (int k = 0; k < CMB_BATCH; k++) {
+            const int c = cb + g + CMB_LANES * k;
+            v[k] = on && c < nc ? __ldg(pc4 + (p0 + c) * L4 + col) : z4;
+        }
+    };
+    load_batch(0);                                             // in flight while M and L are found
+    float M = -INFINITY;
+    for (int c = tid; c < nc; c += CMB_THREADS) M = fmaxf(M, __ldg(pm + p0 + c));
+    M = warp_max(M);
+    if (lane == 0) red[warp] = M;
+    __syncthreads();
+    M = red[0];
+#pragma unroll
+    for (int w = 1; w < CMB_THREADS / 32; w++) M = fmaxf(M, red[w]);
+    __syncthreads();                                           // red is read by all before it is reused
+    float L = 0.f;
+    for (int c = tid; c < nc; c += CMB_THREADS) L = fmaf(__ldg(pl + p0 + c), expf(__ldg(pm + p0 + c) - M), L);
+    L = warp_sum(L);
+    if (lane == 0) red[warp] = L;
+    __syncthreads();
+    L = red[0];
+#pragma unroll
+    for (int w = 1; w < CMB_THREADS / 32; w++) L += red[w];
+    float4 a = z4;
+    for (int cb = 0; cb < nc; cb += CMB_PER) {
+        if (cb > 0) load_batch(cb);                            // rows of many chunks (prefill): a round trip per batch
+        __syncthreads();                                       // the previous batch's weights are consumed
+        if (tid < CMB_PER && cb + tid < nc) wsh[tid] = expf(__ldg(pm + p0 + cb + tid) - M);
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < CMB_BATCH; k++)
+            if (cb + g + CMB_LANES * k < nc) fma4(a, wsh[g + CMB_LANES * k], v[k]);   // stale weights never read
+    }
+    if (g == 1) other[u] = a;
+    __syncthreads();
+    if (g == 0 && on) {
+        a.x += other[u].x; a.y += other[u].y; a.z += other[u].z; a.w += other[u].w;
+        reinterpret_cast<float4 *>(ctx + ((long long)s * nh + h) * Lkv)[col] =
+            make_float4(__fdiv_rn(a.x, L), __fdiv_rn(a.y, L), __fdiv_rn(a.z, L), __fdiv_rn(a.w, L));
+    }
+}
+
 // ==== the decode projections around the context: mla_qabs_<fmt> (q_abs) and mla_o_<fmt> (o) ===================
 // gemv_t_<fmt> / gemv2_<fmt> ran q_abs (64 heads x 192 rows x 512 cols of kv_b) on 64 blocks, one per head (11 us on
 // the H200 for 6.3 MB of int8), and o took 9.6 us for 8.4 MB. Both are a per-head product with a slice of kv_b that

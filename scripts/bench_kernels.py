@@ -15,8 +15,8 @@ Measures, in one run:
      prefill GEMMs) with their times and, for weight-streaming ones, bandwidth; the dense GEMVs in both versions
      (gemv v1 / gemv2) as fractions of (1); MLA decode attention at T = 2,048 and 16,384 (DSA top-2,048), every
      version (COLI_ATTN_KERNELS) in one run, the default's parts (q_abs, context, o; the GEMVs split2 uses for
-     q_abs and o), every split version's context alone, and both tile kernels' chunk sweeps. --attn-only: the
-     copy and these rows;
+     q_abs and o), every split version's context alone, and each tile kernel's (tile1, tile2, tile3) context
+     launches apart (part, combine) and chunk sweep. --attn-only: the copy and these rows;
   4. the whole dense part of a decode layer replayed as one CUDA graph (int8 and int4 cores, T = --layer-T), each
      GEMV version captured twice: ordinary edges and programmatic kernel->kernel edges (PDL, coli/gpu/pdl.py),
      timed interleaved, each replay checked bitwise against the eager step. --dense-layer-only: the copy, the
@@ -42,7 +42,8 @@ F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
 VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
 MOE_K_MAX = 8                      # experts per fused decode launch (cuda_backend.MOE_MAXK)
-ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "auto")   # cuda_backend.ATTN_VERSIONS, oldest first
+ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "auto", "tile3")   # cuda_backend.ATTN_VERSIONS, oldest first
+ATTN_TILE_VERSIONS = ("tile1", "auto", "tile3")   # the tile kernels: their context's launches apart and chunk sweeps
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -735,24 +736,35 @@ def main() -> int:
                 gb.attend_core(q_abs, q, dn, lats[i % ncache], kpes[i % ncache], mask, 1 / 16)
             c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
             c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
-            try:    # the default context's two launches apart (part into fixed partials; the combine over them)
-                AS = attention_split
-                ch, nchk = c["chunk"]
-                fp, thr, smem, comb_name, cthr = gb._split_kernels(L, dr, 16)
-                pm_, pl_, pc_ = gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk, L))
-                idx_ = mask.idx.ptr if mask.idx is not None else 0
-                cnt_ = mask.cnt.ptr if mask.cnt is not None else 0
-                c["part_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
-                    fp, (nchk, AS.head_groups(nh), 1), thr, q_abs.ptr, q.ptr, dn + dr, dn, lats[i % ncache].ptr,
-                    kpes[i % ncache].ptr, idx_, cnt_, mask.kmax, mask.start, 0, 1, nh, L, dr, F32(1 / 16), ch, nchk,
-                    pm_.ptr, pl_.ptr, pc_.ptr, smem=smem), a.iters, spin_us=200), 2)
-                fc = gb._fn("attention", comb_name)
-                c["combine_only_us"] = round(tm.per_call_us(lambda i: rt.launch(
-                    fc, (nh, 1), cthr, pm_.ptr, pl_.ptr, pc_.ptr, idx_, cnt_, mask.start, 0, 1, nh, L, ch, nchk,
-                    ctx.ptr), a.iters, spin_us=200), 2)
-            except Exception as e:   # a diagnostic row: never the rest of the benchmark
-                c["parts_error"] = repr(e)[:300]
-            for ver in ("auto", "tile1"):            # the chunk sweep of both tile kernels
+            # each tile version's context, its two launches apart (part into fixed partials; the combine over them);
+            # part_only_us / combine_only_us: the default's ("auto")
+            parts = c["parts_by_version"] = {}
+            for ver in ATTN_TILE_VERSIONS:
+                gb.attn_kernels = ver
+                try:
+                    AS = attention_split
+                    ch, nchk = c["chunk"]
+                    fp, thr, smem, comb_name, cthr = gb._split_kernels(L, dr, 16)
+                    pm_, pl_, pc_ = gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk)), gb.empty((1, nh, nchk, L))
+                    idx_ = mask.idx.ptr if mask.idx is not None else 0
+                    cnt_ = mask.cnt.ptr if mask.cnt is not None else 0
+                    pv = parts[ver] = {"smem": smem}     # tells the kernel taken (tile3 222,336 B, tile2 128,896 B)
+                    pv["part_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                        fp, (nchk, AS.head_groups(nh), 1), thr, q_abs.ptr, q.ptr, dn + dr, dn, lats[i % ncache].ptr,
+                        kpes[i % ncache].ptr, idx_, cnt_, mask.kmax, mask.start, 0, 1, nh, L, dr, F32(1 / 16), ch,
+                        nchk, pm_.ptr, pl_.ptr, pc_.ptr, smem=smem), a.iters, spin_us=200), 2)
+                    fc = gb._fn("attention", comb_name)
+                    pv["combine"] = comb_name
+                    pv["combine_us"] = round(tm.per_call_us(lambda i: rt.launch(
+                        fc, AS.combine_grid(comb_name, L, nh, 1), cthr, pm_.ptr, pl_.ptr, pc_.ptr, idx_, cnt_, mask.start, 0, 1, nh, L, ch, nchk,
+                        ctx.ptr), a.iters, spin_us=200), 2)
+                except Exception as e:   # a diagnostic row: never the rest of the benchmark
+                    parts.setdefault(ver, {})["error"] = repr(e)[:300]
+            c["part_only_us"] = parts.get("auto", {}).get("part_us")
+            c["combine_only_us"] = parts.get("auto", {}).get("combine_us")
+            if "error" in parts.get("auto", {}):
+                c["parts_error"] = parts["auto"]["error"]
+            for ver in ATTN_TILE_VERSIONS:           # the chunk sweep of every tile kernel
                 gb.attn_kernels = ver
                 sweep = c["core_us_by_chunk" if ver == "auto" else f"core_us_by_chunk_{ver}"] = {}
                 for ch in (16, 32, 64, 128, 256, 512):
@@ -825,14 +837,18 @@ def _report(a, res, rows, copy_bw, rt) -> int:
         print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
         for k, c in att.items():
             print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
-                  + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2); parts: q_abs "
+                  + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2; tile3 "
+                  f"{'meets' if c['tile3'] <= 40 else 'misses'} 40 us); default's parts: q_abs "
                   f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, "
                   f"o {c['o_us']:.1f} (gemv {c['o_gemv_us']:.1f})")
             print(f"    context's launches apart: part {c.get('part_only_us')} us, combine "
                   f"{c.get('combine_only_us')} us{' ' + c['parts_error'] if 'parts_error' in c else ''}")
             print(f"    context by version {c['core_us_by_version']} (rel err vs split2 "
                   f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
-                  f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}")
+                  f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}, tile3 {c['core_us_by_chunk_tile3']}")
+            for ver, pv in c.get("parts_by_version", {}).items():
+                print(f"    {'tile2' if ver == 'auto' else ver} context apart: part {pv.get('part_us')} us, combine "
+                      f"{pv.get('combine_us')} us ({pv.get('combine')}; part smem {pv.get('smem')} B){' ' + pv['error'] if 'error' in pv else ''}")
     gv = res.get("gemv", {})
     if gv:
         print("dense decode GEMVs, fraction of the device copy (target >= 50%), v1 -> v2:")

@@ -64,7 +64,9 @@ def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, c
     """ctx [S, nh, Lkv] as the part + combine kernels compute it, in fp32. Blocks whose chunk starts at or past the
     row's n return; the combine reads min(nchunk, ceil(n / chunk)) partials; nchunk == 1 normalises in the block.
     kernel="tile": mla_attend_tile's order instead -- the split-K score dot (tile_scores), the tile's sum as a
-    half-warp butterfly, the context an fmaf chain over the tile's keys after the rescale."""
+    half-warp butterfly, the context an fmaf chain over the tile's keys after the rescale. kernel="tile3":
+    mla_attend_tile3's -- the same, over tiles of TILE3_KEYS keys, each lane adding its keys st and st + 16 before
+    the butterfly."""
     nh, Lkv = qa.shape[1], qa.shape[2]
     scale = F32(scale)
     ctx = np.full((S, nh, Lkv), np.nan, F32)
@@ -82,13 +84,14 @@ def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, c
             m = np.full(nh, -np.inf, F32)
             l = np.zeros(nh, F32)
             cv = np.zeros((nh, Lkv), F32)
-            for t0 in range(lo, hi, AS.TILE_KEYS):
-                nt = min(AS.TILE_KEYS, hi - t0)
+            TK = AS.TILE3_KEYS if kernel == "tile3" else AS.TILE_KEYS
+            for t0 in range(lo, hi, TK):
+                nt = min(TK, hi - t0)
                 tk = [keys[j] for j in range(t0, t0 + nt)]
-                lt = np.zeros((AS.TILE_KEYS, Lkv), F32)             # absent keys are zero rows
-                pt = np.zeros((AS.TILE_KEYS, kpe.shape[1]), F32)
+                lt = np.zeros((TK, Lkv), F32)                       # absent keys are zero rows
+                pt = np.zeros((TK, kpe.shape[1]), F32)
                 lt[:nt], pt[:nt] = lat[tk], kpe[tk]
-                if kernel == "tile":
+                if kernel in ("tile", "tile3"):
                     sc = (tile_scores(np.concatenate([qa[s], qpe[s]], 1), np.concatenate([lt, pt], 1)) * scale)
                 else:
                     sc = ((qa[s] @ lt.T + qpe[s] @ pt.T) * scale)
@@ -97,10 +100,11 @@ def emulate_split(qa, qpe, lat, kpe, scale, chunk, nchunk, S, start, idx=None, c
                 mn = np.maximum(m, sc.max(axis=1))
                 corr = np.exp(m - mn).astype(F32)
                 p = np.exp(sc - mn[:, None]).astype(F32)
-                if kernel == "tile":
-                    l = fma32(l, corr, half_warp_sum(p))
+                if kernel in ("tile", "tile3"):
+                    lanes = (p[:, :16] + p[:, 16:]).astype(F32) if kernel == "tile3" else p
+                    l = fma32(l, corr, half_warp_sum(lanes))
                     cv = (cv * corr[:, None]).astype(F32)
-                    for r in range(AS.TILE2_KEYS):
+                    for r in range(TK):
                         cv = fma32(p[:, r, None], lt[None, r], cv)
                 else:
                     l = (l * corr + p.sum(axis=1)).astype(F32)
@@ -158,7 +162,7 @@ CASES = [  # S, nh, Lkv, dr, T, masking
 ]
 
 
-@pytest.mark.parametrize("kernel", ["part", "tile"])
+@pytest.mark.parametrize("kernel", ["part", "tile", "tile3"])
 @pytest.mark.parametrize("S,nh,Lkv,dr,T,masking", CASES)
 def test_split_emulation_matches_the_float64_attention(S, nh, Lkv, dr, T, masking, kernel):
     rng = np.random.default_rng(S * 1000 + T)
@@ -185,15 +189,17 @@ def test_split_emulation_matches_the_float64_attention(S, nh, Lkv, dr, T, maskin
         assert nchunk > 1, "a decode row must be split"
 
 
+@pytest.mark.parametrize("kernel", ["part", "tile3"])
 @pytest.mark.parametrize("chunk", [16, 48, 160])
-def test_every_chunk_size_gives_the_same_attention(chunk):
-    """Forcing the chunk (the benchmark's sweep) changes the partials, not the result."""
+def test_every_chunk_size_gives_the_same_attention(chunk, kernel):
+    """Forcing the chunk (the benchmark's sweep) changes the partials, not the result -- also for tile3, whose
+    32-key tiles leave a chunk of 16 or 48 keys with a half-empty last tile."""
     rng = np.random.default_rng(7)
     S, nh, Lkv, dr, T = 1, 16, 64, 16, 500
     qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, T)
     ch, nchunk = AS.split_chunks(T, S, nh, Lkv, sm_count=132, chunk=chunk)
     assert ch % AS.TILE_KEYS == 0 and ch >= chunk and nchunk == -(-T // ch)
-    got = emulate_split(qa, qpe, lat, kpe, 0.1, ch, nchunk, S, T - S)
+    got = emulate_split(qa, qpe, lat, kpe, 0.1, ch, nchunk, S, T - S, kernel=kernel)
     want, tol = reference64(qa, qpe, lat, kpe, 0.1, S, T - S)
     assert (np.abs(got - want) <= tol).all()
 
@@ -206,8 +212,8 @@ def test_cache_length_from_device_memory_with_a_grid_for_the_capacity():
     S, nh, Lkv, dr, cap = 1, 16, 64, 16, 4096
     qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, cap)
     chunk, nchunk = AS.split_chunks(cap, S, nh, Lkv, sm_count=132)
-    for T in (1, 17, 700, cap):
-        got = emulate_split(qa, qpe, lat, kpe, 0.1, chunk, nchunk, S, start=0, T_dev=T)
+    for T, kernel in ((1, "part"), (17, "tile3"), (700, "part"), (700, "tile3"), (cap, "part")):
+        got = emulate_split(qa, qpe, lat, kpe, 0.1, chunk, nchunk, S, start=0, T_dev=T, kernel=kernel)
         ch_t, nc_t = AS.split_chunks(T, S, nh, Lkv, sm_count=132)
         sized = emulate_split(qa, qpe, lat, kpe, 0.1, ch_t, nc_t, S, start=T - S)
         want, tol = reference64(qa, qpe, lat, kpe, 0.1, S, T - S)
@@ -303,3 +309,86 @@ def test_tile_constants_are_the_kernels_and_share_the_part_kernels_cutting():
     assert (AS.TILE2_THREADS // 128) * 8 == AS.TILE2_HEADS
     for D in (48, 128, 576):
         assert AS.tile_row_stride(D) % 32 == 4 and AS.tile_row_stride(D) >= D
+
+
+def test_tile3_kernel_at_glm5_decode_shape_matches_the_float64_attention():
+    """mla_attend_tile3's order at GLM-5's decode shape, one head group, 2 chunks of the default 64 keys (two 32-key
+    tiles each), the second one 36 keys long: its second tile has 4 keys, 28 zero rows."""
+    rng = np.random.default_rng(5)
+    S, nh, Lkv, dr, T = 1, 16, 512, 64, 100
+    qa, qpe, lat, kpe = _inputs(rng, S, nh, Lkv, dr, T)
+    qa *= 0.05
+    chunk, nchunk = AS.split_chunks(T, S, nh, Lkv, sm_count=132, chunk=64)
+    got = emulate_split(qa, qpe, lat, kpe, 1 / 24, chunk, nchunk, S, T - S, kernel="tile3")
+    want, tol = reference64(qa, qpe, lat, kpe, 1 / 24, S, T - S)
+    assert (np.abs(got - want) <= tol).all()
+
+
+def test_tile3_constants_are_the_kernels():
+    src = (kernels_dir() / "attention.cu").read_text()
+    defs = dict(re.findall(r"#define (AT3_\w+) (\d+)", src))
+    assert int(defs["AT3_TK"]) == AS.TILE3_KEYS == 2 * AS.TILE_KEYS
+    assert int(defs["AT3_HB"]) == AS.TILE3_HEADS == AS.HEADS_PER_BLOCK   # split_chunks / head_groups / attn_span serve it
+    assert int(defs["AT3_KS"]) == AS.TILE3_SLICES
+    assert int(defs["AT3_THREADS"]) == AS.TILE3_THREADS
+    assert int(defs["AT3_PTS"]) == AS.TILE3_PT_STRIDE
+    # ownership: scores (slice, 4 heads x 8 keys) per thread, softmax 2 keys per thread, context 8 heads x 4 dims
+    assert AS.TILE3_SLICES * 16 == AS.TILE3_THREADS and AS.TILE3_HEADS * AS.TILE3_KEYS == 2 * AS.TILE3_THREADS
+    assert (AS.TILE3_THREADS // 128) * 8 == AS.TILE3_HEADS
+    assert AS.TILE3_PT_STRIDE % 4 == 0 and AS.TILE3_PT_STRIDE >= AS.TILE3_HEADS   # 16-byte rows of 16 heads
+    for D in (48, 128, 576):
+        assert AS.tile3_row_stride(D) % 32 == 8 and AS.tile3_row_stride(D) >= D
+
+
+@pytest.mark.parametrize("D", [48, 96, 128, 336, 576])     # Lkv + dr, from a small test model to GLM-5's 512 + 64
+def test_tile3_staging_pattern_covers_each_piece_of_a_tile_once(D):
+    """The (row, float4) pieces the threads stage per tile, stepped by additions from one division per block
+    (mla_tile3_body's stage): every piece of the TILE3_KEYS x D/4 tile exactly once, none outside it."""
+    D4 = D // 4
+    seen = [p for tid in range(AS.TILE3_THREADS) for p in AS.tile3_pieces(tid, D4)]
+    assert sorted(seen) == [(r, f) for r in range(AS.TILE3_KEYS) for f in range(D4)]
+    for tid in (0, 1, 200, 255):                               # the steps are e = tid + k * THREADS
+        assert AS.tile3_pieces(tid, D4) == [divmod(e, D4) for e in range(tid, AS.TILE3_KEYS * D4, AS.TILE3_THREADS)]
+
+
+def test_tile3_partial_scores_meet_each_bank_once_per_warp():
+    """at3_sp_col: a bijection of a row's 32 key columns; a score-pass warp's 32 writes of one (i, j) and a softmax
+    warp's 32 reads of one (slice, key half) land in 32 distinct banks (rows are 32 floats: bank = column)."""
+    H, TK = AS.TILE3_HEADS, AS.TILE3_KEYS
+    for sl in range(AS.TILE3_SLICES):
+        for h in range(H):
+            assert sorted(AS.tile3_sp_col(sl, h, k) for k in range(TK)) == list(range(TK))
+    for w in range(AS.TILE3_THREADS // 32):
+        for i in range(4):
+            for j in range(8):                                 # score pass: lane -> slice, head hq + 4i, key kq + 4j
+                banks = set()
+                for tid in range(32 * w, 32 * w + 32):
+                    sl, hq, kq = tid >> 4, tid & 3, (tid >> 2) & 3
+                    h = hq + 4 * i
+                    banks.add(((sl * H + h) * TK + AS.tile3_sp_col(sl, h, kq + 4 * j)) % 32)
+                assert len(banks) == 32
+        for k in range(AS.TILE3_SLICES):
+            for half in (0, 16):                               # softmax: lane -> head sh, key st (+ 16)
+                banks = {((k * H + (tid >> 4)) * TK + AS.tile3_sp_col(k, tid >> 4, (tid & 15) + half)) % 32
+                         for tid in range(32 * w, 32 * w + 32)}
+                assert len(banks) == 32
+
+
+def test_tile3_shared_memory_fits_an_sm90_block_and_not_an_sm89_one():
+    """217 KB at GLM-5's shape: within an H100/H200 block's 227 KB (232,448 bytes opt-in), past sm_86/89's 99 KB --
+    which is why "auto" there never picks it (cuda_backend._split_kernels checks the device)."""
+    assert 101376 < AS.tile3_smem_bytes(512, 64) <= 232448 - 1024
+
+
+def test_onepass_combine_constants_and_grid_are_the_kernels():
+    """mla_attend_combine_onepass: CMB_COLS float4 columns of a head per block, every column of Lkv <= 512 covered by
+    ceil(Lkv / 4 / CMB_COLS) blocks, and a batch's CMB_LANES x CMB_BATCH chunk weights one per thread."""
+    src = (kernels_dir() / "attention.cu").read_text()
+    defs = dict(re.findall(r"#define (CMB_\w+) (\d+)", src))
+    assert int(defs["CMB_COLS"]) == AS.ONEPASS_COLS and int(defs["CMB_LANES"]) == AS.ONEPASS_LANES
+    assert int(defs["CMB_BATCH"]) == AS.ONEPASS_BATCH
+    assert AS.ONEPASS_LANES * AS.ONEPASS_BATCH <= AS.ONEPASS_THREADS
+    assert AS.combine_grid(AS.ONEPASS_COMBINE, 512, 64, 1) == (2, 64, 1)      # GLM-5 decode: 128 blocks
+    assert AS.combine_grid(AS.ONEPASS_COMBINE, 32, 4, 3) == (1, 4, 3)
+    assert AS.combine_grid(AS.ONEPASS_COMBINE, 260, 8, 1) == (2, 8, 1)        # 65 columns: the second block has one
+    assert AS.combine_grid("mla_attend_combine4", 512, 64, 2) == (64, 2)

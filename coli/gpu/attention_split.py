@@ -29,6 +29,21 @@ TILE2_THREADS = 256     # AT2_THREADS
 COMBINE4_THREADS = 128  # mla_attend_combine4: a thread per 4 latent dims
 
 
+# mla_attend_tile3: tile2's block and chunks, 32 keys per tile (two of tile2's): a lane's score tile is 4 heads x 8 keys,
+# the partial scores at a swizzled column (sp_col), the probabilities in rows of TILE3_PT_STRIDE floats.
+TILE3_KEYS = 32         # AT3_TK
+TILE3_HEADS = 16        # AT3_HB
+TILE3_SLICES = 16       # AT3_KS
+TILE3_THREADS = 256     # AT3_THREADS
+TILE3_PT_STRIDE = 20    # AT3_PTS
+# mla_attend_combine_onepass (tile3's combine): every partial context of a batch in flight before the weights are known
+ONEPASS_COMBINE = "mla_attend_combine_onepass"
+ONEPASS_COLS = 64       # CMB_COLS: float4 columns of a head's context per block
+ONEPASS_LANES = 2       # CMB_LANES: threads splitting a column's chunks
+ONEPASS_BATCH = 16      # CMB_BATCH: chunks a thread has in flight at once
+ONEPASS_THREADS = ONEPASS_COLS * ONEPASS_LANES
+
+
 def head_groups(nh: int) -> int:
     return -(-nh // HEADS_PER_BLOCK)
 
@@ -72,6 +87,50 @@ def tile_smem_bytes(Lkv: int, dr: int, nbuf: int) -> int:
     floats = (TILE2_HEADS * dp + nbuf * TILE2_KEYS * dp + TILE2_SLICES * TILE2_HEADS * TILE2_KEYS
               + TILE2_KEYS * TILE2_HEADS + 2 * TILE2_HEADS)
     return 4 * floats
+
+
+def tile3_row_stride(D: int) -> int:
+    """at3_row_stride(): 8 floats past a multiple of 32, so that the 4 query rows (or 4 key rows) and the 2 slices a
+    warp's score pass reads at once sit in 8 distinct 16-byte bank groups."""
+    return -(-D // 32) * 32 + 8
+
+
+def tile3_smem_bytes(Lkv: int, dr: int) -> int:
+    """Dynamic shared memory of mla_attend_tile3: the block's queries, two 32-key tiles, the slices' partial scores,
+    the tile's probabilities, two per-head values (217 KB at GLM-5's shape: sm_90 and sm_100 blocks only)."""
+    dp = tile3_row_stride(Lkv + dr)
+    floats = (TILE3_HEADS * dp + 2 * TILE3_KEYS * dp + TILE3_SLICES * TILE3_HEADS * TILE3_KEYS
+              + TILE3_KEYS * TILE3_PT_STRIDE + 2 * TILE3_HEADS)
+    return 4 * floats
+
+
+def tile3_sp_col(sl: int, h: int, key: int) -> int:
+    """at3_sp_col(): the column of `key` (< 32) in the partial-score row of slice sl and head h."""
+    return key ^ ((h & 1) << 4) ^ ((h & 2) << 1) ^ ((sl & 1) << 3)
+
+
+def tile3_pieces(tid: int, D4: int, threads: int = TILE3_THREADS, keys: int = TILE3_KEYS) -> list[tuple[int, int]]:
+    """The (row, float4) pieces thread tid stages per tile, as mla_tile3_body steps them: from (tid // D4, tid % D4)
+    by (threads // D4, threads % D4) with one carry, AT3_MAXE steps, rows past the tile dropped."""
+    maxe = -(-keys * 144 // threads)
+    sr, sf = divmod(threads, D4)
+    r, f = divmod(tid, D4)
+    out = []
+    for _ in range(maxe):
+        if r < keys:
+            out.append((r, f))
+        r, f = r + sr, f + sf
+        if f >= D4:
+            f, r = f - D4, r + 1
+    return out
+
+
+def combine_grid(name: str, Lkv: int, nh: int, S: int) -> tuple[int, ...]:
+    """The combine's grid: a block per (head, row), or for the one-pass combine ONEPASS_COLS float4 columns of a
+    head per block (2 blocks per head at Lkv 512)."""
+    if name == ONEPASS_COMBINE:
+        return (-(-(Lkv // 4) // ONEPASS_COLS), nh, S)
+    return (nh, S)
 
 
 def smem_bytes(Lkv: int, dr: int) -> int:

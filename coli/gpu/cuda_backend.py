@@ -61,6 +61,8 @@ def _signatures() -> dict[tuple[str, str], str]:
         s[("attention", f"mla_attend_part1_{nj}")] = "PPiiPPPPiiPiiiifiiPPP"
     s[("attention", "mla_attend_combine")] = "PPPPPiPiiiiiP"
     s[("attention", "mla_attend_tile2")] = s[("attention", "mla_attend_tile1")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_tile3")] = "PPiiPPPPiiPiiiifiiPPP"
+    s[("attention", "mla_attend_combine_onepass")] = "PPPPPiPiiiiiP"
     s[("attention", "mla_attend_combine4")] = "PPPPPiPiiiiiP"
     for f in FORMATS:
         s[("elementwise", f"embed_{f}")] = QM + "PP"
@@ -113,8 +115,10 @@ MOE_CHUNK_BYTES = 256 << 20
 INDEXER_CHUNK_BYTES = 256 << 20
 # MLA attention: "auto" (default) decode projections as GEMVs and the context split over blocks as two register-tiled
 # products per tile (cuda/attention.cu mla_attend_tile2 + mla_attend_combine4; mla_attend_tile1 where the device's
-# shared memory per block cannot take tile2's two buffers) where the shapes allow; "tile1" always the one-buffer tile
-# kernel; "split2" the previous split kernel (mla_attend_part_<NJ> + mla_attend_combine: a warp per 2 heads,
+# shared memory per block cannot take tile2's two buffers) where the shapes allow; "tile3" mla_attend_tile3 (32 keys per
+# tile, 4 heads x 8 keys per lane; 217 KB of shared memory at GLM-5's shape) + mla_attend_combine_onepass where the
+# device allows, else as "auto";
+# "tile1" always the one-buffer tile kernel; "split2" the previous split kernel (mla_attend_part_<NJ> + mla_attend_combine: a warp per 2 heads,
 # shuffle-summed dots); "split1" the same with the first split kernel (mla_attend_part1_<NJ>: a tile staged in
 # dependent load steps); "v1" the first version (one block per head and row, the projections as tiled GEMMs). The
 # older ones stay for scripts/bench_kernels.py's comparison and bisecting.
@@ -134,8 +138,9 @@ PREFILL_VERSIONS = ("mma", "v1")
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
 PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
-ATTN_VERSIONS = ("auto", "tile1", "split2", "split1", "v1")
-MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu); "auto" and "tile1" decode with them
+ATTN_VERSIONS = ("auto", "tile3", "tile1", "split2", "split1", "v1")
+ATTN_PROJ_VERSIONS = ("auto", "tile3", "tile1")   # decode the projections with mla_qabs_<fmt> / mla_o_<fmt>
+MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu)
 GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
 GEMV2_ROUND_CHUNKS = 64   # gemv2_split's fixed cost of a round of groups, in chunks of a segment (fitted to the sweep)
 GEMV_VERSIONS = ("v3", "v2", "v1")
@@ -526,7 +531,7 @@ class CudaBackend:
         decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
-        proj = self.attn_kernels in ("auto", "tile1")     # the projections' own kernels (else the GEMVs)
+        proj = self.attn_kernels in ATTN_PROJ_VERSIONS   # the projections' own kernels (else the GEMVs)
         if not (decode and (self._mla_qabs if proj else self._gemv_t)(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh,
                                                                        q.ptr, dq, q_abs.ptr, Lkv)):
             self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
@@ -577,7 +582,7 @@ class CudaBackend:
         pc = self.empty((S, nh, nchunk, Lkv))
         self.rt.launch(fn, grid, threads, *args, pm.ptr, pl.ptr, pc.ptr, smem=smem)
         fc = self._fn("attention", combine)
-        self.rt.launch(fc, (nh, S), combine_threads, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
+        self.rt.launch(fc, attention_split.combine_grid(combine, Lkv, nh, S), combine_threads, pm.ptr, pl.ptr, pc.ptr, idx, cnt, mask.start,
                        T_dev, S, nh, Lkv, chunk, nchunk, ctx.ptr)
         return ctx
 
@@ -585,13 +590,16 @@ class CudaBackend:
         """(part kernel, its threads, its dynamic shared memory, combine kernel name, its threads) of the split
         context under attn_kernels. "auto" takes mla_attend_tile2 (two key buffers) where the device lets a block
         have its shared memory, else mla_attend_tile1 (one buffer: 92 KB at GLM-5's shape, within sm_86/89's 99 KB),
-        else the part kernel; the choice depends only on the device, so a captured step and the eager one agree."""
+        else the part kernel; "tile3" tries mla_attend_tile3 (32-key tiles) before those. The choice depends only on
+        the device, so a captured step and the eager one agree."""
         AS = attention_split
-        tiles = {"auto": (2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
-        for nbuf in tiles:
-            fn = self._fn("attention", f"mla_attend_tile{nbuf}")
-            smem = AS.tile_smem_bytes(Lkv, dr, nbuf)
+        tiles = {"auto": (2, 1), "tile3": (3, 2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
+        for v in tiles:
+            fn = self._fn("attention", f"mla_attend_tile{v}")
+            smem = AS.tile3_smem_bytes(Lkv, dr) if v == 3 else AS.tile_smem_bytes(Lkv, dr, v)
             if self.rt.allow_smem(fn, smem):
+                if v == 3:
+                    return fn, AS.TILE3_THREADS, smem, AS.ONEPASS_COMBINE, AS.ONEPASS_THREADS
                 return fn, AS.TILE2_THREADS, smem, "mla_attend_combine4", AS.COMBINE4_THREADS
         fn = self._fn("attention", f"mla_attend_part{'1' if self.attn_kernels == 'split1' else ''}_{nj}")
         smem = AS.smem_bytes(Lkv, dr)

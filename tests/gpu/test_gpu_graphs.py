@@ -82,6 +82,29 @@ def test_graph_tokens_match_transformers_and_the_eager_cache(root, oracles, name
     assert_same_cache(cache, r_cache)
 
 
+@pytest.mark.parametrize("attn", ["tile3", "tile1"])
+def test_graph_tokens_with_each_tile_attention(root, oracles, monkeypatch, attn):
+    """COLI_ATTN_KERNELS=tile3 / tile1 (the backend reads the setting when it is made): replayed decode steps with
+    device-side T and a grid sized for the capacity, through the indexer's switch to top-k -- tokens equal
+    transformers' and the cache equals the eager step's bitwise."""
+    from coli.gpu import cuda_backend
+    from coli.loader import load_model
+    monkeypatch.setattr(cuda_backend, "ATTN_KERNELS", attn)
+    src, _ = oracles["graph-topk"]
+    o = load_oracle(src)
+    d = container(root, src, "graph-topk-f32", experts="f32", dense="f32")
+    model, _ = load_model(d, "gpu")
+    assert model.backend.attn_kernels == attn
+    n = len(o["greedy_tokens"])
+    toks, cache = greedy(model, o["prompt_ids"], n, capacity=256)
+    assert model.step_graphs.replays >= n - 4, model.step_graphs.last_reason
+    assert toks == o["greedy_tokens"]
+    ref, _ = load_model(d, "gpu")
+    r_toks, r_cache = greedy(eager(ref), o["prompt_ids"], n, capacity=256)
+    assert r_toks == toks
+    assert_same_cache(cache, r_cache)
+
+
 @pytest.mark.parametrize("group,dense", [(64, "int8"), (32, "int4")])
 def test_int4_graph_equals_eager_and_numpy(root, oracles, group, dense):
     from coli.loader import load_model
