@@ -12,7 +12,8 @@ Every variant below is built by nvcc with its -D settings (in parallel), loaded 
     derived from the magnitudes (the split's 2^-27 per block, the fp32 roundings of every stage: `f64_bound`);
   * timed with CUDA events behind a spin kernel (scripts/bench_kernels.py's Timer: GPU time, warm-up, median of
     reps): the whole moe() op (x split, both launches, the slot sum -- the figure bench_kernels' prefill row
-    gives) and the gate/up and down launches alone on the same pair tiles.
+    gives), the gate/up and down launches alone on the same pair tiles, and the dense 2048 x 6144 GEMM at
+    S = 2,048 (checked bitwise against the default too).
 Effective TFLOP/s = 2 x S x top-k x 3 x Im x H / time (the four int8 parts the tensor cores multiply not counted).
 Prints a table, best first, and writes JSON (--out). Diagnostics (PF_DIAG) are wrong by design: timed, not checked.
 """
@@ -89,9 +90,9 @@ def compile_variant(nvcc: str, cc: str, defs: dict) -> tuple[bytes, dict]:
             raise RuntimeError(p.stderr[-1500:])
         res, fn = {}, None
         for line in p.stderr.splitlines():
-            m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(r"Function properties for (\w+)", line)
+            m = re.search(r"Compiling entry function '(\w+)'|Function properties for (\w+)", line)
             if m:
-                fn = m.group(1)
+                fn = m.group(1) or m.group(2)
             m = re.search(r"(\d+) bytes spill stores", line)
             if m and fn:
                 res.setdefault(fn, [0, 0])[1] = int(m.group(1))
@@ -159,8 +160,8 @@ def main() -> int:
         from coli.gpu.cuda_backend import CudaBackend
         gb = CudaBackend()
     except Exception as e:      # noqa: BLE001 -- no PyCUDA, no driver, no device: one line, not a traceback
-        print(f"pf_kernel_sweep: needs a CUDA GPU with PyCUDA: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-              file=sys.stderr)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"pf_kernel_sweep: needs a CUDA GPU with PyCUDA: {why}", file=sys.stderr)
         return 2
     if nvcc is None:
         print("pf_kernel_sweep: needs nvcc (the CUDA toolkit) to build the variants; put it on PATH", file=sys.stderr)
@@ -213,6 +214,12 @@ def main() -> int:
     sw = rng.uniform(0.1, 1.0, (ss, K)).astype(F32)
     want_small, bound_small = f64_bound(xs, sidx, sw, {e_: m for e_, (_, _, m) in enumerate(small)})
     x_small = gb.upload(xs)
+    # and the dense GEMM beside it (q_a_proj: 2048 x 6144 g64, S = 2,048), the other user of these kernels
+    from bench_kernels import random_matrix_bytes
+    from coli.gpu.cuda_weights import upload_stored
+    wb, wlay = random_matrix_bytes(2048, H, "int4", 64, rng)
+    w_dense = upload_stored(rt, wb, wlay, (2048, H), "sweep")
+    x_dense = gb.upload(rng.standard_normal((S, H)).astype(F32))
     print(f"inputs ready in {time.time() - t_start:.0f} s", flush=True)
 
     def moe_big():
@@ -221,7 +228,7 @@ def main() -> int:
     saved = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, gb.prefill_kernels)
     gb.prefill_kernels = "mma"
     shipped_big = gb.to_host(moe_big())          # the module as the backend builds it (PyCUDA): "default" must match
-    ref_big = None
+    ref_big = ref_dense = None
     try:
         for n in names:
             if n not in built:
@@ -241,12 +248,17 @@ def main() -> int:
                 rt.use_module("prefill_mma", rt.drv.module_from_buffer(cubin))
                 cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = defs["PF_ROWS"], defs["PF_TOKS"], defs["PF_STAGES"]
                 r.update(_measure(gb, cb, tm, n, defs, moe_big, x_big, ids, wp, recs, flops, a.iters))
+                us = tm.per_call_us(lambda i: gb.linear(x_dense, w_dense), a.iters * 2, reps=3, warmup=1,
+                                    spin_us=20000)
+                r.update(dense_us=round(us, 1), dense_TFLOPs=round(2 * S * 2048 * H / us / 1e6, 2))
+                got_dense = gb.to_host(gb.linear(x_dense, w_dense))
                 got_big = gb.to_host(moe_big())
                 if n == "default":
-                    ref_big = got_big
+                    ref_big, ref_dense = got_big, got_dense
                     r["bits_equal_shipped"] = bool(np.array_equal(got_big, shipped_big, equal_nan=True))
                 diag = bool(defs["PF_DIAG"])
-                r["bits_equal_default"] = bool(np.array_equal(got_big, ref_big, equal_nan=True))
+                r["bits_equal_default"] = bool(np.array_equal(got_big, ref_big, equal_nan=True)
+                                               and np.array_equal(got_dense, ref_dense, equal_nan=True))
                 if not r["bits_equal_default"]:
                     r["max_abs_diff_default"] = float(np.nanmax(np.abs(got_big.astype(np.float64) - ref_big)))
                 got_small = gb.to_host(gb.moe(x_small, sidx, sw, ((e_, srecs[e_]) for e_ in range(es))))
@@ -265,9 +277,9 @@ def main() -> int:
         rt.use_module("prefill_mma", None)
 
     out["seconds"] = round(time.time() - t_start, 1)
-    _table(out)
-    if a.out:
+    if a.out:                                   # before the table: a formatting slip must not lose the run
         a.out.write_text(json.dumps(out, indent=1))
+    _table(out)
     return 0 if all(v.get("ok") for v in out["variants"].values()
                     if not v.get("error", "").startswith("shared memory")) else 1
 
@@ -315,8 +327,8 @@ def _table(out: dict) -> None:
     rows = sorted(out["variants"].items(), key=lambda kv: kv[1].get("moe_ms", 1e9))
     print(f"\ngrouped MoE prefill, S = {S}, {E} experts top-{K}, {H} x {IM} int4 g64, {out['device']} "
           f"(sm_{out['sm']}), {out['seconds']} s")
-    print(f"{'variant':20} {'moe ms':>7} {'TFLOP/s':>8} {'gu us':>7} {'dn us':>7} {'kern TF':>8} {'regs gu/dn':>14} "
-          f"{'blk/SM':>6} {'99KB':>4}  check")
+    print(f"{'variant':20} {'moe ms':>7} {'TFLOP/s':>8} {'gu us':>7} {'dn us':>7} {'kern TF':>8} {'dense TF':>8} "
+          f"{'regs gu/dn':>14} {'blk/SM':>6} {'99KB':>4}  check")
     for n, r in rows:
         if "moe_ms" not in r:
             print(f"{n:20} FAILED {r.get('error', '')}")
@@ -331,8 +343,10 @@ def _table(out: dict) -> None:
             chk = (f"{'same bits' if r['bits_equal_default'] else 'BITS DIFFER'}, f64 err/bound "
                    f"{r['f64_err_over_bound']:.2g}{'' if r.get('ok') else '  FAILED'}")
         print(f"{n:20} {r['moe_ms']:7.2f} {r['moe_TFLOPs']:8.1f} {r['gateup_us']:7.0f} {r['down_us']:7.0f} "
-              f"{r['kernels_TFLOPs']:8.1f} {f'{rg[0]}+{rg[1]}/{rd[0]}+{rd[1]}':>14} "
-              f"{r['blocks_per_sm_gateup']:>3}/{r['blocks_per_sm_down']:<2} {'yes' if r['fits_sm86'] else 'no':>4}  {chk}")
+              f"{r['kernels_TFLOPs']:8.1f} {r.get('dense_TFLOPs', float('nan')):8.1f} "
+              f"{f'{rg[0]}+{rg[1]}/{rd[0]}+{rd[1]}':>14} "
+              f"{r['blocks_per_sm_gateup']:>3}/{r['blocks_per_sm_down']:<2} {'yes' if r['fits_sm86'] else 'no':>4}"
+              f"  {chk}")
 
 
 if __name__ == "__main__":
