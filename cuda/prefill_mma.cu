@@ -49,8 +49,11 @@
 #endif
 #define PF_RW (PF_ROWS / 64)
 #define PF_EXLD (PF_ROWS / 2 + 8)      // gate/up's exchange rows, padded: 4 x 8 lanes of a store hit 32 banks
-// a warp per 64 rows x 16 activation rows (cuda_backend.pf_threads: the same count); today's 256 x 32 = 8 warps
-#define PF_THREADS (32 * PF_RW * (PF_TOKS / 16))
+// a warp per 64 rows x 16 activation rows (cuda_backend.pf_threads: the same count); today's 256 x 32 = 8 warps.
+// A constant, not a parenthesised macro: __launch_bounds__ takes it, and its text stays one word after -E
+// (tests/test_kernels_compile.py reads the kernels' signatures from the preprocessed source)
+constexpr int pf_block_threads = 32 * PF_RW * (PF_TOKS / 16);
+#define PF_THREADS pf_block_threads
 static_assert(PF_ROWS % 64 == 0 && PF_TOKS % 16 == 0 && PF_TOKS <= 64, "warps of 64 rows x 16 activation rows");
 static_assert(PF_ROWS <= PF_THREADS && 3 * PF_TOKS <= PF_THREADS, "a thread a row (and a metadata piece) per block");
 static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "whole copy rounds per stage");
