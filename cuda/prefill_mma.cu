@@ -78,6 +78,11 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 #ifndef PF_HOIST
 #define PF_HOIST 0
 #endif
+// 1: warps and quads of 4 activation rows past the block's last present row (a partial tile: an expert's last
+// pairs, the prompt's last tokens) skip their MMAs and flushes -- the other block on the SM gets those issue slots
+#ifndef PF_SKIP
+#define PF_SKIP 0
+#endif
 // 1: DIAGNOSTIC ONLY, wrong results by design: the flush is one IADD chain + FADD per output (the MMAs and the loads
 // as before) -- how fast the loop runs when the per-64-column epilogue costs next to nothing
 #ifndef PF_DIAG
@@ -171,10 +176,11 @@ extern "C" __global__ void __launch_bounds__(PF_SPLIT_THREADS) pf_split_rows(con
 // ---- the shared main loop -------------------------------------------------------------------------------------
 // acc[i][q][r] = sum over C of W[row] * x[act] for the block's row 64 (w & 1) + 16 i + g + 8 r and activation row
 // 16 (w >> 1) + 4 q + t (lane g = lane / 4, t = lane % 4). rowd / rowm: the 128 rows' data / scale addresses;
-// act[64]: split-x row of each activation row (-1: none, zeros). Leaves every cp.async drained and the block
-// synchronised, so the caller may reuse the shared memory.
-__device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *const *rowm, const int *act, int C,
-                                   int group, const u8 *xq, const int *xm, float (&acc)[4][4][2]) {
+// act[PF_TOKS]: split-x row of each activation row (-1: none, zeros); the first nact are present (PF_SKIP: quads of
+// 4 absent rows skip their MMAs; their accumulators stay 0 and no caller writes them). Leaves every cp.async
+// drained and the block synchronised, so the caller may reuse the shared memory.
+__device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *const *rowm, const int *act, int nact,
+                                   int C, int group, const u8 *xq, const int *xm, float (&acc)[4][4][2]) {
     const int nG = C / 64, ng = C / group, gsh = group == 128 ? 1 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wr = warp % PF_RW, wt = warp / PF_RW;
@@ -250,6 +256,7 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
         pf_wait<PF_STAGES - 2>();
         __syncthreads();                     // stage G landed for every thread; stage G - 1 is free again
         issue(G + PF_STAGES - 1);
+        if (PF_SKIP && 16 * wt >= nact) continue;   // a warp whose 16 activation rows are all absent (warp-uniform)
         const u8 *st = smem + (G % PF_STAGES) * PF_STAGE_BYTES;
         const u8 *xs = st + PF_W_BYTES;
         const int *ms = reinterpret_cast<const int *>(st + PF_W_BYTES + PF_X_BYTES);
@@ -273,6 +280,7 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
         }
 #pragma unroll
         for (int q = 0; q < 4; q++) {
+            if (PF_SKIP && 16 * wt + 4 * q >= nact) continue;   // 4 absent rows: the MMAs would multiply zeros
             const int tb = 16 * wt + 4 * q + (g >> 1), td = 16 * wt + 4 * q + t;
             const float fe = __int_as_float(ms[td * 12 + 8]);
 #if PF_EPI == 2
@@ -367,7 +375,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = s0 + (int)threadIdx.x < S ? s0 + (int)threadIdx.x : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, W.cols, W.group, xq, xm, acc);
+    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, W.group, xq, xm, acc);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
@@ -406,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = (int)threadIdx.x < cnt ? pair_token[p0 + threadIdx.x] : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cols, group, xq, xm, acc);
+    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cnt, cols, group, xq, xm, acc);
     // gate (block rows < HALF) and up meet in shared memory: ex[half][pair][j], rows padded to PF_EXLD floats
     static_assert(2 * PF_TOKS * PF_EXLD * 4 <= PF_STAGES * PF_STAGE_BYTES, "the exchange fits the drained stages");
     float *ex = reinterpret_cast<float *>(smem);
@@ -456,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = (int)threadIdx.x < cnt ? p0 + (int)threadIdx.x : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cols, group, hq, hm, acc);
+    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cnt, cols, group, hq, hm, acc);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int q = 0; q < 4; q++) {

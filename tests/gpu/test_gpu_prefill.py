@@ -131,7 +131,8 @@ def test_moe_prefill_in_chunks(gb, rng, monkeypatch):
 
 # variants of prefill_mma.cu (scripts/pf_kernel_sweep.py): one of each flush and block shape; each computes every
 # output's integer sums and fp32 flush in the default's order, so each must give the default's bits
-PF_VARIANTS = ["epi1", "epi2", "epi2-hoist-minb1", "epi2-128x32-minb3", "epi2-256x64-minb1", "epi2-128x64"]
+PF_VARIANTS = ["epi1", "epi2", "epi2-skip", "epi2-hoist-minb1", "epi2-skip-128x32-minb3", "epi2-256x64-minb1",
+               "epi2-128x64"]
 
 
 @pytest.mark.parametrize("name", PF_VARIANTS)
