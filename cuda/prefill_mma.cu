@@ -479,3 +479,26 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
             for (int r = 0; r < 2; r++) yrow[16 * i + g + 8 * r] = __fmul_rn(acc[i][q][r], w);
     }
 }
+
+// ---- pf_mma_peak (only in a build with -DPF_PEAK=1: scripts/pf_kernel_sweep.py) --------------------------------
+// The legacy MMA's own rate on this device: every warp runs 8 independent accumulator chains of
+// mma.sync.m16n8k32 u8 x s8 on register operands, nothing else (no loads, no flush). iters rounds of 8 MMAs per
+// warp; out[0] is written only if the chains' XOR hits a value they never reach, so nothing is optimised away.
+#if PF_PEAK
+extern "C" __global__ void __launch_bounds__(256) pf_mma_peak(int iters, int *out) {
+    const uint32_t v = threadIdx.x * 0x01030507u;
+    const uint32_t a[4] = {v & 0x0f0f0f0fu, (v >> 4) & 0x0f0f0f0fu, (v ^ 0x0a0b0c0du) & 0x0f0f0f0fu, 0x01020304u};
+    const uint32_t b0 = v ^ 0x5a5a5a5au, b1 = v * 3u;
+    int d[8][4];
+#pragma unroll
+    for (int c = 0; c < 8; c++) d[c][0] = d[c][1] = d[c][2] = d[c][3] = c;
+    for (int it = 0; it < iters; it++) {
+#pragma unroll
+        for (int c = 0; c < 8; c++) pf_mma(d[c], a, b0, b1);
+    }
+    int s = 0;
+#pragma unroll
+    for (int c = 0; c < 8; c++) s ^= d[c][0] ^ d[c][1] ^ d[c][2] ^ d[c][3];
+    if (s == 0x7fffffff) out[0] = s;
+}
+#endif

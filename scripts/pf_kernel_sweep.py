@@ -180,8 +180,9 @@ def main() -> int:
     rt = gb.rt
     cc = f"{rt.cc[0]}{rt.cc[1]}"
     names = ["default"] + [n for n in (a.only or VARIANTS) if n != "default"]
-    with ThreadPoolExecutor(min(16, len(names))) as ex:
+    with ThreadPoolExecutor(min(16, len(names) + 1)) as ex:
         futs = {n: ex.submit(compile_variant, nvcc, cc, VARIANTS[n]) for n in names}
+        peak_build = ex.submit(compile_variant, nvcc, cc, {**DEFAULTS, "PF_PEAK": 1})
     built, out = {}, {"device": rt.name, "sm": cc, "S": S, "experts": E, "top_k": K, "H": H, "Im": IM,
                       "flops": 2 * S * K * 3 * IM * H, "variants": {}}
     for n, f in futs.items():
@@ -195,6 +196,11 @@ def main() -> int:
         return 1
 
     tm = Timer(rt, spin=True)
+    try:
+        out["mma_peak"] = mma_peak(rt, peak_build.result()[0])
+        print(f"mma_peak: {json.dumps(out['mma_peak'])}", flush=True)
+    except Exception as e:      # noqa: BLE001 -- the ceiling is context, not the sweep
+        out["mma_peak"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     rng = np.random.default_rng(0)
     flops = out["flops"]
     # the big case: 2,048 tokens over 256 GLM-5 experts (8 distinct records repeated: 4.8 GB, no L2 reuse between
@@ -288,6 +294,25 @@ def main() -> int:
                     if not v.get("error", "").startswith("shared memory")) else 1
 
 
+def mma_peak(rt, cubin: bytes, iters: int = 4096) -> dict:
+    """The rate of mma.sync.m16n8k32 u8 x s8 alone (prefill_mma.cu's pf_mma_peak: 8 independent chains per warp,
+    register operands) with 1, 2 and 8 blocks of 8 warps per SM, in int8 TOPS (2 ops per multiply-add), and what
+    it caps: the four int8 parts make an effective TFLOP/s cost 4 int8 ones, so the grouped MoE prefill can reach
+    at most TOPS / 4 effective, times the tiles' fill."""
+    from bench_kernels import Timer
+    mod = rt.drv.module_from_buffer(cubin)
+    f = mod.get_function("pf_mma_peak")
+    f.prepare("iP")
+    sink = rt.alloc(16)
+    by_warps = {}
+    for per_sm in (1, 2, 8):
+        blocks = rt.sm_count * per_sm
+        us = Timer(rt).per_call_us(lambda i: f.prepared_async_call((blocks, 1, 1), (256, 1, 1), rt.stream, iters,
+                                                                   sink), 3, reps=3, warmup=1)
+        by_warps[str(8 * per_sm)] = round(blocks * 8 * iters * 8 * 4096 * 2 / us / 1e6, 1)
+    return {"TOPS_by_warps_per_sm": by_warps, "ceiling_effective_TFLOPs": round(max(by_warps.values()) / 4, 1)}
+
+
 def _measure(gb, cb, tm, name, defs, moe_big, x_big, ids, wp, recs, flops, iters) -> dict:
     """GPU times of the whole moe() op and of its gate/up and down launches alone on the same pair tiles."""
     rt = gb.rt
@@ -331,6 +356,11 @@ def _table(out: dict) -> None:
     rows = sorted(out["variants"].items(), key=lambda kv: kv[1].get("moe_ms", 1e9))
     print(f"\ngrouped MoE prefill, S = {S}, {E} experts top-{K}, {H} x {IM} int4 g64, {out['device']} "
           f"(sm_{out['sm']}), {out['seconds']} s")
+    pk = out.get("mma_peak", {})
+    if "ceiling_effective_TFLOPs" in pk:
+        rates = ", ".join(f"{v} TOPS at {k} warps/SM" for k, v in pk["TOPS_by_warps_per_sm"].items())
+        print(f"mma.sync u8 x s8 alone: {rates} -> at most {pk['ceiling_effective_TFLOPs']} effective TFLOP/s with "
+              f"four parts (times the tiles' fill)")
     print(f"{'variant':20} {'moe ms':>7} {'TFLOP/s':>8} {'gu us':>7} {'dn us':>7} {'kern TF':>8} {'dense TF':>8} "
           f"{'regs gu/dn':>14} {'blk/SM':>6} {'99KB':>4}  check")
     for n, r in rows:

@@ -71,16 +71,18 @@ def test_the_default_variant_is_the_shipped_build():
 @needs_nvcc
 @pytest.mark.timeout(600)
 def test_every_variant_compiles_for_sm_90_without_warnings(tmp_path):
-    """Every variant (static_asserts on the block shape included) builds; the shipped default is checked for every
-    target arch by tests/test_kernels_compile.py."""
+    """Every variant (static_asserts on the block shape included) and the MMA-rate build (PF_PEAK) build; the
+    shipped default is checked for every target arch by tests/test_kernels_compile.py."""
+    builds = {**sweep.VARIANTS, "peak": {**sweep.DEFAULTS, "PF_PEAK": 1}}
+
     def build(name):
         out = tmp_path / f"{name}.cubin"
         r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-I", str(ROOT / "cuda"), "-o", str(out),
-                            *[f"-D{k}={v}" for k, v in sweep.VARIANTS[name].items()],
+                            *[f"-D{k}={v}" for k, v in builds[name].items()],
                             str(ROOT / "cuda" / "prefill_mma.cu")], capture_output=True, text=True)
         return name, r.returncode, r.stderr, out
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(build, sweep.VARIANTS))
+        results = list(pool.map(build, builds))
     for name, rc, err, out in results:
         assert rc == 0 and out.stat().st_size > 0, f"{name}: {err}"
         assert "warning" not in err.lower(), f"{name}: {err}"
