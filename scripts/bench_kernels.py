@@ -953,7 +953,8 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
 
 def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
     """The tensor-core prefill rebuilt with other block shapes and register / pipeline settings (PF_ROWS x PF_TOKS,
-    PF_MINB, PF_STAGES): the MoE row and the dense 2048 x 6144 GEMM at S = 2,048."""
+    PF_MINB, PF_STAGES): the MoE row and the dense 2048 x 6144 GEMM at S = 2,048. scripts/pf_kernel_sweep.py sweeps
+    more settings (the flush variants too) and checks each variant's bits against the default."""
     import coli.gpu.cuda_backend as cb
     from pycuda.compiler import SourceModule
     from coli.gpu.cuda_runtime import kernels_dir
@@ -965,20 +966,15 @@ def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
     w = upload_stored(rt, b, lay_, (2048, H), "bench")
     xd = gb.upload(np.random.default_rng(2).standard_normal((2048, H)).astype(F32))
     gb.prefill_kernels = "mma"
-
-    def drop():
-        for k in [k for k in rt._fns if k[0] == "prefill_mma"]:
-            del rt._fns[k]
     try:
         for rows_, toks, minb, stages in ((256, 32, 2, 3), (256, 32, 1, 3), (256, 32, 2, 4), (256, 32, 2, 2),
                                           (128, 64, 2, 3), (128, 64, 1, 3)):
             tag = f"rows{rows_}_toks{toks}_minb{minb}_stages{stages}"
             try:
-                rt._modules["prefill_mma"] = SourceModule(src, no_extern_c=True, include_dirs=[str(kernels_dir())],
+                rt.use_module("prefill_mma", SourceModule(src, no_extern_c=True, include_dirs=[str(kernels_dir())],
                                                           options=["-std=c++17", f"-DPF_MINB={minb}",
                                                                    f"-DPF_STAGES={stages}", f"-DPF_ROWS={rows_}",
-                                                                   f"-DPF_TOKS={toks}"])
-                drop()
+                                                                   f"-DPF_TOKS={toks}"]))
                 cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = rows_, toks, stages
                 us = tm.per_call_us(lambda i: gb.moe(xs_, ids, wp, ((e, recs[e]) for e in recs)), 2, reps=3,
                                     warmup=1, spin_us=150000)
@@ -993,8 +989,7 @@ def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:
                 print(f"  variant {tag}: {str(e)[:200]}", flush=True)
     finally:
         cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES = base[:3]
-        rt._modules["prefill_mma"] = base[3]
-        drop()
+        rt.use_module("prefill_mma", base[3])
 
 
 if __name__ == "__main__":

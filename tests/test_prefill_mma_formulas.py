@@ -12,6 +12,8 @@ kernels themselves are checked against numpy on a GPU by tests/gpu/test_gpu_pref
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,67 @@ def test_mainloop_fragments_give_the_dot_products(group, wide):
             for r in range(2):
                 row, tok = g + 8 * r, 4 * q + t
                 assert abs(acc[lane, q, r] - want[row, tok]) <= bound[row, tok], (lane, q, r)
+
+# ---- the flush variants (PF_EPI in prefill_mma.cu): the default's bits, operation by operation ----------------------
+def _f32(v: Fraction) -> F32:
+    """v rounded once to float32 (nearest, ties to even): float() first, then the float32 neighbour nearest to v."""
+    x = F32(float(v))
+    cands = [np.nextafter(x, F32(-np.inf)), x, np.nextafter(x, F32(np.inf))]
+    best = min(cands, key=lambda c: (abs(Fraction(float(c)) - v), int(np.array(c).view(np.int32)) & 1))
+    return F32(best)
+
+
+def _fma(a, b, c) -> F32:
+    return _f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
+def _sub(a, b) -> F32:
+    return _f32(Fraction(float(a)) - Fraction(float(b)))
+
+
+def _mul(a, b) -> F32:
+    return _f32(Fraction(float(a)) * Fraction(float(b)))
+
+
+def _flush(epi: int, D, fe, sc, acc) -> F32:
+    """One output's flush of a 64-column block as prefill_mma.cu writes it for PF_EPI = epi: D the four parts'
+    integer dot products (the MMA registers hold MAGIC + D_p), fe = 2^(E-5), sc the fp16 group scale."""
+    X = [np.array([MAGIC + int(d)], np.int32).view(F32)[0] for d in D]        # the MMA registers read as floats
+    M1 = F32(12681216.0)                                                         # MAGIC + MAGIC / 2^7
+    c7, c14 = F32(0.0078125), F32(6.103515625e-05)
+    if epi == 0:
+        f = [_sub(v, MAGIC_F) for v in X]
+        h = _fma(_fma(f[3], c7, f[2]), c14, _fma(f[1], c7, f[0]))
+        return _fma(_mul(sc, fe), h, acc)
+    if epi == 1:
+        p01, p23 = _fma(X[1], c7, _sub(X[0], M1)), _fma(X[3], c7, _sub(X[2], M1))
+        return _fma(_mul(sc, fe), _fma(p23, c14, p01), acc)
+    fe7, nm = _mul(fe, c7), _mul(-M1, fe)
+    p01, p23 = _fma(X[1], fe7, _fma(X[0], fe, nm)), _fma(X[3], fe7, _fma(X[2], fe, nm))
+    return _fma(sc, _fma(p23, c14, p01), acc)
+
+
+@pytest.mark.parametrize("epi", [1, 2])
+def test_flush_variants_give_the_default_flush_bits(epi):
+    """PF_EPI 1 folds the magic into the pairs' FFMA, 2 also the block's power-of-two factor fe: every intermediate
+    is exact, so each output gets the default's bits -- over the dot products' whole range (|D_p| <= 2^15), fp16
+    scales (normal, subnormal, negative) and, for 2, blocks whose largest |x| lies in [2^-98, 2^100]."""
+    rng = np.random.default_rng(epi)
+    cases = 0
+    for i in range(1500):
+        D = rng.integers(-2 ** 15, 2 ** 15 + 1, 4)
+        if i % 10 == 0:
+            D = rng.choice([-2 ** 15, 2 ** 15, 0, 1, -1], 4)          # the range's ends
+        E = int(rng.integers(-98, 101)) if i % 3 else int(rng.integers(-8, 9))
+        fe = F32(np.ldexp(1.0, E - 5))
+        sc = F32(np.float16(rng.choice([1, -1]) * (rng.uniform(2 ** -24, 2 ** -14) if i % 7 == 0
+                                                    else rng.uniform(0.001, 4.0))))
+        acc = F32(0) if i % 5 == 0 else F32(float(sc) * float(fe) * rng.standard_normal() * 2 ** 15)
+        want, got = _flush(0, D, fe, sc, acc), _flush(epi, D, fe, sc, acc)
+        assert np.array(want).view(np.int32) == np.array(got).view(np.int32), (D, E, sc, acc, want, got)
+        cases += 1
+    assert cases == 1500
+
 
 def test_pf_layout_ok_and_shared_memory():
     from coli.container.format import MatrixLayout, RecordLayout

@@ -352,8 +352,8 @@ class CudaBackend:
             fn = self._fn("prefill_mma", "pf_linear_int4")
             smem = pf_smem(K, w.layout.group)
             self.rt.allow_smem(fn, smem)
-            self.rt.launch(fn, (w.rows // PF_ROWS, -(-S // PF_TOKS)), 256, *w.args(), S, xq.ptr, xm.ptr, out.ptr,
-                           w.rows, smem=smem)
+            self.rt.launch(fn, (w.rows // PF_ROWS, -(-S // PF_TOKS)), pf_threads(), *w.args(), S, xq.ptr, xm.ptr,
+                           out.ptr, w.rows, smem=smem)
             return
         self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
 
@@ -1097,15 +1097,15 @@ class CudaBackend:
                 f_gu = self._fn("prefill_mma", "pf_gateup_int4")
                 smem = pf_smem(g.cols, g.group)
                 self.rt.allow_smem(f_gu, smem)
-                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), 256, table.ptr, g.offset, lay.up.offset,
-                               g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr, tok_d.ptr, xq.ptr,
-                               xm.ptr, hq.ptr, hm.ptr, smem=smem)
+                self.rt.launch(f_gu, (g.rows // (PF_ROWS // 2), n_tiles), pf_threads(), table.ptr, g.offset,
+                               lay.up.offset, g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes, tiles_d.ptr,
+                               tok_d.ptr, xq.ptr, xm.ptr, hq.ptr, hm.ptr, smem=smem)
                 f_dn = self._fn("prefill_mma", "pf_down_int4")
                 smem = pf_smem(d.cols, d.group)
                 self.rt.allow_smem(f_dn, smem)
-                self.rt.launch(f_dn, (d.rows // PF_ROWS, n_tiles), 256, table.ptr, d.offset, d.rows, d.cols, d.group,
-                               d.rows_per_tile, d.tile_bytes, tiles_d.ptr, tok_d.ptr, slot_d.ptr, pw_d.ptr, hq.ptr,
-                               hm.ptr, K, Y.ptr, smem=smem)
+                self.rt.launch(f_dn, (d.rows // PF_ROWS, n_tiles), pf_threads(), table.ptr, d.offset, d.rows, d.cols,
+                               d.group, d.rows_per_tile, d.tile_bytes, tiles_d.ptr, tok_d.ptr, slot_d.ptr, pw_d.ptr,
+                               hq.ptr, hm.ptr, K, Y.ptr, smem=smem)
             self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
     def _moe_pairs(self, idx, weights, recs, members, tile: int = 64):
@@ -1264,6 +1264,11 @@ def pf_moe_layout_ok(lay) -> bool:
             and g.rows % (PF_ROWS // 2) == 0 and d.rows % PF_ROWS == 0 and d.rows == g.cols and d.cols == g.rows
             and (u.rows, u.cols, u.group, u.rows_per_tile, u.tile_bytes)
             == (g.rows, g.cols, g.group, g.rows_per_tile, g.tile_bytes))
+
+
+def pf_threads() -> int:
+    """Threads per prefill_mma.cu GEMM block: a warp per 64 weight rows x 16 activation rows (PF_THREADS there)."""
+    return 32 * (PF_ROWS // 64) * (PF_TOKS // 16)
 
 
 def pf_smem(cols: int, group: int) -> int:

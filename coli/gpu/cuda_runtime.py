@@ -195,6 +195,17 @@ class CudaRuntime:
                 raise CudaError(f"compiling cuda/{name}.cu for sm_{self.cc[0]}{self.cc[1]} failed: {e}") from None
         return self._modules[name]
 
+    def use_module(self, name: str, module) -> None:
+        """Serve cuda/<name>.cu's kernels from `module` (a loaded module: a variant built with other -D settings, for
+        scripts/pf_kernel_sweep.py; None: compile the source as shipped on next use). The functions prepared from
+        the old one are dropped, with their shared-memory settings."""
+        for key in [k for k in self._fns if k[0] == name]:
+            self._smem_set.pop(id(self._fns.pop(key)), None)
+        if module is None:
+            self._modules.pop(name, None)
+        else:
+            self._modules[name] = module
+
     def function(self, module: str, name: str, argtypes: str):
         key = (module, name)
         fn = self._fns.get(key)

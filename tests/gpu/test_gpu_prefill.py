@@ -127,3 +127,51 @@ def test_moe_prefill_in_chunks(gb, rng, monkeypatch):
     monkeypatch.setattr(cb, "PREFILL_CHUNK_BYTES", 17 * per_token)        # chunks of ~17 tokens: 5 of them
     got = _with(gb, "mma", lambda: gb.to_host(gb.moe(gb.upload(x), idx, w, ((e, recs[e]) for e in range(E)))))
     assert rel_err(got, moe_reference(x, idx, w, mats)) < TOL
+
+
+# variants of prefill_mma.cu (scripts/pf_kernel_sweep.py): one of each flush and block shape; each computes every
+# output's integer sums and fp32 flush in the default's order, so each must give the default's bits
+PF_VARIANTS = ["epi1", "epi2", "epi2-skip", "epi2-hoist-minb1", "epi2-skip-128x32-minb3", "epi2-256x64-minb1",
+               "epi2-128x64"]
+
+
+@pytest.mark.parametrize("name", PF_VARIANTS)
+def test_prefill_variants_give_the_default_bits(gb, rng, name, monkeypatch):
+    import shutil
+    import sys
+    from pathlib import Path
+    import coli.gpu.cuda_backend as cb
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import pf_kernel_sweep as sweep
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).is_file() and shutil.which(nvcc) is None:
+        pytest.skip("nvcc not found: the variants are built from source")
+    defs = sweep.VARIANTS[name]
+    cubin, _ = sweep.compile_variant(nvcc, f"{gb.rt.cc[0]}{gb.rt.cc[1]}", defs)
+    cases = [(6144, 2048, 64, 12, 8, 70), (256, 128, 64, 3, 2, 130), (256, 128, 128, 6, 3, 41)]
+    inputs = []
+    for H, Im, group, E, K, S in cases:
+        recs, _ = _experts(gb, H, Im, "int4", group, E, rng)
+        x = rand(rng, S, H)
+        x[1] *= np.float32(2.0 ** -30)                      # a token far below the others: its own exponents
+        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+        w = rng.uniform(0.1, 1.0, (S, K)).astype(F32)
+        inputs.append((gb.upload(x), idx, w, recs))
+    buf, lay, _ = stored_matrix(2048, 6144, "int4", rng, group=64)
+    wq, xd = qweight(gb, buf, lay), gb.upload(rand(rng, 70, 6144))
+
+    def outputs():
+        return ([_with(gb, "mma", lambda: gb.to_host(gb.moe(x, idx, w, ((e, recs[e]) for e in sorted(recs)))))
+                 for x, idx, w, recs in inputs] + [_with(gb, "mma", lambda: gb.to_host(gb.linear(xd, wq)))])
+    want = outputs()
+    try:
+        gb.rt.use_module("prefill_mma", gb.rt.drv.module_from_buffer(cubin))
+        for k in ("PF_ROWS", "PF_TOKS", "PF_STAGES"):
+            monkeypatch.setattr(cb, k, defs[k])
+        got = outputs()
+    finally:
+        gb.rt.use_module("prefill_mma", None)
+    monkeypatch.undo()
+    for i, (g_, w_) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g_, w_, err_msg=f"{name}, case {i}")
+    np.testing.assert_array_equal(outputs()[0], want[0])     # the shipped module again afterwards
