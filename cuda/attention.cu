@@ -641,6 +641,7 @@ extern "C" __global__ void mla_attend_combine4(const float *pm, const float *pl,
 #define AT3_THREADS 256
 #define AT3_PTS 20       // floats per key row of the probabilities [TK][PTS]: 16 heads, 16-byte rows, 2-way writes
 #define AT3_MAXE ((AT3_TK * 144 + AT3_THREADS - 1) / AT3_THREADS)   // pieces of a tile per thread (D <= 576)
+#define AT3_QE ((AT3_HB * 144 + AT3_THREADS - 1) / AT3_THREADS)     // 16-byte query pieces per thread
 
 __device__ inline int at3_row_stride(int D) { return ((D + 31) & ~31) + 8; }
 
@@ -702,11 +703,31 @@ __device__ void mla_tile3_body(const float *qa, const float *q, int dq, int pe_o
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    for (int e = tid; e < AT3_HB * D; e += AT3_THREADS) {    // the queries (heads past nh: zeros), with tile 0
-        const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
-        const long long row = (long long)s * nh + h;
-        const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
-        at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
+    // the queries (heads past nh: zeros), with tile 0. Rows of 16-byte pieces where q_abs and q's rope part allow
+    // (GLM-5: 9 copies a thread, the tile's stepping pattern with heads for keys) -- 4-byte copies otherwise (36 a
+    // thread at GLM-5's shape, a division each: ~1 us of issue ahead of tile 0's copies)
+    const bool q16 = ((reinterpret_cast<unsigned long long>(qa) | reinterpret_cast<unsigned long long>(q)) & 15) == 0
+                     && (dq & 3) == 0 && (pe_off & 3) == 0;
+    if (q16) {
+        int hl = r0, f = f0;
+#pragma unroll
+        for (int k = 0; k < AT3_QE; k++) {
+            if (hl < AT3_HB) {
+                const long long row = (long long)s * nh + min(h0 + hl, nh - 1);
+                const float *src = f < L4 ? qa + row * Lkv + 4 * f : q + row * dq + pe_off + 4 * (f - L4);
+                at2_cp16(qs + hl * DP + 4 * f, src, h0 + hl < nh);
+            }
+            hl += SR;
+            f += SF;
+            if (f >= D4) { f -= D4; hl++; }
+        }
+    } else {
+        for (int e = tid; e < AT3_HB * D; e += AT3_THREADS) {
+            const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
+            const long long row = (long long)s * nh + h;
+            const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
+            at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
+        }
     }
     stage(0, 0);
     // score-phase ownership: slice sl, heads hq + 4i, keys kq + 4j; softmax: head sh, keys st and st + 16; context:

@@ -349,6 +349,9 @@ def test_tile3_staging_pattern_covers_each_piece_of_a_tile_once(D):
     assert sorted(seen) == [(r, f) for r in range(AS.TILE3_KEYS) for f in range(D4)]
     for tid in (0, 1, 200, 255):                               # the steps are e = tid + k * THREADS
         assert AS.tile3_pieces(tid, D4) == [divmod(e, D4) for e in range(tid, AS.TILE3_KEYS * D4, AS.TILE3_THREADS)]
+    # the queries' 16-byte staging walks the same pattern over the block's heads (AT3_QE steps)
+    seen = [p for tid in range(AS.TILE3_THREADS) for p in AS.tile3_pieces(tid, D4, keys=AS.TILE3_HEADS)]
+    assert sorted(seen) == [(h, f) for h in range(AS.TILE3_HEADS) for f in range(D4)]
 
 
 def test_tile3_partial_scores_meet_each_bank_once_per_warp():

@@ -111,7 +111,8 @@ def tile3_sp_col(sl: int, h: int, key: int) -> int:
 
 def tile3_pieces(tid: int, D4: int, threads: int = TILE3_THREADS, keys: int = TILE3_KEYS) -> list[tuple[int, int]]:
     """The (row, float4) pieces thread tid stages per tile, as mla_tile3_body steps them: from (tid // D4, tid % D4)
-    by (threads // D4, threads % D4) with one carry, AT3_MAXE steps, rows past the tile dropped."""
+    by (threads // D4, threads % D4) with one carry, AT3_MAXE steps, rows past the tile dropped. keys=TILE3_HEADS:
+    the queries' 16-byte staging (rows are heads, AT3_QE steps)."""
     maxe = -(-keys * 144 // threads)
     sr, sf = divmod(threads, D4)
     r, f = divmod(tid, D4)

@@ -147,6 +147,35 @@ def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng, attn_ker
         assert err < 1e-5, (T, err)
 
 
+@pytest.mark.parametrize("split", ["auto", "tile3"])
+@pytest.mark.parametrize("pe_off,base_off", [(8, 0), (9, 0), (8, 1)])
+def test_tile_kernels_stage_the_queries_at_any_alignment(gb, rng, split, pe_off, base_off):
+    """tile3 copies the queries in 16-byte pieces only where q_abs, q's base, its row stride and the rope offset
+    allow it, else 4-byte ones: a rope part 9 floats into rows of 73 floats, or q starting 4 bytes past a 16-byte
+    boundary, give the same attention as float64."""
+    from coli.gpu.cuda_backend import DeviceMask
+    from coli.gpu.cuda_runtime import DeviceArray
+    S, nh, Lkv, dr, T = 1, 64, 512, 64, 700
+    dq = pe_off + dr
+    qa, lat, kpe = rand(rng, S, nh, Lkv), rand(rng, T, Lkv), rand(rng, T, dr)
+    flat = rand(rng, base_off + S * nh * dq)
+    q = flat[base_off:].reshape(S, nh, dq)
+    dqa, dflat, dlat, dkpe = (gb.upload(a) for a in (qa, flat, lat, kpe))
+    dqv = DeviceArray(dflat.ptr + 4 * base_off, (S, nh, dq), owner=dflat)
+    before = gb.attn_kernels
+    gb.attn_kernels = split
+    try:
+        got = gb.to_host(gb.attend_core(dqa, dqv, pe_off, dlat, dkpe, DeviceMask(S, T, T - S), 0.07))[0]
+    finally:
+        gb.attn_kernels = before
+    L, P = lat.astype(np.float64), kpe.astype(np.float64)
+    sc = (qa[0].astype(np.float64) @ L.T + q[0, :, pe_off:].astype(np.float64) @ P.T) * 0.07
+    p = np.exp(sc - sc.max(axis=1, keepdims=True))
+    err = rel_err(got, (p / p.sum(axis=1, keepdims=True)) @ L)
+    report("mla_attend_query_alignment", kernels=split, pe_off=pe_off, base_off=base_off, rel_err=err)
+    assert err < 1e-5, err
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows,cols,Z", [(192, 512, 64), (40, 96, 3), (7, 32, 2)])
 def test_gemv_t_per_head(gb, rng, fmt, rows, cols, Z):
