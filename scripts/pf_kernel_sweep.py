@@ -280,15 +280,20 @@ def main() -> int:
                                    and r.get("bits_equal_shipped", True))
             except Exception as e:      # noqa: BLE001 -- one failing variant must not end the sweep
                 r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-                rt.synchronize()
+                try:
+                    rt.synchronize()
+                except Exception as e2:     # noqa: BLE001 -- a kernel fault poisons the context: stop, keep rows
+                    out["stopped"] = f"after {n}: the device context is lost ({str(e2)[:200]})"
+                    print(f"{n}: FAILED {r['error']}\n{out['stopped']}", flush=True)
+                    break
             print(f"{n}: {json.dumps({k: v for k, v in r.items() if k != 'defs'})}", flush=True)
     finally:
         cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, gb.prefill_kernels = saved
-        rt.use_module("prefill_mma", None)
-
-    out["seconds"] = round(time.time() - t_start, 1)
-    if a.out:                                   # before the table: a formatting slip must not lose the run
-        a.out.write_text(json.dumps(out, indent=1))
+        out["seconds"] = round(time.time() - t_start, 1)
+        if a.out:                               # first, and even when the loop ends early: the rows measured
+            a.out.write_text(json.dumps(out, indent=1))
+        if "stopped" not in out:
+            rt.use_module("prefill_mma", None)
     _table(out)
     return 0 if all(v.get("ok") for v in out["variants"].values()
                     if not v.get("error", "").startswith("shared memory")) else 1
