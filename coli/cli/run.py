@@ -121,6 +121,8 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
             out["approximate"] = {"expert_topp": topp}
         if vstats is not None:
             out["vram"] = vstats
+            if getattr(lm.experts, "mtp_mode", None) is not None and spec is not None:
+                out["vram"]["mtp_experts"] = lm.experts.mtp_mode     # where the MTP layer's experts lived
         if tok is not None:
             out["text"] = tok.decode(tokens)
         print(json.dumps(out))

@@ -534,8 +534,6 @@ class VramExperts:
         d["cpu_fallbacks"] = sum(self.fallbacks.values())
         d["vram_slots"] = self.n_slots
         d["vram_resident"] = self.pool.resident
-        if getattr(self, "mtp_mode", None) is not None:    # where the MTP layer's experts live (coli.gpu.setup)
-            d["mtp_experts"] = self.mtp_mode
         d["sm_busy_s"] = round(sm, 6)
         d["copy_busy"] = round(min(1.0, (dem - d0) / dt), 4)
         d["spec_busy"] = round(min(1.0, (spec - s0) / dt), 4)
