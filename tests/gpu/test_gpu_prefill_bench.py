@@ -29,7 +29,11 @@ def test_gpu_bench_stream_prefill_rows(tmp_path):
     rec = ContainerReader(d).record_layout.nbytes
     for r in rows:
         assert r["ttft_s_glm5"] > 0 and r["cpu_fallbacks"] == 0, r
-        assert r["moe_compute_ms_per_layer"] is not None and r["copy_all_s_glm5"] > 0, r
+        assert r["moe_compute_ms_per_layer"] is not None, r
+        # copy-all needs the run's H2D peak: on this tiny slice (records of a few KB) the probe may give none, and
+        # then the row says so (None) instead of a made-up ceiling
+        peak = (res.get("h2d_peak") or {}).get("whole_GBps")
+        assert (r["copy_all_s_glm5"] > 0) if peak else (r["copy_all_s_glm5"] is None), (r, res.get("notes"))
         if r["scenario"] == "cold-ram":
             tok = np.arange(r["tokens"]) % idx.shape[0]
             union = sum(len({int(e) for e in idx[tok, layer].ravel() if e >= 0}) for layer in range(idx.shape[1]))
