@@ -486,6 +486,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
 // warp; out[0] is written only if the chains' XOR hits a value they never reach, so nothing is optimised away.
 #if PF_PEAK
 extern "C" __global__ void __launch_bounds__(256) pf_mma_peak(int iters, int *out) {
+    COLI_PDL_ENTRY();
     const uint32_t v = threadIdx.x * 0x01030507u;
     const uint32_t a[4] = {v & 0x0f0f0f0fu, (v >> 4) & 0x0f0f0f0fu, (v ^ 0x0a0b0c0du) & 0x0f0f0f0fu, 0x01020304u};
     const uint32_t b0 = v ^ 0x5a5a5a5au, b1 = v * 3u;
