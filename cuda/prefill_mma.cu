@@ -34,8 +34,9 @@
 //            .. + 63 (4 MMA row tiles) and activation rows 16 (w / 4) .. + 15 (4 quads). (256 x 32 rather than
 //            128 x 64: a MoE expert's ~64 pairs fill 32-pair tiles better, and a column costs 128 + 128 bytes of
 //            staging instead of 64 + 256.) K runs in 64-column blocks through a PF_STAGES-deep
-//            cp.async pipeline (weights 4 KiB, split x 16 KiB, its metadata 3 KiB per stage); the block's fp16 group
-//            scales are staged once.
+//            cp.async pipeline (weights 8 KiB, split x 8 KiB, its metadata 1.5 KiB per stage); the block's fp16 group
+//            scales are staged once. Other shapes (warps of 64 rows x 16 activation rows, PF_THREADS of them) and the
+//            variants below are compile-time settings for scripts/pf_kernel_sweep.py; the defaults are the build.
 // Requirements (pf_layout_ok in cuda_backend.py; otherwise gemm.cu runs): int4, group 64 or 128 dividing C, C % 64,
 // rows % PF_ROWS (linear, down) or Im % (PF_ROWS / 2) (gate/up), 16-byte aligned rows, the shared memory within the
 // device's limit.
@@ -361,7 +362,7 @@ __device__ inline void pf_row(const QMat &m, int r, const u8 **rowd, const u8 **
 
 // ---- pf_linear_int4 ---------------------------------------------------------------------------------------------
 // Y[s, n] = sum_k x[s, k] W[n, k] for s < S, n < N (= W rows), x split (pf_split_rows: xq, xm, C = W cols).
-//   grid (N / PF_ROWS, ceil(S / PF_TOKS)), block 256, dynamic smem = pf_smem(C, group).
+//   grid (N / PF_ROWS, ceil(S / PF_TOKS)), block PF_THREADS (256), dynamic smem = pf_smem(C, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4(
     QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
     COLI_PDL_ENTRY();
@@ -394,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
 // j in [j0, j0 + PF_ROWS / 2):
 //   h[p, j] = silu(x[token] . gate_e[j]) * (x[token] . up_e[j]), written split (hq, hm: rows P, columns Im) for
 //   pf_down_int4. x arrives split (xq, xm over [S, H]). Block rows: gate j0 .. + PF_ROWS / 2 - 1, then up the same.
-//   grid (Im / (PF_ROWS / 2), n_tiles), block 256, dynamic smem = pf_smem(H, group).
+//   grid (Im / (PF_ROWS / 2), n_tiles), block PF_THREADS (256), dynamic smem = pf_smem(H, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4(
     const u8 *const *table, long long gate_off, long long up_off, int rows, int cols, int group, int rpt,
     long long tile_bytes, const int *tiles, const int *pair_token, const u8 *xq, const int *xm, u8 *hq, int *hm) {
@@ -446,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4
 // The grouped MoE's second half: Y[token p, slot p, n] = pair_w[p] * (h[p] . down_e[n]) for the tiles' pairs,
 // n in [n0, n0 + 128); h split as pf_gateup_int4 writes it ([P, Im]); down [rows = H, cols = Im] at down_off.
 // Y [S, K, H] fp32: every (token, slot) row written by exactly one block column (no atomics: deterministic).
-//   grid (H / PF_ROWS, n_tiles), block 256, dynamic smem = pf_smem(Im, group).
+//   grid (H / PF_ROWS, n_tiles), block PF_THREADS (256), dynamic smem = pf_smem(Im, group).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
     const u8 *const *table, long long down_off, int rows, int cols, int group, int rpt, long long tile_bytes,
     const int *tiles, const int *pair_token, const int *pair_slot, const float *pair_w, const u8 *hq, const int *hm,

@@ -55,6 +55,7 @@ VARIANTS = {
     "epi2": _v(PF_EPI=2),                                   # ... and fe too: 6 FFMA per output (was 9)
     "skip": _v(PF_SKIP=1),                                  # partial tiles' absent quads skip their MMAs
     "epi2-skip": _v(PF_EPI=2, PF_SKIP=1),                   # both (and no spills at 128 registers)
+    "epi1-skip": _v(PF_EPI=1, PF_SKIP=1),                   # the same without EPI 2's range note (exact anywhere)
     "epi2-skip-hoist": _v(PF_EPI=2, PF_SKIP=1, PF_HOIST=1),
     "epi2-skip-128x32-minb3": _v(PF_EPI=2, PF_SKIP=1, PF_ROWS=128, PF_TOKS=32, PF_MINB=3),
     "epi2-minb1": _v(PF_EPI=2, PF_MINB=1),                  # no register cap: no spills, 2 warps per scheduler
