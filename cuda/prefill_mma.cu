@@ -73,7 +73,7 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 //      then fe (D0 + D1 / 2^7), h fe rounded once as h was, acc = fma(sc, h fe, acc): 6 FFMA. The same bits while
 //      fe M and the products stay normal floats: a block's largest |x| in [2^-98, 2^100] (outside: float range ends)
 #ifndef PF_EPI
-#define PF_EPI 0
+#define PF_EPI 1                       // the default since the H200 sweep (scripts/pf_kernel_sweep.py)
 #endif
 // 1: each thread's copy sources (weight rows, split-x rows, metadata) found once per block, not at every stage
 #ifndef PF_HOIST
@@ -82,7 +82,7 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 // 1: warps and quads of 4 activation rows past the block's last present row (a partial tile: an expert's last
 // pairs, the prompt's last tokens) skip their MMAs and flushes -- the other block on the SM gets those issue slots
 #ifndef PF_SKIP
-#define PF_SKIP 0
+#define PF_SKIP 1                      // the default since the H200 sweep
 #endif
 // 1: DIAGNOSTIC ONLY, wrong results by design: the flush is one IADD chain + FADD per output (the MMAs and the loads
 // as before) -- how fast the loop runs when the per-64-column epilogue costs next to nothing
