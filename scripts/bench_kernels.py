@@ -42,8 +42,8 @@ F32 = np.float32
 H, IM, K, V = 6144, 2048, 8, 154880
 VERSIONS = ("v1", "v2", "mma")     # fused MoE decode kernel versions, oldest first (cuda_backend.MOE_KERNELS)
 MOE_K_MAX = 8                      # experts per fused decode launch (cuda_backend.MOE_MAXK)
-ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "auto", "tile3")   # cuda_backend.ATTN_VERSIONS, oldest first
-ATTN_TILE_VERSIONS = ("tile1", "auto", "tile3")   # the tile kernels: their context's launches apart and chunk sweeps
+ATTN_BENCH_VERSIONS = ("v1", "split1", "split2", "tile1", "tile2", "tile3")   # cuda_backend.ATTN_VERSIONS, oldest first
+ATTN_TILE_VERSIONS = ("tile1", "tile2", "tile3")   # the tile kernels: their context's launches apart and chunk sweeps
 
 
 def random_matrix_bytes(rows, cols, fmt, group, rng, tile_kb=512):
@@ -705,7 +705,7 @@ def main() -> int:
                 gb.attn_kernels = ver
                 us = tm.per_call_us(lambda i: gb.mla_attend(q, lats[i % ncache], kpes[i % ncache], *heads[i % NKV],
                                                             mask, 1 / 16), a.iters, spin_us=400)
-                add(f"mla_attend decode T={T} {cname} [{'tile2' if ver == 'auto' else ver}]", us, nb)
+                add(f"mla_attend decode T={T} {cname} [{ver}]", us, nb)
                 c[ver] = round(us, 2)
             # the context alone (part + combine) of every split version, and each one's result against split2's
             qa_in = gb.upload(rng.standard_normal((1, nh, L)).astype(F32) * 0.05)
@@ -737,7 +737,7 @@ def main() -> int:
             c["core_us"] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
             c["chunk"] = list(attention_split.split_chunks(nkeys, 1, nh, L, rt.sm_count))
             # each tile version's context, its two launches apart (part into fixed partials; the combine over them);
-            # part_only_us / combine_only_us: the default's ("auto")
+            # part_only_us / combine_only_us: the default's (tile3, what "auto" takes where it fits)
             parts = c["parts_by_version"] = {}
             for ver in ATTN_TILE_VERSIONS:
                 gb.attn_kernels = ver
@@ -760,13 +760,13 @@ def main() -> int:
                         ctx.ptr), a.iters, spin_us=200), 2)
                 except Exception as e:   # a diagnostic row: never the rest of the benchmark
                     parts.setdefault(ver, {})["error"] = repr(e)[:300]
-            c["part_only_us"] = parts.get("auto", {}).get("part_us")
-            c["combine_only_us"] = parts.get("auto", {}).get("combine_us")
-            if "error" in parts.get("auto", {}):
-                c["parts_error"] = parts["auto"]["error"]
+            c["part_only_us"] = parts.get("tile3", {}).get("part_us")
+            c["combine_only_us"] = parts.get("tile3", {}).get("combine_us")
+            if "error" in parts.get("tile3", {}):
+                c["parts_error"] = parts["tile3"]["error"]
             for ver in ATTN_TILE_VERSIONS:           # the chunk sweep of every tile kernel
                 gb.attn_kernels = ver
-                sweep = c["core_us_by_chunk" if ver == "auto" else f"core_us_by_chunk_{ver}"] = {}
+                sweep = c["core_us_by_chunk" if ver == "tile2" else f"core_us_by_chunk_{ver}"] = {}
                 for ch in (16, 32, 64, 128, 256, 512):
                     gb.attn_chunk = ch
                     sweep[ch] = round(tm.per_call_us(core, a.iters, spin_us=200), 2)
@@ -836,8 +836,8 @@ def _report(a, res, rows, copy_bw, rt) -> int:
     if att:
         print("\nmla_attend decode (64 heads, Lkv 512, rope 64, int8 kv_b; target <= 40 us), every version, same run:")
         for k, c in att.items():
-            print(f"  {k}: " + " -> ".join(f"{'tile2' if v == 'auto' else v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
-                  + f" us ({c['v1'] / c['auto']:.1f}x v1, {c['split2'] / c['auto']:.2f}x split2; tile3 "
+            print(f"  {k}: " + " -> ".join(f"{v} {c[v]:.1f}" for v in ATTN_BENCH_VERSIONS)
+                  + f" us ({c['v1'] / c['tile3']:.1f}x v1, {c['split2'] / c['tile3']:.2f}x split2; tile3 (the default) "
                   f"{'meets' if c['tile3'] <= 40 else 'misses'} 40 us); default's parts: q_abs "
                   f"{c['q_abs_us']:.1f} (gemv_t {c['q_abs_gemv_t_us']:.1f}), context {c['core_us']:.1f}, "
                   f"o {c['o_us']:.1f} (gemv {c['o_gemv_us']:.1f})")
@@ -847,7 +847,7 @@ def _report(a, res, rows, copy_bw, rt) -> int:
                   f"{ {v: f'{e:.1e}' for v, e in c['ctx_rel_err_vs_split2'].items()} }); by chunk: tile2 "
                   f"{c['core_us_by_chunk']}, tile1 {c['core_us_by_chunk_tile1']}, tile3 {c['core_us_by_chunk_tile3']}")
             for ver, pv in c.get("parts_by_version", {}).items():
-                print(f"    {'tile2' if ver == 'auto' else ver} context apart: part {pv.get('part_us')} us, combine "
+                print(f"    {ver} context apart: part {pv.get('part_us')} us, combine "
                       f"{pv.get('combine_us')} us ({pv.get('combine')}; part smem {pv.get('smem')} B){' ' + pv['error'] if 'error' in pv else ''}")
     gv = res.get("gemv", {})
     if gv:

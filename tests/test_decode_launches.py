@@ -41,7 +41,8 @@ def _weight(gb, rows, cols, fmt, group=64):
 
 
 @pytest.mark.parametrize("attn,want", [
-    ("auto", ["mla_qabs_int8", "mla_attend_tile2", "mla_attend_combine4", "mla_o_int8"]),
+    ("auto", ["mla_qabs_int8", "mla_attend_tile3", "mla_attend_combine_onepass", "mla_o_int8"]),
+    ("tile2", ["mla_qabs_int8", "mla_attend_tile2", "mla_attend_combine4", "mla_o_int8"]),
     ("tile1", ["mla_qabs_int8", "mla_attend_tile1", "mla_attend_combine4", "mla_o_int8"]),
     ("tile3", ["mla_qabs_int8", "mla_attend_tile3", "mla_attend_combine_onepass", "mla_o_int8"]),
     ("split2", ["gemv_t_int8", "mla_attend_part_16", "mla_attend_combine", "gemv2_int8"]),
@@ -67,9 +68,9 @@ def test_glm5_decode_attention_launches(attn, want, masking):
     if attn != "v1":
         part = gb.rt.launches[1]
         assert part[1] == (32, 4, 1) and part[2] == 256       # 32 chunks of 64 keys x 4 head groups: one wave
-    if attn in ("auto", "tile1", "tile3"):                    # the projections: 4 (q_abs) and 8 (o) blocks per head
+    if attn in ("auto", "tile1", "tile2", "tile3"):           # the projections: 4 (q_abs) and 8 (o) blocks per head
         assert gb.rt.launches[0][1] == (4, nh) and gb.rt.launches[3][1] == (8, nh)
-    if attn == "tile3":                                       # its combine: 2 blocks of 64 float4 columns per head
+    if attn in ("auto", "tile3"):                             # its combine: 2 blocks of 64 float4 columns per head
         assert gb.rt.launches[2][1:3] == ((2, nh, 1), 128)
     elif attn != "v1":
         assert gb.rt.launches[2][1] == (nh, 1)
@@ -82,18 +83,19 @@ def test_one_chunk_needs_no_combine():
     lat, kpe = gb.rt.empty((40, 32)), gb.rt.empty((40, 16))
     gb.attn_chunk = 4096
     gb.attend_core(q_abs, q, 32, lat, kpe, DeviceMask(40, 40, 0), 0.1)
-    assert [x[0] for x in gb.rt.launches] == ["mla_attend_tile2"]
+    assert [x[0] for x in gb.rt.launches] == ["mla_attend_tile3"]
 
 
 @pytest.mark.parametrize("optin,want", [(232448, "mla_attend_tile2"), (101376, "mla_attend_tile1"),
                                         (65536, "mla_attend_part_16")])
-def test_auto_takes_the_tile_kernel_the_devices_shared_memory_allows(optin, want):
-    """An H100/H200 block can have 227 KB of shared memory (tile2's two key buffers: 129 KB at GLM-5's shape), an
-    sm_86/89 block 99 KB (tile1's one buffer: 92 KB); below that the part kernel (41 KB)."""
+def test_tile2_takes_the_tile_kernel_the_devices_shared_memory_allows(optin, want):
+    """COLI_ATTN_KERNELS=tile2 (the default before tile3): an H100/H200 block can have 227 KB of shared memory (tile2's
+    two key buffers: 129 KB at GLM-5's shape), an sm_86/89 block 99 KB (tile1's one buffer: 92 KB); below that the
+    part kernel (41 KB)."""
     from coli.gpu import attention_split as AS
     from coli.gpu.cuda_backend import DeviceMask
     assert AS.tile_smem_bytes(512, 64, 2) > 101376 >= AS.tile_smem_bytes(512, 64, 1) > 65536
-    gb = _backend()
+    gb = _backend("tile2")
     gb.rt.smem_optin = optin
     q_abs, q = gb.rt.empty((1, 64, 512)), gb.rt.empty((1, 64, 256))
     lat, kpe = gb.rt.empty((2048, 512)), gb.rt.empty((2048, 64))
@@ -105,13 +107,14 @@ def test_auto_takes_the_tile_kernel_the_devices_shared_memory_allows(optin, want
 
 @pytest.mark.parametrize("optin,want", [(232448, "mla_attend_tile3"), (200000, "mla_attend_tile2"),
                                         (101376, "mla_attend_tile1"), (65536, "mla_attend_part_16")])
-def test_tile3_falls_back_to_the_kernels_the_devices_shared_memory_allows(optin, want):
+@pytest.mark.parametrize("attn", ["auto", "tile3"])
+def test_tile3_falls_back_to_the_kernels_the_devices_shared_memory_allows(optin, want, attn):
     """COLI_ATTN_KERNELS=tile3: its two 32-key tiles take 217 KB at GLM-5's shape (an sm_90 block's 227 KB holds them);
     a smaller block gets what "auto" would pick there -- never a launch past the device's shared memory."""
     from coli.gpu import attention_split as AS
     from coli.gpu.cuda_backend import DeviceMask
     assert 232448 >= AS.tile3_smem_bytes(512, 64) > 200000 >= AS.tile_smem_bytes(512, 64, 2)
-    gb = _backend("tile3")
+    gb = _backend(attn)                                      # auto is tile3 since the H200 run of 2026-12-01
     gb.rt.smem_optin = optin
     q_abs, q = gb.rt.empty((1, 64, 512)), gb.rt.empty((1, 64, 256))
     lat, kpe = gb.rt.empty((2048, 512)), gb.rt.empty((2048, 64))
@@ -154,7 +157,7 @@ def test_a_kernel_version_setting_must_name_a_version():
     from coli.errors import ColiError
     from coli.gpu.cuda_backend import ATTN_VERSIONS, GEMV_VERSIONS, kernel_choice
     assert kernel_choice("COLI_ATTN_KERNELS", "split1", ATTN_VERSIONS) == "split1"
-    with pytest.raises(ColiError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, tile3, tile1, split2, split1, v1"):
+    with pytest.raises(ColiError, match=r"COLI_ATTN_KERNELS='v2' is not a kernel version: use one of auto, tile3, tile2, tile1, split2, split1, v1"):
         kernel_choice("COLI_ATTN_KERNELS", "v2", ATTN_VERSIONS)
     with pytest.raises(ColiError, match="COLI_GEMV_KERNELS='fast'"):
         kernel_choice("COLI_GEMV_KERNELS", "fast", GEMV_VERSIONS)

@@ -138,8 +138,8 @@ PREFILL_VERSIONS = ("mma", "v1")
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
 PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
-ATTN_VERSIONS = ("auto", "tile3", "tile1", "split2", "split1", "v1")
-ATTN_PROJ_VERSIONS = ("auto", "tile3", "tile1")   # decode the projections with mla_qabs_<fmt> / mla_o_<fmt>
+ATTN_VERSIONS = ("auto", "tile3", "tile2", "tile1", "split2", "split1", "v1")
+ATTN_PROJ_VERSIONS = ("auto", "tile3", "tile2", "tile1")   # decode the projections with mla_qabs_<fmt> / mla_o_<fmt>
 MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu)
 GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
 GEMV2_ROUND_CHUNKS = 64   # gemv2_split's fixed cost of a round of groups, in chunks of a segment (fitted to the sweep)
@@ -588,12 +588,13 @@ class CudaBackend:
 
     def _split_kernels(self, Lkv: int, dr: int, nj: int) -> tuple[Any, int, int, str, int]:
         """(part kernel, its threads, its dynamic shared memory, combine kernel name, its threads) of the split
-        context under attn_kernels. "auto" takes mla_attend_tile2 (two key buffers) where the device lets a block
-        have its shared memory, else mla_attend_tile1 (one buffer: 92 KB at GLM-5's shape, within sm_86/89's 99 KB),
-        else the part kernel; "tile3" tries mla_attend_tile3 (32-key tiles) before those. The choice depends only on
-        the device, so a captured step and the eager one agree."""
+        context under attn_kernels. "auto" (= "tile3") takes mla_attend_tile3 (32-key tiles, 217 KB at GLM-5's shape:
+        sm_90/sm_100) where the device lets a block have its shared memory, else mla_attend_tile2 (two 16-key buffers),
+        else mla_attend_tile1 (one buffer: 92 KB, within sm_86/89's 99 KB), else the part kernel; "tile2" starts at
+        tile2 (the default before the H200 run of 18:35 UTC, 2026-12-01: 46.1 against tile3's 38.1 us). The choice
+        depends only on the device, so a captured step and the eager one agree."""
         AS = attention_split
-        tiles = {"auto": (2, 1), "tile3": (3, 2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
+        tiles = {"auto": (3, 2, 1), "tile3": (3, 2, 1), "tile2": (2, 1), "tile1": (1,)}.get(self.attn_kernels, ())
         for v in tiles:
             fn = self._fn("attention", f"mla_attend_tile{v}")
             smem = AS.tile3_smem_bytes(Lkv, dr) if v == 3 else AS.tile_smem_bytes(Lkv, dr, v)
