@@ -8,6 +8,9 @@
 # then scripts/bench_kernels.py.
 # The slice is made in the background while the tests run. Everything lands in $OUT/results.tgz (re-packed after each
 # step, so a call cut short still returns what finished) and $OUT/summary.txt.
+# Settings: SKIP_SUITE / SKIP_PREFILL / SKIP_KERNELS=1 leave a step out (two calls fit the 10-minute limit: the suite
+# alone takes ~4.5 min since 2026-12-01 evening); REUSE_SLICE=1 keeps a slice already made (a second call on a warm
+# machine); SUITE_TIMEOUT (300 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -24,11 +27,11 @@ export PYTHONPATH=$PWD:/tmp/site
 # needs before the slice is made
 python3 -c "import coli.stages" 2>/dev/null || timeout 120 python3 -m pip install -q --no-index --no-deps \
     --no-build-isolation -e . >>"$R/pip.log" 2>&1
-( timeout 200 python3 -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
+( [ -f "$SLICE/coli-manifest.json" ] && [ "${REUSE_SLICE:-0}" = 1 ] ) || ( timeout 200 python3 -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
     --dense-format int8 --threads 6 --no-progress --force >"$R/slice.log" 2>&1; echo "make-slice exit $?" >>"$R/slice.log" ) &
 SLICE_PID=$!
 if [ "${SKIP_SUITE:-0}" != 1 ]; then
-    OUT=$R/suite timeout 240 bash scripts/gpu_suite.sh tests compile >"$R/suite.log" 2>&1
+    OUT=$R/suite timeout ${SUITE_TIMEOUT:-300} bash scripts/gpu_suite.sh tests compile >"$R/suite.log" 2>&1
     say "gpu suite exit $?: $(grep -E '[0-9]+ (passed|failed)' "$R/suite/gpu-tests.log" | tail -1)"
     say "compile: $(tail -2 "$R/suite/compile-test.log" 2>/dev/null | tr '\n' ' ')"
     pack
@@ -74,7 +77,7 @@ COLI_BATCH_GRAPHS=1 timeout 50 python3 scripts/bench_batch.py --model "$SLICE" -
 say "bench batch exit $?"
 pack
 if [ "${SKIP_KERNELS:-0}" != 1 ]; then    # MTP decode and the kernel rows (SKIP_KERNELS=1 on a second call)
-    timeout 60 python3 scripts/bench_mtp.py --device gpu --tokens 32 --repeat 1 --json "$R/bench_mtp.json" \
+    timeout 90 python3 scripts/bench_mtp.py --device gpu --tokens 128 --warmup-tokens 8 --repeat 1 --json "$R/bench_mtp.json" \
         >"$R/bench_mtp.log" 2>&1
     say "bench mtp exit $?"
     pack
