@@ -398,6 +398,35 @@ __device__ inline void fma4(float4 &c, float p, const float4 &v) {
     c.x = fmaf(p, v.x, c.x); c.y = fmaf(p, v.y, c.y); c.z = fmaf(p, v.z, c.z); c.w = fmaf(p, v.w, c.w);
 }
 
+// A lane's register tile of the scores (tile2 / tile1: NK = 4 keys, tile3: 8): a[i][j] = slice sl's part of
+// q_abs|q_pe of head hq + 4 i . lat|k_pe of key kq + 4 j, over the float4 columns f = sl, sl + KS, ... < D4 of the
+// staged query rows qs and tile rows kb (row stride DP floats); UF: how far the column loop is unrolled.
+template <int NK, int KS, int UF>
+__device__ inline void tile_scores(const float *qs, const float *kb, int DP, int D4, int sl, int hq, int kq,
+                                   float (&a)[4][NK]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < NK; j++) a[i][j] = 0.f;
+#pragma unroll UF
+    for (int f = sl; f < D4; f += KS) {
+        float4 qv[4], kv[NK];
+#pragma unroll
+        for (int i = 0; i < 4; i++) qv[i] = *reinterpret_cast<const float4 *>(qs + (hq + 4 * i) * DP + 4 * f);
+#pragma unroll
+        for (int j = 0; j < NK; j++) kv[j] = *reinterpret_cast<const float4 *>(kb + (kq + 4 * j) * DP + 4 * f);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < NK; j++) {
+                a[i][j] = fmaf(qv[i].x, kv[j].x, a[i][j]);
+                a[i][j] = fmaf(qv[i].y, kv[j].y, a[i][j]);
+                a[i][j] = fmaf(qv[i].z, kv[j].z, a[i][j]);
+                a[i][j] = fmaf(qv[i].w, kv[j].w, a[i][j]);
+            }
+    }
+}
+
 template <int NBUF>
 __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_off, const float *lat,
                               const float *kpe, const int *idx, const int *cnt, int kmax, int start,
@@ -476,27 +505,7 @@ __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_of
         const float *kb = ks + b * AT2_TK * DP;
         {   // scores, slice sl's part                                                   a [4 heads][4 keys]
             float a[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) a[i][j] = 0.f;
-#pragma unroll 2
-            for (int f = sl; f < D4; f += AT2_KS) {
-                float4 qv[4], kv[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) qv[i] = *reinterpret_cast<const float4 *>(qs + (hq + 4 * i) * DP + 4 * f);
-#pragma unroll
-                for (int j = 0; j < 4; j++) kv[j] = *reinterpret_cast<const float4 *>(kb + (kq + 4 * j) * DP + 4 * f);
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        a[i][j] = fmaf(qv[i].x, kv[j].x, a[i][j]);
-                        a[i][j] = fmaf(qv[i].y, kv[j].y, a[i][j]);
-                        a[i][j] = fmaf(qv[i].z, kv[j].z, a[i][j]);
-                        a[i][j] = fmaf(qv[i].w, kv[j].w, a[i][j]);
-                    }
-            }
+            tile_scores<4, AT2_KS, 2>(qs, kb, DP, D4, sl, hq, kq, a);
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -748,27 +757,7 @@ __device__ void mla_tile3_body(const float *qa, const float *q, int dq, int pe_o
         const float *kb = ks + b * AT3_TK * DP;
         {   // scores, slice sl's part                                                   a [4 heads][8 keys]
             float a[4][8];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 8; j++) a[i][j] = 0.f;
-#pragma unroll 1
-            for (int f = sl; f < D4; f += AT3_KS) {
-                float4 qv[4], kv[8];
-#pragma unroll
-                for (int i = 0; i < 4; i++) qv[i] = *reinterpret_cast<const float4 *>(qs + (hq + 4 * i) * DP + 4 * f);
-#pragma unroll
-                for (int j = 0; j < 8; j++) kv[j] = *reinterpret_cast<const float4 *>(kb + (kq + 4 * j) * DP + 4 * f);
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        a[i][j] = fmaf(qv[i].x, kv[j].x, a[i][j]);
-                        a[i][j] = fmaf(qv[i].y, kv[j].y, a[i][j]);
-                        a[i][j] = fmaf(qv[i].z, kv[j].z, a[i][j]);
-                        a[i][j] = fmaf(qv[i].w, kv[j].w, a[i][j]);
-                    }
-            }
+            tile_scores<8, AT3_KS, 1>(qs, kb, DP, D4, sl, hq, kq, a);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int h = hq + 4 * i;
@@ -943,29 +932,6 @@ extern "C" __global__ void __launch_bounds__(CMB_THREADS) mla_attend_combine_one
 #define QA_U 8
 
 template <int FMT>
-__device__ inline void at_chunk_vals(const uint4 &w, float *v) {   // a chunk's codes as floats, before scales
-    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
-        else if (FMT == FMT_BF16) {
-            v[2 * i] = __uint_as_float(ws[i] << 16);
-            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
-        } else if (FMT == FMT_INT8) {
-#pragma unroll
-            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
-                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
-                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
-            }
-        }
-    }
-}
-
-template <int FMT>
 __device__ void mla_qabs_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
                               long long y_z) {
     constexpr int V = Chunk<FMT>::VALS, CPB = 128 / V, RL = 256 / CPB;
@@ -997,7 +963,7 @@ __device__ void mla_qabs_body(QMat W, int wrow0, int wz, int K, const float *x, 
             for (int u = 0; u < QA_U; u++) {
                 if (k0 + u * RL < K) {
                     float v[V];
-                    at_chunk_vals<FMT>(w[u], v);
+                    chunk_vals<FMT>(w[u], v);
 #pragma unroll
                     for (int i = 0; i < V; i++) acc[i] = fmaf(xk[u], v[i] * s[u], acc[i]);
                 }

@@ -101,6 +101,30 @@ template <int FMT> struct Chunk {
 };
 
 template <int FMT>
+__device__ inline void chunk_vals(const uint4 &w, float *v) {   // a 16-byte chunk's codes as floats, before scales
+                                                                // (the GEMVs' and MLA's projections: gemv.cu, attention.cu)
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
+        else if (FMT == FMT_BF16) {
+            v[2 * i] = __uint_as_float(ws[i] << 16);
+            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
+        } else if (FMT == FMT_INT8) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
+                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
+                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
+            }
+        }
+    }
+}
+
+template <int FMT>
 __device__ inline int xs_slot(int chunk, int k) {  // float4 slot of x's float4 k of `chunk`
     constexpr int F4 = Chunk<FMT>::F4;
     return chunk * F4 + (k ^ ((chunk >> Chunk<FMT>::SHIFT) & (F4 - 1)));

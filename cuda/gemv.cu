@@ -61,29 +61,6 @@ COLI_FOR_FORMATS(GEMV_KERNEL)
 //   any GEMV_T_U.
 #define GEMV_T_U 12
 template <int FMT>
-__device__ inline void chunk_vals(const uint4 &w, float *v) {   // the chunk's codes as floats, before scales
-    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        if (FMT == FMT_F32) v[i] = __uint_as_float(ws[i]);
-        else if (FMT == FMT_BF16) {
-            v[2 * i] = __uint_as_float(ws[i] << 16);
-            v[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u);
-        } else if (FMT == FMT_INT8) {
-#pragma unroll
-            for (int k = 0; k < 4; k++) v[4 * i + k] = (float)(int8_t)((ws[i] >> (8 * k)) & 0xffu);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const uint32_t b = (ws[i] >> (8 * k)) & 0xffu;
-                v[8 * i + 2 * k] = (float)(int)(b & 15u) - 8.f;
-                v[8 * i + 2 * k + 1] = (float)(int)(b >> 4) - 8.f;
-            }
-        }
-    }
-}
-
-template <int FMT>
 __device__ void gemv_t_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
                             long long y_z) {
     extern __shared__ float4 smem4[];

@@ -6,6 +6,7 @@
 # prefill GEMMs (int8's take the fp32 tiles: the prediction's dense part). Budget: make-slice ~60 s when the slice is
 # not there; the run ~2 min (the budget engine reads every expert from the disk per prefill, ~8 s each).
 set -uo pipefail
+source "$(dirname "$0")/bench_slice.sh"
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 DENSE=${DENSE:-int8}
@@ -25,12 +26,7 @@ fi
 {
   echo "== $(date -u +%FT%TZ) coli bench stream --prefill $PREFILL: 2-layer slice, dense core $DENSE, $SCENARIOS"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
-  if [ ! -f "$SLICE/coli-manifest.json" ]; then
-    t0=$(date +%s)
-    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
-      --dense-format "$DENSE" --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
-    echo "make-slice: $(( $(date +%s) - t0 )) s"
-  fi
+  ensure_bench_slice
   t0=$(date +%s)
   timeout 300 "$PY" -m coli.cli.main bench stream "$SLICE" --scenario "$SCENARIOS" --tokens 4 --vram-gb 16 \
     --ram-gb 64 --tile-kb 1024 --prefill "$PREFILL" --prefill-ahead --json-out "$OUT/bench_prefill.json"

@@ -8,6 +8,7 @@
 # `coli convert` stores it by default (DENSE=int8; int4 is what `coli plan` picks at 16 GB; bf16 for the older rows):
 # a bf16 slice reads ~430 MB of dense weights per layer, twice what a user's converted model reads.
 set -uo pipefail
+source "$(dirname "$0")/bench_slice.sh"
 OUT=${OUT:-/tmp/bench_stream_out}
 DENSE=${DENSE:-int8}
 SLICE=${SLICE:-/tmp/coli_slice2_$DENSE}
@@ -20,12 +21,7 @@ LOG="$OUT/bench_stream.log"
   echo "== $(date -u +%FT%TZ) coli bench stream: 2-layer slice, glm52 trace, --vocab 4096 (dense kept small), dense core $DENSE, N=$N"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
   df -h /tmp || true
-  if [ ! -f "$SLICE/coli-manifest.json" ]; then
-    t0=$(date +%s)
-    timeout 240 "$PY" -m coli.cli.main bench make-slice "$SLICE" --layers 2 --trace glm52 --vocab 4096 \
-      --dense-format "$DENSE" --threads 8 --no-progress --force || { echo "make-slice failed"; exit 1; }
-    echo "make-slice: $(( $(date +%s) - t0 )) s"
-  fi
+  ensure_bench_slice
   t0=$(date +%s)
   timeout 420 "$PY" -m coli.cli.main bench stream "$SLICE" --scenario all --tokens "$N" --vram-gb 16 --ram-gb 64 \
     --tile-kb 1024 --json-out "$OUT/bench_stream.json" --plots "$OUT/plots"

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import H, IM, K, Timer, moe_bench_setup  # noqa: E402
+from coli.gpu.cubin_build import build_cubin  # noqa: E402
 
 # name -> -D settings of cuda/moe_mma.cu: MMA_D gate/up steps in flight per warp; MMA_DT down tiles (16 rows)
 # per warp, MMA_DD down steps in flight; MMA_MINB blocks per SM for the register allocator
@@ -48,27 +46,8 @@ VARIANTS = {     # MMA_L2PF: the weight loads' L2 fetch-size hint in bytes (0 no
 
 
 def compile_variant(cc: str, defs: dict) -> tuple[bytes, dict]:
-    """nvcc -cubin of cuda/moe_mma.cu with the settings -> (cubin, {kernel: (registers, spill bytes)})."""
-    d = ROOT / "cuda"
-    with tempfile.TemporaryDirectory() as td:
-        out = Path(td) / "g.cubin"
-        cmd = ["nvcc", "-std=c++17", f"-arch=sm_{cc}", "-cubin", "-Xptxas", "-v", "-I", str(d), "-o", str(out),
-               *[f"-D{k}={v}" for k, v in defs.items()], str(d / "moe_mma.cu")]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode:
-            raise RuntimeError(p.stderr[-2000:])
-        res, fn = {}, None
-        for line in p.stderr.splitlines():
-            m = re.search(r"entry function '(\w+)'", line)
-            if m:
-                fn = m.group(1)
-            m = re.search(r"(\d+) bytes spill stores", line)
-            if m and fn:
-                res.setdefault(fn, [0, 0])[1] = int(m.group(1))
-            m = re.search(r"Used (\d+) registers", line)
-            if m and fn:
-                res.setdefault(fn, [0, 0])[0] = int(m.group(1))
-        return out.read_bytes(), res
+    """nvcc -cubin of cuda/moe_mma.cu with the settings -> (cubin, {kernel: [registers, spill bytes]})."""
+    return build_cubin("moe_mma.cu", cc, defs)
 
 
 def main() -> int:

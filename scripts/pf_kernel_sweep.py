@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 for p in (ROOT, ROOT / "scripts", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+from coli.gpu.cubin_build import build_cubin  # noqa: E402
 
 F32 = np.float32
 H, IM, K, E, S = 6144, 2048, 8, 256, 2048          # GLM-5: hidden, moe_intermediate, top-k, experts; prompt length
@@ -89,26 +88,7 @@ def smem_bytes(defs: dict, cols: int, group: int) -> int:
 
 def compile_variant(nvcc: str, cc: str, defs: dict) -> tuple[bytes, dict]:
     """nvcc -cubin of cuda/prefill_mma.cu with the settings -> (cubin, {kernel: [registers, spill bytes]})."""
-    d = ROOT / "cuda"
-    with tempfile.TemporaryDirectory() as td:
-        out = Path(td) / "pf.cubin"
-        cmd = [nvcc, "-std=c++17", f"-arch=sm_{cc}", "-cubin", "-Xptxas", "-v", "-I", str(d), "-o", str(out),
-               *[f"-D{k}={v}" for k, v in defs.items()], str(d / "prefill_mma.cu")]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode:
-            raise RuntimeError(p.stderr[-1500:])
-        res, fn = {}, None
-        for line in p.stderr.splitlines():
-            m = re.search(r"Compiling entry function '(\w+)'|Function properties for (\w+)", line)
-            if m:
-                fn = m.group(1) or m.group(2)
-            m = re.search(r"(\d+) bytes spill stores", line)
-            if m and fn:
-                res.setdefault(fn, [0, 0])[1] = int(m.group(1))
-            m = re.search(r"Used (\d+) registers", line)
-            if m and fn:
-                res.setdefault(fn, [0, 0])[0] = int(m.group(1))
-        return out.read_bytes(), res
+    return build_cubin("prefill_mma.cu", cc, defs, nvcc)
 
 
 def f64_bound(x, idx, w, mats):

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from coli.bench.options import comma_parts, parse_int_list
 from coli.errors import ColiError
 
 BATCH_SCENARIOS = ("warm", "cold-ram")     # the scenarios whose engine also runs the batched rows
@@ -34,20 +35,11 @@ EXTRAPOLATION_NOTE = (
 
 def parse_batches(text: str) -> list[int]:
     """'1,4,8,16' -> [1, 4, 8, 16] (sorted, each once). A bad value is a ColiError naming it."""
-    parts = [t.strip() for t in str(text).split(",") if t.strip()]
+    parts = comma_parts(text)
     if not parts:
         raise ColiError("--batch: name at least one batch size (e.g. 1,4,8,16)")
-    out = set()
-    for p in parts:
-        try:
-            b = int(p)
-        except ValueError:
-            raise ColiError(f"--batch {p!r}: not a whole number (a comma list of batch sizes, e.g. 1,4,8,16)"
-                            ) from None
-        if not 1 <= b <= MAX_BATCH:
-            raise ColiError(f"--batch {b}: batch sizes are 1..{MAX_BATCH} concurrent sequences")
-        out.add(b)
-    return sorted(out)
+    return parse_int_list(parts, "--batch", "batch sizes", "1,4,8,16", 1, MAX_BATCH,
+                          f"batch sizes are 1..{MAX_BATCH} concurrent sequences")
 
 
 def check_batches(batches: list[int], scenarios: list[str], trace_tokens: int) -> None:

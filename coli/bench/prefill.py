@@ -34,8 +34,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-import numpy as np
 
+from coli.bench.options import comma_parts, parse_int_list
 from coli.errors import ColiError
 
 PREFILL_SCENARIOS = ("cold-ram", "budget")   # the engines whose TTFT rows run; warm gives the compute reference
@@ -54,21 +54,12 @@ EXTRAPOLATION_NOTE = (
 # ---- options (checked before the GPU) -------------------------------------------------------------------------
 def parse_prefill(text: str) -> list[int]:
     """'512,2048,8192' -> [512, 2048, 8192]; '' or '0' -> [] (no prefill rows). A bad value names itself."""
-    parts = [t.strip() for t in str(text).split(",") if t.strip()]
+    parts = comma_parts(text)
     if parts in ([], ["0"]):
         return []
-    out = set()
-    for p in parts:
-        try:
-            s = int(p)
-        except ValueError:
-            raise ColiError(f"--prefill {p!r}: not a whole number (a comma list of prompt lengths in tokens, e.g. "
-                            f"512,2048,8192)") from None
-        if not 1 <= s <= MAX_PREFILL:
-            raise ColiError(f"--prefill {s}: a prompt is 1..{MAX_PREFILL} tokens here (a longer one's activations "
-                            f"outgrow what the bench bounds; the executor cuts prompts in --prefill-chunk steps)")
-        out.add(s)
-    return sorted(out)
+    return parse_int_list(parts, "--prefill", "prompt lengths in tokens", "512,2048,8192", 1, MAX_PREFILL,
+                          f"a prompt is 1..{MAX_PREFILL} tokens here (a longer one's activations outgrow what the "
+                          f"bench bounds; the executor cuts prompts in --prefill-chunk steps)")
 
 
 def check_prefill(sizes: list[int], scenarios: list[str]) -> None:

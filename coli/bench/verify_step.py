@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from coli.bench.options import comma_parts, parse_int_list
 from coli.errors import ColiError
 
 VERIFY_SCENARIOS = ("warm", "cold-ram")     # the scenarios whose engine also runs the verify steps (as --batch)
@@ -53,22 +54,13 @@ def max_positions() -> int:
 
 def parse_verify(text: str) -> list[int]:
     """'2,3,4' -> [1, 2, 3, 4]: verify-step sizes in positions, sorted, each once, 1 (the plain step) always in."""
-    parts = [t.strip() for t in str(text).split(",") if t.strip()]
+    parts = comma_parts(text)
     if not parts:
         raise ColiError("--verify: name at least one verify-step size in positions (e.g. 2,3,4)")
     top = max_positions()
-    out = {1}
-    for p in parts:
-        try:
-            s = int(p)
-        except ValueError:
-            raise ColiError(f"--verify {p!r}: not a whole number (a comma list of verify-step sizes in positions, "
-                            f"e.g. 2,3,4)") from None
-        if not 1 <= s <= top:
-            raise ColiError(f"--verify {s}: a verify step is 1..{top} positions (k = {top - 1} MTP drafts at most, "
-                            f"plus the token they follow)")
-        out.add(s)
-    return sorted(out)
+    return parse_int_list(parts, "--verify", "verify-step sizes in positions", "2,3,4", 1, top,
+                          f"a verify step is 1..{top} positions (k = {top - 1} MTP drafts at most, plus the token "
+                          f"they follow)", start={1})
 
 
 def parse_acceptance(value) -> float:
