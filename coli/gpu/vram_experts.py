@@ -179,8 +179,12 @@ class VramExperts:
     def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         try:
             yield from self._stream(layer, ids)
-            if self.ahead_layers is not None:    # every expert of the step handed out, its copies issued
-                self._copy_ahead(layer, len(ids))
+            nxt = None if self.ahead_layers is None else ahead_of(layer, len(ids), self.ahead_layers, self.E,
+                                                                   self.ahead_fraction)
+            if nxt is not None:                  # every expert of the step handed out, its copies issued:
+                if not self.sync:                # the held batch launched first (the same batch the backend
+                    yield FLUSH                  # launches after the last item), then the next layer's copies
+                self._copy_ahead(*nxt)
         except DriverError as e:
             if e.fatal:
                 raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
@@ -268,13 +272,12 @@ class VramExperts:
         if put:
             self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
 
-    def _copy_ahead(self, layer: int, asked: int) -> None:
-        """A long prefill's step of `layer` is handed out: every expert of the next MoE layer to the speculative lane
-        (coli/gpu/layer_ahead.py), outside the governor's books."""
-        nxt = ahead_of(layer, asked, self.ahead_layers, self.E, self.ahead_fraction)
-        if nxt is None:
-            return
-        put = self._speculate(*nxt, budget=self.E, ahead=True)
+    def _copy_ahead(self, layer: int, ids: list[int]) -> None:
+        """A long prefill's step is handed out and launched: `ids` of the next MoE layer `layer` (every expert, from
+        coli/gpu/layer_ahead.py ahead_of) to the speculative lane, outside the governor's books. After the launch, so
+        the probes and acquires (O(slots) each where a copy displaces a key) are not between the step's last copy
+        and its last kernels; the step's keys are unpinned then but still not displaced (used in this step)."""
+        put = self._speculate(layer, ids, budget=self.E, ahead=True)
         if put:
             self.stats["ahead_layers"] += 1
             self.stats["ahead_copies"] += put

@@ -25,15 +25,22 @@ from coli.gpu.pool import SlotPool, staging_slots
 
 def _prefill_through_pool(n_slots: int, E: int, K: int, layers: int, land: bool, policy: str = "freq"):
     """Long prefill steps (each asks for all E experts of its layer) through a SlotPool made as VramExperts makes it,
-    driven as VramExperts drives it: the step's lookups and misses (a miss with no slot: the held records launched,
-    their pins dropped, one retry -- FLUSH), then every expert of the next layer acquired speculatively while the
-    step's own pins are still held (its last kernels not queued), then the step's pins dropped. land: the ahead
-    copies land before the next step (loaded, their pin dropped); else the next step cancels them at its lookups
-    (invalidated, the hit revoked, copied on demand). -> (ahead copies placed per step, demand misses that found no
-    slot even after the retry)."""
+    driven as VramExperts drives it: the step's lookups and misses, each miss's slot pinned and loading (a miss with
+    no slot: the held records launched -- their pins dropped --, the landed copies reaped, one retry: FLUSH); at the
+    step's end its last batch launched (pins dropped, copies possibly still loading), then every expert of the next
+    layer acquired speculatively; the step's copies reaped at the next step. land: the ahead copies land before the
+    next step (loaded, their pin dropped); else the next step cancels them at its lookups (invalidated, the hit
+    revoked, copied on demand). -> (ahead copies placed per step, demand misses that found no slot after the retry)."""
     pool = SlotPool(n_slots, 1, policy, n_keys=layers * E, staging=staging_slots(n_slots, K), spec_displaces=True)
-    placed, starved, spec_slots = [], 0, {}
+    placed, starved, spec_slots, loading = [], 0, {}, []
+
+    def reap():
+        for s in loading:
+            pool.loaded(s)
+        loading.clear()
+
     for m in range(layers):
+        reap()
         pool.begin_step()
         held = []
         for e in range(E):
@@ -51,12 +58,15 @@ def _prefill_through_pool(n_slots: int, E: int, K: int, layers: int, land: bool,
                     for h in held:
                         pool.release(h)
                     held = []
+                    reap()                        # the retry waits for the copies in flight
                     s = pool.acquire(key, retry=True)
                 if s is None:
                     starved += 1
                     continue
-                pool.loaded(s)
+                loading.append(s)
             held.append(s)
+        for h in held:                            # the step's last batch launched (the FLUSH before the ahead copies)
+            pool.release(h)
         spec_slots = {}
         if m + 1 < layers:
             for e in range(E):
@@ -66,8 +76,6 @@ def _prefill_through_pool(n_slots: int, E: int, K: int, layers: int, land: bool,
                     if s is not None:
                         spec_slots[key] = s
             placed.append(len(spec_slots))
-        for h in held:
-            pool.release(h)
         if land:
             for s in spec_slots.values():
                 pool.loaded(s)
