@@ -19,8 +19,8 @@ demands, and every ahead copy still queued when the next step begins is cancelle
 copies them on its faster lane; the others: not needed now), so at most the one copy in the trickle holds a slot
 that step did not ask for.
 
-Decode steps ask for a few experts a layer (top-k per sequence: 8 of 256 for GLM-5; a batch of 16 about 100), far
-below AHEAD_FRACTION: they never copy ahead."""
+Decode steps ask for a few experts a layer (top-k per sequence: 8 of 256 for GLM-5; the default batch of 16 at most
+128), below AHEAD_FRACTION: they never copy ahead."""
 
 from __future__ import annotations
 

@@ -124,3 +124,9 @@ def test_the_start_up_line_says_whether_and_why_not():
     assert "copy the next MoE layer's experts ahead" in describe_ahead([1, 2], 520, 256, 8, {})
     assert "COLI_PREFILL_AHEAD=0" in describe_ahead(None, 520, 256, 8, {"COLI_PREFILL_AHEAD": "0"})
     assert "need 520 slots" in describe_ahead(None, 16, 256, 8, {})
+
+
+def test_a_decode_step_of_the_default_batch_never_copies_ahead_on_glm5():
+    from coli.stages.executor.batch_defaults import DEFAULT_MAX_BATCH
+    # at most one top-8 per sequence: 16 x 8 = 128 distinct experts of 256, below 3/4
+    assert ahead_of(3, DEFAULT_MAX_BATCH * 8, [3, 4], 256) is None
