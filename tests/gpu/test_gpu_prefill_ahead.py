@@ -10,6 +10,7 @@ staging: 2 * 16 + 4 = 36 slots; every expert resident would be 48, so 40 slots s
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -126,6 +127,7 @@ def test_the_stage_runtime_copies_ahead_on_a_long_prompt(tmp_path, tiny, monkeyp
                        timeout=300)
             assert p.returncode == 0, p.stderr + r.output()
             got.append(json.loads(p.stdout.strip().splitlines()[-1])["tokens"])
+        time.sleep(1.2)          # the executor publishes its counters every 0.5 s: let the second request's land
         stats = json.loads(r.coli("stats", "--name", r.name, "--once", "--json", timeout=60).stdout)
     finally:
         r.stop()

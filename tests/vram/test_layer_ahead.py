@@ -1,6 +1,12 @@
-"""When a long prefill copies the next MoE layer's experts ahead (coli/gpu/layer_ahead.py ahead_of): pure."""
+"""When a long prefill copies the next MoE layer's experts ahead (coli/gpu/layer_ahead.py): the step's share, the slot
+bound (against the real SlotPool, driven as VramExperts drives it), the COLI_PREFILL_AHEAD switch. Pure."""
 
-from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of
+import pytest
+
+from coli.errors import ColiError
+from coli.gpu.layer_ahead import (AHEAD_FRACTION, ahead_fits, ahead_layers_for, ahead_of, describe_ahead,
+                                  prefill_ahead_enabled)
+from coli.gpu.pool import SlotPool, staging_slots
 
 
 def test_a_step_that_asks_for_most_of_a_layer_copies_the_next_moe_layer_whole():
@@ -16,13 +22,6 @@ def test_short_steps_and_the_last_moe_layer_copy_nothing_ahead():
 
 
 # ---- the slot condition, against the real pool ----------------------------------------------------------------
-import pytest
-
-from coli.errors import ColiError
-from coli.gpu.layer_ahead import ahead_fits, ahead_layers_for, describe_ahead, prefill_ahead_enabled
-from coli.gpu.pool import SlotPool, staging_slots
-
-
 def _prefill_through_pool(n_slots: int, E: int, K: int, layers: int, land: bool, policy: str = "freq"):
     """Long prefill steps (each asks for all E experts of its layer) through a SlotPool made as VramExperts makes it,
     driven as VramExperts drives it: the step's lookups and misses, each miss's slot pinned and loading (a miss with
