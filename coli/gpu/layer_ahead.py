@@ -9,9 +9,10 @@ whatever COLI_SPEC_COPIES says and outside SpecGovernor's budget (that budget si
 guesses). Measured first in `coli bench stream --prefill-ahead` (docs/perf-notes.md "TTFT"): 3-15 % off the cold-ram
 time to first token where the pool holds two layers' experts, nothing where it does not.
 
-When (`ahead_fits`). At the end of layer l's step its keys (up to E) are still pinned -- its last kernels are not
-queued yet -- and a speculative acquire (coli/gpu/pool.py) never takes a pinned, a loading or a staging slot: it maps
-a key while the pool is below capacity, else displaces a ready, unpinned key not used in this step. So all E copies
+When (`ahead_fits`). The copies are made once layer l's step is launched: its keys (up to E) hold their slots still
+(loading, or used in this step), and a speculative acquire (coli/gpu/pool.py) never takes a pinned, a loading or a
+staging slot nor a key used in this step: it maps a key while the pool is below capacity, else displaces a ready,
+unpinned key of an earlier step. So all E copies
 of layer l+1 find a slot only where the pool maps two layers' keys at once: capacity = n_slots - staging >= 2 E.
 Below that they would evict what the pool kept by rank for a part of the next layer only (16 slots: no room,
 measured), so they are not made. Demands never starve because of them either way: the staging slack is left to
