@@ -53,6 +53,8 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                     ("", "slots used", f"{e.get('vram_resident', 0)}/{e.get('vram_slots', 0)}"),
                     ("", "evictions", f"{e.get('evictions', 0)}"),
                     ("speculative lane", "busy", _pct(e.get("spec_busy", 0.0)))]
+            if "ahead_layers" in e:   # long prefills' copies of the next MoE layer (coli/gpu/layer_ahead.py)
+                out += [("", "layers copied ahead", f"{e['ahead_layers']} ({e.get('ahead_bytes', 0) / 1e9:.3f} GB)")]
         if _on_gpu(e, device):
             out += [("PCIe copy lanes", "busy", _pct(e.get("copy_busy", 0.0))),
                     ("SMs", "busy", _pct(e.get("sm_busy", 0.0))),

@@ -77,3 +77,12 @@ def test_cpu_busy_counts_a_batched_step_once_not_once_per_request():
     # 4 requests decoding in the same steps for 1 s: their decode times add up to 4 s, the engine was busy 1 s of 2
     now = {"executor": {"t": 12.0, "step_s": 2.0, "prefill_s": 0.0, "decode_s": 5.0, "wait_s": 0.0}}
     assert table(now, prev, device="numpy")[("CPU compute (numpy)", "busy")].strip() == "50.0 %"
+
+
+def test_the_vram_cache_shows_the_layers_a_long_prefill_copied_ahead():
+    now = {"executor": {"t": 1.0, "vram_slots": 520, "vram_resident": 300, "copy_busy": 0.5,
+                        "ahead_layers": 74, "ahead_copies": 18944, "ahead_bytes": 3_500_000_000}}
+    t = table(now, device="cuda")
+    assert t[("", "layers copied ahead")] == "74 (3.500 GB)"
+    del now["executor"]["ahead_layers"]                 # an engine without the counters (older stats): no row
+    assert ("", "layers copied ahead") not in table(now, device="cuda")

@@ -869,16 +869,18 @@ def _prefilled(r: "_Runner", res: dict, sizes: list[int] | None):
 
 
 def _ahead_rows(r: "_Runner", prefilled, host, n_cold: int) -> None:
-    """--prefill-ahead: the cold-ram prefills again with the next layer's experts copied ahead (coli/gpu/layer_ahead.py),
-    on n_cold slots and on two layers' worth (2E), with the 2E engine's plain rows beside them."""
+    """--prefill-ahead: the cold-ram prefills again with the next layer's experts copied ahead (coli/gpu/layer_ahead.py:
+    the product's copies, VramExperts' `ahead_layers`, made here whatever the slot count, the switch and COLI_SPEC_COPIES
+    say), on n_cold slots and on two layers' worth (2E), with the 2E engine's plain rows beside them (no ahead copies,
+    as the plain cold-ram rows)."""
     from coli.bench.prefill import forget_resident
-    from coli.gpu.layer_ahead import LayerAhead
     for name, slots, ahead in (("cold-ram+ahead", n_cold, True), ("cold-ram-2E", 2 * r.E, False),
                                ("cold-ram-2E+ahead", 2 * r.E, True)):
         r.report(f"{name} ({slots} VRAM slots) ...")
-        vx = r.vram(host, slots, retain=False, speculate=ahead, spec_budget=r.E if ahead else None)
+        vx = r.vram(host, slots, retain=False, speculate=False,
+                    ahead_layers=list(r.cfg.moe_layers) if ahead else None)
         try:
-            r.model.experts = LayerAhead(vx, r.cfg.moe_layers, r.E) if ahead else vx
+            r.model.experts = vx
             prefilled(name, lambda vx=vx: (vx.finish(), vx.snapshot())[1], between=lambda vx=vx: forget_resident(vx))
         finally:
             r.model.experts = _NoExperts()

@@ -140,7 +140,9 @@ def _run(model, prompt, prompt_ids, max_tokens, greedy, temperature, top_p, top_
                         f"{acc}, {s.mtp['plain_rounds']} of {s.mtp['rounds']} steps without drafts]")
         if vstats is not None:
             stderr_note(f"[VRAM cache: {vstats['hits']} hits, {vstats['misses']} misses, {vstats['evictions']} evictions, "
-                        f"{vstats['cpu_fallbacks']} CPU fallbacks, copy lane busy {100 * vstats['copy_busy']:.0f}%]")
+                        f"{vstats['cpu_fallbacks']} CPU fallbacks, copy lane busy {100 * vstats['copy_busy']:.0f}%"
+                        + (f", {vstats['ahead_layers']} layers copied ahead" if vstats.get("ahead_layers") else "")
+                        + "]")
 
 
 def register(app: typer.Typer) -> None:

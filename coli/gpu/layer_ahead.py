@@ -4,14 +4,28 @@ there is nothing to predict -- its experts go on the speculative copy lane at on
 experts compute and the next layer's attention runs, when the demand lane is idle. The demand step of the next layer
 then finds them resident (or takes over the copy in flight: VramExperts' handoff) and copies only the rest.
 
-An expert source wrapper around a VramExperts, off unless asked for (`coli bench stream --prefill-ahead`, measured
-first: docs/perf-notes.md "TTFT"). The decision is the pure `ahead_of`; the copies are VramExperts.prefetch's, so
-they need its `speculate` on and a `spec_budget` of a layer's experts (a governor sized for decode's guesses would
-allow one or two)."""
+The decisions are pure and live here; the copies are VramExperts' (its `ahead_layers`), on the speculative lane
+whatever COLI_SPEC_COPIES says and outside SpecGovernor's budget (that budget sizes decode's guesses; these are not
+guesses). Measured first in `coli bench stream --prefill-ahead` (docs/perf-notes.md "TTFT"): 3-15 % off the cold-ram
+time to first token where the pool holds two layers' experts, nothing where it does not.
+
+When (`ahead_fits`). The copies are made once layer l's step is launched: its keys (up to E) hold their slots still
+(loading, or used in this step), and a speculative acquire (coli/gpu/pool.py) never takes a pinned, a loading or a
+staging slot nor a key used in this step: it maps a key while the pool is below capacity, else displaces a ready,
+unpinned key of an earlier step. So all E copies
+of layer l+1 find a slot only where the pool maps two layers' keys at once: capacity = n_slots - staging >= 2 E.
+Below that they would evict what the pool kept by rank for a part of the next layer only (16 slots: no room,
+measured), so they are not made. Demands never starve because of them either way: the staging slack is left to
+demands, and every ahead copy still queued when the next step begins is cancelled there (its own keys: the demand
+copies them on its faster lane; the others: not needed now), so at most the one copy in the trickle holds a slot
+that step did not ask for.
+
+Decode steps ask for a few experts a layer (top-k per sequence: 8 of 256 for GLM-5; the default batch of 16 at most
+128), below AHEAD_FRACTION: they never copy ahead."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from coli.gpu.pool import staging_slots
 
 AHEAD_FRACTION = 0.75     # a step that asks for at least this share of a layer's experts is a long prefill
 
@@ -28,17 +42,39 @@ def ahead_of(layer: int, asked: int, moe_layers: list[int], n_experts: int,
     return later[0], list(range(n_experts))
 
 
-class LayerAhead:
-    """ExpertSource: `vx.stream(layer, ids)`, then, once the step's experts are all handed out (its copies issued),
-    `vx.prefetch` of the next MoE layer's experts when ahead_of says so. Counts the layers it copied ahead for."""
+def ahead_fits(n_slots: int, n_experts: int, top_k: int) -> bool:
+    """Whether a pool of n_slots maps the current step's E keys and the next layer's E beside them (see the module
+    docstring): n_slots - staging >= 2 E."""
+    return int(n_slots) - staging_slots(n_slots, top_k) >= 2 * int(n_experts)
 
-    def __init__(self, vx, moe_layers: list[int], n_experts: int, fraction: float = AHEAD_FRACTION):
-        self.vx, self.moe_layers, self.E, self.fraction = vx, list(moe_layers), int(n_experts), float(fraction)
-        self.layers_ahead = 0
 
-    def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
-        yield from self.vx.stream(layer, ids)
-        nxt = ahead_of(layer, len(ids), self.moe_layers, self.E, self.fraction)
-        if nxt is not None:
-            self.layers_ahead += 1
-            self.vx.prefetch(*nxt)
+def prefill_ahead_enabled(env: dict | None = None) -> bool:
+    """COLI_PREFILL_AHEAD: "1" (default) a long prefill copies the next MoE layer's experts ahead where the pool has
+    room (ahead_fits); "0" never (each layer's experts are copied on demand only)."""
+    from coli.gpu.graphs import env_switch
+    return env_switch("COLI_PREFILL_AHEAD", "1", "long prefills copy the next MoE layer's experts ahead, the default",
+                      "experts copied on demand only", env)
+
+
+def ahead_layers_for(moe_layers: list[int], n_experts: int, top_k: int, n_slots: int,
+                     env: dict | None = None) -> list[int] | None:
+    """What the product's VramExperts gets as `ahead_layers`: the MoE layers (copies go to the next of them) when the
+    switch is on and the pool has room, else None (no ahead copies). A bad COLI_PREFILL_AHEAD is an error even where
+    the pool has no room: the setting is wrong either way."""
+    on = prefill_ahead_enabled(env)
+    if not on or len(moe_layers) < 2 or not ahead_fits(n_slots, n_experts, top_k):
+        return None
+    return list(moe_layers)
+
+
+def describe_ahead(ahead_layers: list[int] | None, n_slots: int, n_experts: int, top_k: int,
+                   env: dict | None = None) -> str:
+    """The start-up log's words for the choice (appended to the VRAM pool line)."""
+    if ahead_layers is not None:
+        return "; long prefills copy the next MoE layer's experts ahead"
+    if not prefill_ahead_enabled(env):
+        return "; no layer-ahead prefill copies (COLI_PREFILL_AHEAD=0)"
+    need = 2 * n_experts + staging_slots(2 * n_experts + top_k, top_k)
+    if n_slots < need:
+        return f"; no layer-ahead prefill copies (they need {need} slots, two layers' experts and the staging)"
+    return ""

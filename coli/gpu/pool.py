@@ -516,6 +516,12 @@ class SlotPool:
         return k
 
 
+def staging_slots(n_slots: int, top_k: int) -> int:
+    """The slack the GPU executor's pool keeps beside its capacity (VramExperts): room for one step's top-k misses,
+    at most half the pool."""
+    return min(int(top_k), max(1, int(n_slots) // 2))
+
+
 def _check_rank(rank: int | None) -> None:
     if rank is not None and not 0 <= rank < RANK_SPAN:
         raise ValueError(f"rank must be in [0, {RANK_SPAN}), got {rank}")

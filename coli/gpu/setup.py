@@ -21,6 +21,7 @@ from coli.config import ModelConfig
 from coli.errors import ColiError
 from coli.container.format import align
 from coli.gpu.lanes import DEFAULT_TILE_BYTES
+from coli.gpu.layer_ahead import ahead_layers_for, describe_ahead
 from coli.gpu.pool import describe_pool, size_pool
 from coli.gpu.prefill_budget import prefill_workspace_bytes
 
@@ -118,7 +119,9 @@ def describe_mtp(plan: dict) -> str:
 def build_vram_experts(model, host, cfg: ModelConfig, layout, *, vram_gb: float | None, slots: int | None = None,
                        max_context: int = 4096, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES,
                        faults=None, log=None, prefill_rows: int = 0):
-    """Put a VramExperts source on `model` (CUDA backend, dense core already resident). -> (source, plan)."""
+    """Put a VramExperts source on `model` (CUDA backend, dense core already resident). -> (source, plan). Long
+    prefills copy the next MoE layer's experts ahead where the pool has room and COLI_PREFILL_AHEAD allows
+    (coli/gpu/layer_ahead.py; plan["prefill_ahead"])."""
     from coli.gpu.vram_experts import VramExperts
     b = model.backend
     dense = int(b.rt.pool.active_bytes)
@@ -126,13 +129,17 @@ def build_vram_experts(model, host, cfg: ModelConfig, layout, *, vram_gb: float 
                       prefill_rows=prefill_rows)
     if getattr(model.weights, "mtp_layer", None) is not None:   # the draft head's experts: from the same budget
         plan = plan_mtp(cfg, plan, mtp_experts_choice())
-    vx = VramExperts(b, host, layout, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                     plan["slots"], policy=policy, tile_bytes=tile_bytes, faults=faults, log=log)
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    ahead = ahead_layers_for(cfg.moe_layers, E, K, plan["slots"])     # COLI_PREFILL_AHEAD and room for it
+    vx = VramExperts(b, host, layout, cfg.num_hidden_layers, E, K, plan["slots"], policy=policy,
+                     tile_bytes=tile_bytes, faults=faults, log=log, ahead_layers=ahead)
+    plan["prefill_ahead"] = ahead is not None
     model.experts = vx
     plan["line"] = describe_pool(plan) if plan.get("budget_bytes") else (
         f"VRAM pool: {plan['slots']} slots x {plan['slot_bytes'] / 1e6:.2f} MB (set by --vram-slots), "
         f"dense {dense / 1e9:.3f} GB resident")
     plan["line"] += describe_mtp(plan)
+    plan["line"] += describe_ahead(ahead, plan["slots"], E, K)
     vx.mtp_mode = plan.get("mtp", "resident")          # read by coli.model.mtp.load_mtp_head
     vx.mtp_problem = plan.get("mtp_problem")
     return vx, plan

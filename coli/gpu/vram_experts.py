@@ -41,8 +41,9 @@ from coli.container.reader import decode_expert_record
 from coli.errors import ColiError
 from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
+from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
-from coli.gpu.pool import SlotPool
+from coli.gpu.pool import SlotPool, staging_slots
 from coli.gpu.spec_governor import SpecGovernor
 from coli.weights import ExpertWeights
 
@@ -94,7 +95,8 @@ class VramExperts:
     def __init__(self, backend, host: HostTier, layout: RecordLayout, n_layers: int, n_experts: int, top_k: int,
                  n_slots: int, *, policy: str = "freq", tile_bytes: int = DEFAULT_TILE_BYTES, faults=None,
                  log=None, register: bool = True, slot_bytes: int | None = None, retain: bool = True,
-                 sync: bool = False, speculate: bool | None = None, spec_budget: int | None = None):
+                 sync: bool = False, speculate: bool | None = None, spec_budget: int | None = None,
+                 ahead_layers: list[int] | None = None, ahead_fraction: float = AHEAD_FRACTION):
         """retain=False: a demand-loaded slot is invalidated once its copy has landed (freed when its readers
         are done), so nothing stays resident and every step misses (the `cold-ram`/`disk` benchmarks).
         sync=True (the `sync` benchmark baseline): a tile is the whole record, the host waits for each copy
@@ -103,7 +105,11 @@ class VramExperts:
         speculate: the pilot's RAM-resident guesses go to the speculative copy lane (None: COLI_SPEC_COPIES, off by
         default -- measured a net cost, see speculative_copies_default); off, a guess only warms the host tier.
         spec_budget: speculative copies per prefetch (None: as many as the idle window has been landing, see
-        coli/gpu/spec_governor.py; a number: up to that many, whatever they deliver -- tests of single copies)."""
+        coli/gpu/spec_governor.py; a number: up to that many, whatever they deliver -- tests of single copies).
+        ahead_layers: the model's MoE layers, for layer-ahead prefill copies (coli/gpu/layer_ahead.py): a step that
+        asked for >= ahead_fraction of its layer's experts puts every expert of the next MoE layer on the speculative
+        lane, whatever `speculate` says and outside the governor's budget (not guesses: that layer needs them all).
+        None (the default here; the product decides in coli/gpu/setup.py): none."""
         for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
             check_format(m.fmt, f"routed experts ({part})")
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -119,7 +125,7 @@ class VramExperts:
         self.split = layout.down.offset            # gate/up bytes come first in a record
         self.n_slots = int(n_slots)
         self.pool = SlotPool(self.n_slots, self.slot_bytes, policy, n_keys=n_layers * n_experts,
-                             staging=min(top_k, max(1, self.n_slots // 2)), spec_displaces=True)
+                             staging=staging_slots(self.n_slots, top_k), spec_displaces=True)
         self._mem = self.rt.alloc(self.n_slots * self.slot_bytes)
         self.base = int(self._mem)
         self.events = EventPool(self.drv)
@@ -139,12 +145,18 @@ class VramExperts:
         self.governor = SpecGovernor(layout.nbytes, max_budget=top_k) if spec_budget is None else None
         self._spec_layers: dict[int, int] = {}        # layer -> speculative copies put on the lane for it
         self._spec_used = 0                           # bytes of them the current step used
+        self.ahead_layers = None if ahead_layers is None else sorted(int(m) for m in ahead_layers)
+        self.ahead_fraction = float(ahead_fraction)
+        self._ahead: set[CopyJob] = set()             # layer-ahead copies not finished yet (a subset of _spec_jobs')
         self._registered: list[int] = []
         self.fallbacks = {k: 0 for k in FALLBACK_KINDS}
         self._logged: set[str] = set()
         self.stats = {"copies": 0, "copy_bytes": 0, "demand_copy_s": 0.0, "spec_copies": 0, "spec_bytes": 0,
                       "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0,
-                      "spec_handoffs": 0, "spec_handoff_bytes": 0}
+                      "spec_handoffs": 0, "spec_handoff_bytes": 0,
+                      # layer-ahead prefill copies (also counted in spec_*): layers copied ahead, copies put on the
+                      # lane, and bytes of them that landed (whole copies, and prefixes a demand took over)
+                      "ahead_layers": 0, "ahead_copies": 0, "ahead_bytes": 0}
         # per demand copy: its device time, lane start event -> last tile done (the start event fires when the
         # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
         self.delays_us: list[float] = []
@@ -167,6 +179,12 @@ class VramExperts:
     def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         try:
             yield from self._stream(layer, ids)
+            nxt = None if self.ahead_layers is None else ahead_of(layer, len(ids), self.ahead_layers, self.E,
+                                                                   self.ahead_fraction)
+            if nxt is not None:                  # every expert of the step handed out, its copies issued:
+                if not self.sync:                # the held batch launched first (the same batch the backend
+                    yield FLUSH                  # launches after the last item), then the next layer's copies
+                self._copy_ahead(*nxt)
         except DriverError as e:
             if e.fatal:
                 raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
@@ -180,6 +198,8 @@ class VramExperts:
         # and the first copy (~200 us a layer on the H200, docs/perf-notes.md). Deferred only where it cannot
         # change a decision: every miss finds a free slot without the slots the reap would free; with retain off
         # the older slots are unmapped at once (no hit on them, no eviction ranking for them).
+        if self._ahead:                          # before the reap, which frees their slots (and before the cancel of
+            self._stop_ahead(layer * self.E, (layer + 1) * self.E, set(ids))   # this step's own keys below)
         older = {id(job) for job, _rec, _s in self._pending} if self._can_defer_reap(ids) else None
         if older is None:
             self._reap(wait=not self.retain)     # retain off: every landed copy is dropped before the lookups
@@ -246,9 +266,37 @@ class VramExperts:
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """The pilot's guesses for a coming layer: RAM-resident ones go to the speculative lane (when speculate is
         on), the others to the host tier's prefetch."""
-        cold: list[int] = []
         budget = 0 if not self.speculate else (self.governor.budget() if self.governor is not None
                                                else self.spec_budget)
+        put = self._speculate(layer, ids, budget)
+        if put:
+            self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
+
+    def _copy_ahead(self, layer: int, ids: list[int]) -> None:
+        """A long prefill's step is handed out and launched: `ids` of the next MoE layer `layer` (every expert, from
+        coli/gpu/layer_ahead.py ahead_of) to the speculative lane, outside the governor's books. After the launch, so
+        the probes and acquires (O(slots) each where a copy displaces a key) are not between the step's last copy
+        and its last kernels; the step's keys are unpinned then but still not displaced (used in this step)."""
+        put = self._speculate(layer, ids, budget=self.E, ahead=True)
+        if put:
+            self.stats["ahead_layers"] += 1
+            self.stats["ahead_copies"] += put
+
+    def _stop_ahead(self, lo: int, hi: int, ids: set[int]) -> None:
+        """A step of the layer with keys [lo, hi) begins: layer-ahead copies still queued for any other key stop (a
+        forward that ended early, or experts this step did not ask for) -- they would hold slots this step's demand
+        may need; the reap frees their slots. The trickle's current one finishes its tile first. This step's own
+        keys are cancelled by the caller and taken over by the demand."""
+        for job in self._ahead:
+            if job.submitted.is_set() or job.cancelled or (lo <= job.key < hi and job.key - lo in ids):
+                continue
+            self.spec.cancel(job)
+            self.stats["spec_cancelled"] += 1
+
+    def _speculate(self, layer: int, ids: list[int], budget: int, ahead: bool = False) -> int:
+        """Up to `budget` of ids that are RAM-resident and not in VRAM go to the speculative lane, each into a slot
+        the pool gives up for a guess; the cold ones to the host tier's prefetch. -> how many were put."""
+        cold: list[int] = []
         put = 0
         for e in ids:
             key = layer * self.E + e
@@ -269,12 +317,13 @@ class VramExperts:
                           wait_event=self.slot_consumed[s])
             self.slot_job[s], self.slot_src[s] = job, rec
             self._spec_jobs[s] = job
+            if ahead:
+                self._ahead.add(job)
             self.spec.submit(job)
             put += 1
-        if put:
-            self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
         if cold:
             self.host.prefetch(layer, cold)
+        return put
 
     # ---- hits -----------------------------------------------------------------------------------------------
     def _demand_hit(self, key: int, handoff: dict, e: int) -> int | None:
@@ -296,8 +345,10 @@ class VramExperts:
             self.pool.revoke_hit(s)
             handoff[e] = (s, job)
             return None
+        guess = job not in self._ahead           # a layer-ahead copy is not the governor's to judge
         if self._finish_spec(s, job, demanded=True):
-            self._spec_used += job.nbytes
+            if guess:
+                self._spec_used += job.nbytes
             return s
         self.pool.revoke_hit(s)                  # not a hit after all: the miss path copies it again
         self.pool.release(s)                     # the lookup's pin; the slot was dropped
@@ -318,7 +369,11 @@ class VramExperts:
         self.pool.release(s)                     # the speculative pin; the lookup's goes with the kernels
         self.stats["spec_handoffs"] += 1
         self.stats["spec_handoff_bytes"] += done
-        self._spec_used += done
+        if job in self._ahead:
+            self._ahead.discard(job)
+            self.stats["ahead_bytes"] += done
+        else:
+            self._spec_used += done
         inject = self.faults is not None and self.faults.hit("copy_error")
         rest = CopyJob(job.key, job.dst + done, job.src + done, job.nbytes - done, max(0, job.split - done),
                        self.tile, inject_error=inject)
@@ -356,6 +411,7 @@ class VramExperts:
         else:
             self.pool.invalidate(s)
         self.pool.release(s)
+        self._ahead.discard(job)
         return ok
 
     def _device_record(self, layer: int, e: int, s: int) -> DeviceRecord:
@@ -486,6 +542,8 @@ class VramExperts:
                                   "t0_us": 1e3 * self.drv.elapsed_ms(self._tl_ref, job.ev_start),
                                   "t1_us": 1e3 * self.drv.elapsed_ms(self._tl_ref, job.ev_done), "label": str(job.key)})
         if speculative:
+            if job in self._ahead:
+                self.stats["ahead_bytes"] += job.nbytes
             self.stats["spec_copies"] += 1
             self.stats["spec_bytes"] += job.nbytes
             self.stats["spec_copy_s"] += ms / 1e3
@@ -561,6 +619,7 @@ class VramExperts:
             self._pending = []
         for job in self._spec_jobs.values():
             job.cancelled = True
+        self._ahead.clear()
         self.spec.close()
         self.demand.close()
         for addr in self._registered:

@@ -1,6 +1,12 @@
-"""When a long prefill copies the next MoE layer's experts ahead (coli/gpu/layer_ahead.py ahead_of): pure."""
+"""When a long prefill copies the next MoE layer's experts ahead (coli/gpu/layer_ahead.py): the step's share, the slot
+bound (against the real SlotPool, driven as VramExperts drives it), the COLI_PREFILL_AHEAD switch. Pure."""
 
-from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of
+import pytest
+
+from coli.errors import ColiError
+from coli.gpu.layer_ahead import (AHEAD_FRACTION, ahead_fits, ahead_layers_for, ahead_of, describe_ahead,
+                                  prefill_ahead_enabled)
+from coli.gpu.pool import SlotPool, staging_slots
 
 
 def test_a_step_that_asks_for_most_of_a_layer_copies_the_next_moe_layer_whole():
@@ -13,3 +19,113 @@ def test_short_steps_and_the_last_moe_layer_copy_nothing_ahead():
     assert ahead_of(3, 191, [3, 4], 256) is None        # a decode or a short chunk: its successor's set is a guess
     assert ahead_of(4, 256, [3, 4], 256) is None        # the forward's last MoE layer
     assert ahead_of(0, 8, [0, 1], 8, fraction=1.0) == (1, list(range(8)))
+
+
+# ---- the slot condition, against the real pool ----------------------------------------------------------------
+def _prefill_through_pool(n_slots: int, E: int, K: int, layers: int, land: bool, policy: str = "freq"):
+    """Long prefill steps (each asks for all E experts of its layer) through a SlotPool made as VramExperts makes it,
+    driven as VramExperts drives it: the step's lookups and misses, each miss's slot pinned and loading (a miss with
+    no slot: the held records launched -- their pins dropped --, the landed copies reaped, one retry: FLUSH); at the
+    step's end its last batch launched (pins dropped, copies possibly still loading), then every expert of the next
+    layer acquired speculatively; the step's copies reaped at the next step. land: the ahead copies land before the
+    next step (loaded, their pin dropped); else the next step cancels them at its lookups (invalidated, the hit
+    revoked, copied on demand). -> (ahead copies placed per step, demand misses that found no slot after the retry)."""
+    pool = SlotPool(n_slots, 1, policy, n_keys=layers * E, staging=staging_slots(n_slots, K), spec_displaces=True)
+    placed, starved, spec_slots, loading = [], 0, {}, []
+
+    def reap():
+        for s in loading:
+            pool.loaded(s)
+        loading.clear()
+
+    for m in range(layers):
+        reap()
+        pool.begin_step()
+        held = []
+        for e in range(E):
+            key = m * E + e
+            s = pool.lookup(key)
+            if s is not None and key in spec_slots and not land:       # a cancelled ahead copy: not a hit after all
+                pool.invalidate(s)
+                pool.release(s)
+                pool.revoke_hit(s)
+                pool.release(s)
+                s = None
+            if s is None:
+                s = pool.acquire(key)
+                if s is None:                     # FLUSH: the held records' kernels queued, their pins dropped
+                    for h in held:
+                        pool.release(h)
+                    held = []
+                    reap()                        # the retry waits for the copies in flight
+                    s = pool.acquire(key, retry=True)
+                if s is None:
+                    starved += 1
+                    continue
+                loading.append(s)
+            held.append(s)
+        for h in held:                            # the step's last batch launched (the FLUSH before the ahead copies)
+            pool.release(h)
+        spec_slots = {}
+        if m + 1 < layers:
+            for e in range(E):
+                key = (m + 1) * E + e
+                if pool.slot_of(key) is None:
+                    s = pool.acquire(key, speculative=True)
+                    if s is not None:
+                        spec_slots[key] = s
+            placed.append(len(spec_slots))
+        if land:
+            for s in spec_slots.values():
+                pool.loaded(s)
+                pool.release(s)
+        pool.check()
+    return placed, starved
+
+
+@pytest.mark.parametrize("E,K", [(8, 2), (16, 4), (12, 8)])
+@pytest.mark.parametrize("land", [True, False])
+def test_every_ahead_copy_finds_a_slot_exactly_when_ahead_fits_and_no_demand_starves(E, K, land):
+    for n_slots in range(E + staging_slots(E, K), 3 * E + 2 * K):
+        placed, starved = _prefill_through_pool(n_slots, E, K, layers=5, land=land)
+        assert starved == 0, n_slots                          # the ahead copies never cost a demand its slot
+        # after the first layer (an empty pool has room for anything), every layer's copies all got a slot iff
+        # the pool maps two layers' keys beside its staging
+        assert all(p == E for p in placed[1:]) == ahead_fits(n_slots, E, K), (n_slots, placed)
+
+
+def test_ahead_fits_is_two_layers_of_experts_beside_the_staging_slack():
+    assert ahead_fits(2 * 256 + 8, 256, 8) and not ahead_fits(2 * 256 + 7, 256, 8)
+    assert not ahead_fits(16, 256, 8) and not ahead_fits(512, 256, 8)      # the bench's 16 and 2E pools
+    assert staging_slots(520, 8) == 8 and staging_slots(6, 8) == 3 and staging_slots(1, 8) == 1
+
+
+def test_the_product_copies_ahead_when_the_switch_is_on_and_the_pool_has_room():
+    moe = [1, 2, 3]
+    assert ahead_layers_for(moe, 256, 8, 520, {}) == moe                                  # default on
+    assert ahead_layers_for(moe, 256, 8, 520, {"COLI_PREFILL_AHEAD": "1"}) == moe
+    assert ahead_layers_for(moe, 256, 8, 520, {"COLI_PREFILL_AHEAD": "0"}) is None        # switched off
+    assert ahead_layers_for(moe, 256, 8, 519, {}) is None                                 # no room
+    assert ahead_layers_for([3], 256, 8, 4000, {}) is None                                # no next MoE layer
+    assert prefill_ahead_enabled({}) is True and prefill_ahead_enabled({"COLI_PREFILL_AHEAD": " 0 "}) is False
+
+
+def test_a_bad_prefill_ahead_switch_is_a_one_line_error_naming_it_even_without_room():
+    for v in ("2", "yes", "on", ""):
+        with pytest.raises(ColiError) as e:
+            ahead_layers_for([1, 2], 256, 8, 16, {"COLI_PREFILL_AHEAD": v})
+        msg = str(e.value)
+        assert "COLI_PREFILL_AHEAD" in msg and repr(v.strip()) in msg and "\n" not in msg
+        assert "use 1" in msg and "or 0" in msg
+
+
+def test_the_start_up_line_says_whether_and_why_not():
+    assert "copy the next MoE layer's experts ahead" in describe_ahead([1, 2], 520, 256, 8, {})
+    assert "COLI_PREFILL_AHEAD=0" in describe_ahead(None, 520, 256, 8, {"COLI_PREFILL_AHEAD": "0"})
+    assert "need 520 slots" in describe_ahead(None, 16, 256, 8, {})
+
+
+def test_a_decode_step_of_the_default_batch_never_copies_ahead_on_glm5():
+    from coli.stages.executor.batch_defaults import DEFAULT_MAX_BATCH
+    # at most one top-8 per sequence: 16 x 8 = 128 distinct experts of 256, below 3/4
+    assert ahead_of(3, DEFAULT_MAX_BATCH * 8, [3, 4], 256) is None

@@ -1,0 +1,139 @@
+"""Layer-ahead prefill copies on the GPU (coli/gpu/layer_ahead.py, VramExperts' `ahead_layers`): a prefill of a few
+hundred tokens through a VRAM pool with room for two layers' experts copies every expert of the next MoE layer on the
+speculative lane, gives the tokens it gives without them, and computes nothing on the CPU; `coli run`'s loader and the
+stage runtime's executor get the copies exactly where the pool has room and COLI_PREFILL_AHEAD is on.
+
+The tiny oracle (transformers-built, a seed no other test uses) has 3 MoE layers of 16 experts, top-4: a 300-token
+prompt routes to all 16 in every layer (>= AHEAD_FRACTION), a decode step to 4 (never). Two layers beside the
+staging: 2 * 16 + 4 = 36 slots; every expert resident would be 48, so 40 slots stream."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from gpu_helpers import build_fresh_oracles, container, greedy, report
+
+pytestmark = pytest.mark.gpu
+
+FRESH = {"prefill-ahead": (1409, {})}
+SLOTS = 40            # >= 36: room for two layers beside the staging; < 48: the experts stream
+PROMPT = 300
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu-prefill-ahead")
+
+
+@pytest.fixture(scope="module")
+def tiny(root):
+    src, seed = build_fresh_oracles(root, FRESH)["prefill-ahead"]
+    d = container(root, src, "prefill-ahead-int4", experts="int4", dense="int8", group=64)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(2, vocab, PROMPT)]
+    return d, prompt
+
+
+def _load(d, slots, monkeypatch, switch=None):
+    from coli.loader import GpuOptions, load_model
+    if switch is None:
+        monkeypatch.delenv("COLI_PREFILL_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("COLI_PREFILL_AHEAD", switch)
+    return load_model(d, "gpu", gpu=GpuOptions(vram_slots=slots))
+
+
+def test_coli_run_gets_the_ahead_copies_exactly_where_they_fit_and_the_switch_is_on(tiny, monkeypatch):
+    d, _ = tiny
+    for slots, switch, on in ((SLOTS, None, True), (36, "1", True), (35, None, False), (SLOTS, "0", False)):
+        model, cfg = _load(d, slots, monkeypatch, switch)
+        vx = model.experts
+        got = vx.ahead_layers
+        vx.close()
+        assert got == (list(cfg.moe_layers) if on else None), (slots, switch)
+
+
+def _cold_ram_engine(model, d, ahead: bool):
+    """The loaded model's VramExperts replaced by one over every record in pinned RAM (the cold-ram bench's host
+    tier: what the stage runtime's RAM tier gives once it holds the experts), retaining, SLOTS slots."""
+    from coli.container.reader import ContainerReader
+    from coli.gpu.host_records import MemoryHostTier
+    from coli.gpu.vram_experts import VramExperts
+    model.experts.close()
+    r = ContainerReader(d)
+    cfg = r.config
+    host = MemoryHostTier(r, list(cfg.moe_layers))
+    vx = VramExperts(model.backend, host, r.record_layout, cfg.num_hidden_layers, cfg.n_routed_experts,
+                     cfg.num_experts_per_tok, SLOTS, ahead_layers=list(cfg.moe_layers) if ahead else None)
+    model.experts = vx
+    return vx
+
+
+def test_a_long_prefill_copies_the_next_layer_ahead_with_the_same_tokens_and_no_cpu_fallback(tiny, monkeypatch):
+    from coli.loader import load_model
+    d, prompt = tiny
+    out = {}
+    for ahead in (False, True):
+        model, cfg = _load(d, SLOTS, monkeypatch)
+        vx = _cold_ram_engine(model, d, ahead)
+        toks, _ = greedy(model, prompt, NEW, capacity=PROMPT + NEW + 8)
+        vx.finish()
+        out[ahead] = (toks, vx.snapshot())
+        vx.close()
+    cpu, _ = load_model(d, "cpu")
+    ref, _ = greedy(cpu, prompt, NEW, capacity=PROMPT + NEW + 8)
+    (plain, sp), (toks, st) = out[False], out[True]
+    keys = ("ahead_layers", "ahead_copies", "ahead_bytes", "spec_copies", "spec_handoffs", "spec_cancelled", "copies",
+            "hits", "misses", "cpu_fallbacks", "fallback_no_slot")
+    report("prefill_ahead", prompt=PROMPT, slots=SLOTS, tokens_equal=toks == plain, numpy_equal=toks == ref,
+           ahead={k: st.get(k) for k in keys}, plain={k: sp.get(k) for k in keys})
+    assert toks == plain                                  # the copies change when bytes cross, never what is computed
+    assert st["cpu_fallbacks"] == 0 and sp["cpu_fallbacks"] == 0
+    # the prefill copied ahead from every MoE layer but the last, all 16 experts (the pool was empty); the decode
+    # steps (4 experts a layer) never
+    assert st["ahead_layers"] == len(cfg.moe_layers) - 1
+    assert st["ahead_copies"] == st["ahead_layers"] * cfg.n_routed_experts
+    # some landed before the next layer's step cancelled the rest (the lane trickles while the router waits)
+    assert st["ahead_bytes"] > 0 and st["spec_copies"] + st["spec_handoffs"] > 0
+    assert sp["ahead_layers"] == sp["ahead_copies"] == sp["ahead_bytes"] == 0 and sp["spec_copies"] == 0
+
+
+def test_the_stage_runtime_copies_ahead_on_a_long_prompt(tmp_path, tiny, monkeypatch):
+    """`coli up --device gpu --vram-slots 40`: the executor's VramExperts (over the RAM tier's arena) copies ahead;
+    two requests of the long prompt (the second finds every expert in the RAM tier); tokens as `coli run`'s."""
+    import sys
+    import tempfile
+    from pathlib import Path
+    d, prompt = tiny
+    model, _ = _load(d, SLOTS, monkeypatch)
+    want, _ = greedy(model, prompt, NEW, capacity=PROMPT + NEW + 8)
+    model.experts.close()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from harness import Run
+    short = Path(tempfile.mkdtemp(prefix="ca", dir="/tmp"))     # ipc:// paths must stay under 107 bytes
+    r = Run(d, "ahead", short / "runs", short / "cache", 1.0, None, ("--device", "gpu", "--vram-slots", str(SLOTS)))
+    try:
+        st = r.wait_ready(180)
+        assert st.get("device") == "cuda", r.output()
+        ids = ",".join(map(str, prompt))
+        got = []
+        for _ in range(2):
+            p = r.coli("chat", "--name", r.name, "--prompt-ids", ids, "-n", str(NEW), "--json", "--ignore-eos",
+                       timeout=300)
+            assert p.returncode == 0, p.stderr + r.output()
+            got.append(json.loads(p.stdout.strip().splitlines()[-1])["tokens"])
+        time.sleep(1.2)          # the executor publishes its counters every 0.5 s: let the second request's land
+        stats = json.loads(r.coli("stats", "--name", r.name, "--once", "--json", timeout=60).stdout)
+    finally:
+        r.stop()
+    ex = stats.get("executor", {})
+    report("prefill_ahead_stage", **{k: ex.get(k) for k in ("ahead_layers", "ahead_copies", "ahead_bytes",
+                                                            "copies", "cpu_fallbacks", "vram_slots")})
+    assert got == [want, want]
+    assert ex.get("vram_slots") == SLOTS and ex.get("ahead_layers", 0) > 0 and ex.get("ahead_bytes", 0) > 0
+    assert ex.get("cpu_fallbacks") == 0
