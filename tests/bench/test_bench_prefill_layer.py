@@ -1,0 +1,45 @@
+"""scripts/bench_prefill_layer.py on the CPU: without a GPU it refuses in one line (the benchmark itself runs on the
+H200: docs/perf-notes.md); bad arguments are named; its launch labels tell the parts of a layer apart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_prefill_layer.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_prefill_layer as bpl  # noqa: E402
+from test_pf_kernel_sweep import _gpu_present  # noqa: E402
+
+
+@pytest.mark.skipif(_gpu_present(), reason="a GPU is here: the benchmark would run, not refuse")
+def test_refuses_in_one_line_without_a_gpu():
+    p = subprocess.run([sys.executable, str(SCRIPT), "--S", "64"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args,named", [(["--S", "512,1"], "--S"), (["--S", "x"], "--S"), (["--fmt", "int3"], "int3")])
+def test_bad_arguments_are_named(args, named):
+    p = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and named in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_labels_name_weights_splits_and_attention_parts():
+    names = {1000: "q_a", 2000: "kv_b", 3000: "shared_gate"}
+
+    def L(op, kernel, *args):
+        return {"op": op, "kernel": kernel, "args": args}
+    launches = [L("rms_norm", "rms_norm", 7), L("linear_many", "pf_split_rows", 5, 6),
+                L("linear_many", "pf_linear_int8", 1000, 4),
+                L("mla_attend", "gemm_nn_int8", 2000, 3), L("mla_attend", "attn_split", 9),
+                L("mla_attend", "gemm_nt_int8", 2000, 8), L("swiglu", "pf_linear_int8", 3000)]
+    assert bpl.label_launches(launches, names) == [
+        "rms_norm: rms_norm", "linear_many q_a: pf_split_rows", "linear_many q_a: pf_linear_int8",
+        "mla_attend q_abs: gemm_nn_int8", "mla_attend context: attn_split", "mla_attend o: gemm_nt_int8",
+        "swiglu shared_gate: pf_linear_int8"]
