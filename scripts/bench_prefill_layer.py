@@ -77,7 +77,7 @@ def label_launches(launches: list[dict], names: dict[int, str]) -> list[str]:
     labels = []
     for j, L in enumerate(launches):
         op, k = L["op"], L["kernel"]
-        if op in ("linear", "linear_many", "swiglu", "route"):
+        if op in ("linear", "linear_many", "swiglu", "route") and (ws[j] or k == "pf_split_rows"):
             w = ws[j] or next((ws[i] for i in range(j + 1, len(launches)) if launches[i]["op"] == op and ws[i]),
                               None)
             labels.append(f"{op} {w or '?'}: {k}")

@@ -38,8 +38,10 @@ def test_labels_name_weights_splits_and_attention_parts():
     launches = [L("rms_norm", "rms_norm", 7), L("linear_many", "pf_split_rows", 5, 6),
                 L("linear_many", "pf_linear_int8", 1000, 4),
                 L("mla_attend", "gemm_nn_int8", 2000, 3), L("mla_attend", "attn_split", 9),
-                L("mla_attend", "gemm_nt_int8", 2000, 8), L("swiglu", "pf_linear_int8", 3000)]
+                L("mla_attend", "gemm_nt_int8", 2000, 8), L("swiglu", "pf_linear_int8", 3000),
+                L("swiglu", "silu_mul", 11), L("swiglu", "pf_split_rows", 12), L("swiglu", "pf_linear_int8", 3000)]
     assert bpl.label_launches(launches, names) == [
         "rms_norm: rms_norm", "linear_many q_a: pf_split_rows", "linear_many q_a: pf_linear_int8",
         "mla_attend q_abs: gemm_nn_int8", "mla_attend context: attn_split", "mla_attend o: gemm_nt_int8",
+        "swiglu shared_gate: pf_linear_int8", "swiglu: silu_mul", "swiglu shared_gate: pf_split_rows",
         "swiglu shared_gate: pf_linear_int8"]
