@@ -45,3 +45,30 @@ def test_labels_name_weights_splits_and_attention_parts():
         "mla_attend q_abs: gemm_nn_int8", "mla_attend context: attn_split", "mla_attend o: gemm_nt_int8",
         "swiglu shared_gate: pf_linear_int8", "swiglu: silu_mul", "swiglu shared_gate: pf_split_rows",
         "swiglu shared_gate: pf_linear_int8"]
+
+
+def test_the_benchmarked_layer_is_the_forwards_without_its_routed_experts():
+    """dense_layer (what the script times) gives layer_body's hidden state exactly when every routed slot is pruned
+    (the routed sum then adds nothing): the same ops on the same inputs, the routed experts left out."""
+    import numpy as np
+    from coli.bench.dense_layer import RandomDense, dense_config, layer_body
+    from coli.config import PRESETS
+    from coli.model.backend import cos_sin_table
+    from coli.model.forward import GlmMoeDsaModel
+    from coli.model.numpy_backend import NumpyBackend
+    cfg = dense_config(PRESETS["tiny"], layers=1, vocab=64)
+    b = NumpyBackend()
+    model = GlmMoeDsaModel(cfg, RandomDense(cfg, "int8", group=32), b)
+    S = 7
+    pos = np.arange(S)
+    cos, sin = cos_sin_table(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
+    h0 = np.random.default_rng(0).standard_normal((S, cfg.hidden_size)).astype(np.float32)
+    model.route_override = lambda i, n: (np.full((n, cfg.num_experts_per_tok), -1, np.int64),
+                                         np.zeros((n, cfg.num_experts_per_tok), np.float32))
+    caches = [model.new_cache(S), model.new_cache(S)]
+    for c in caches:
+        c.reserve(S)
+    want, _ = layer_body(model, 0, h0, pos, cos, sin, caches[0], 0)
+    got = bpl.dense_layer(model, h0, pos, cos, sin, caches[1])
+    np.testing.assert_array_equal(got, want)
+    assert float(np.abs(got - h0).max()) > 0
