@@ -40,6 +40,18 @@
 // Requirements (pf_layout_ok in cuda_backend.py; otherwise gemm.cu runs): int4, group 64 or 128 dividing C, C % 64,
 // rows % PF_ROWS (linear, down) or Im % (PF_ROWS / 2) (gate/up), 16-byte aligned rows, the shared memory within the
 // device's limit.
+//
+// int8 weights (pf_linear_int8; pf_int8_layout_ok): the same loop over signed bytes q (-127..127, one fp16 scale per
+// row). A row's 64 columns stage as 64 bytes; lane (g, t) reads bytes 16 t .. 16 t + 15 of rows g and g + 8 and
+// sorts each 8 of them into the even columns (k = 4t ..) and the odd ones (k = 16 + 4t ..) with two PRMTs -- the
+// same k order as the nibbles, so the split x is the int4 kernel's. mma.sync s8 x s8 starts at C = MAGIC (no offset:
+// the weights are signed), |sum q b_p| <= 64 * 127 * 64 < 2^19, so D read as a float is again 1.5 * 2^23 + the exact
+// dot product. The flush is the int4 one with the scale 1 (every PF_EPI variant then gives the same bits); the row's
+// scale multiplies the sum once at the end. One difference in rounding: F0 + F1 / 2^7 needs up to 27 bits here (23
+// for int4), so the two pairs round too -- two more roundings of 2^-24 of the block's partial sum (the bound in
+// tests/test_prefill_mma_formulas.py and tests/gpu/test_gpu_prefill.py counts them). Shared memory: 3 stages of
+// 25.5 KiB, no scales: 80.6 KiB, within sm_86/89's 99 KB; rows need not fill whole blocks of PF_ROWS (the rows past
+// the end repeat the last one and are not written: kv_a's 576, the indexer's wk 128).
 #include "coli_common.cuh"
 
 #ifndef PF_ROWS
@@ -96,6 +108,14 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 #define PF_X_BYTES (PF_TOKS * 256)     //            4 parts x 64 bytes per activation row
 #define PF_M_BYTES (PF_TOKS * 48)      //            12 words of metadata per activation row
 #define PF_STAGE_BYTES (PF_W_BYTES + PF_X_BYTES + PF_M_BYTES)
+// per weight format (FMT_INT4: the macros above; FMT_INT8: 64 bytes per row per 64-column block, no group scales)
+template <int FMT>
+struct PfFmt {
+    static constexpr int WB = FMT == FMT_INT8 ? 64 : 32;              // staged bytes per weight row per block
+    static constexpr int W_BYTES = PF_ROWS * WB;
+    static constexpr int STAGE = W_BYTES + PF_X_BYTES + PF_M_BYTES;
+};
+static_assert(PfFmt<FMT_INT4>::STAGE == PF_STAGE_BYTES, "int4's stage is the macros'");
 
 #define PF_LINEAR 0
 #define PF_GATEUP 1
@@ -116,6 +136,21 @@ __device__ inline void pf_mma_c(int (&d)[4], const uint32_t (&a)[4], uint32_t b0
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c.x), "r"(c.y), "r"(c.z),
                    "r"(c.w));
+}
+
+// s8 x s8 (int8 weights, signed): d = a b + c.
+__device__ inline void pf_mma_ss_c(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const int4 &c) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%11,%12,%13};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c.x), "r"(c.y), "r"(c.z),
+                   "r"(c.w));
+}
+__device__ inline void pf_mma_ss(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 16 bytes global -> shared, in flight until pf_wait; n = 0 fills zeros (rows past the tile's end).
@@ -180,14 +215,20 @@ extern "C" __global__ void __launch_bounds__(PF_SPLIT_THREADS) pf_split_rows(con
 // act[PF_TOKS]: split-x row of each activation row (-1: none, zeros); the first nact are present (PF_SKIP: quads of
 // 4 absent rows skip their MMAs; their accumulators stay 0 and no caller writes them). Leaves every cp.async
 // drained and the block synchronised, so the caller may reuse the shared memory.
+// FMT_INT4: acc includes the group scales; FMT_INT8: acc is the sum before the row's scale (the caller's).
+template <int FMT>
 __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *const *rowm, const int *act, int nact,
                                    int C, int group, const u8 *xq, const int *xm, float (&acc)[4][4][2]) {
-    const int nG = C / 64, ng = C / group, gsh = group == 128 ? 1 : 0;
+    constexpr bool I8 = FMT == FMT_INT8;
+    constexpr int WB = PfFmt<FMT>::WB, WP = WB / 16, WPS = WP == 4 ? 2 : 1;   // bytes, 16-byte pieces per row
+    constexpr int W_BYTES = PfFmt<FMT>::W_BYTES, STAGE = PfFmt<FMT>::STAGE;
+    const int nG = C / 64, ng = I8 ? 1 : C / group, gsh = group == 128 ? 1 : 0;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wr = warp % PF_RW, wt = warp / PF_RW;
-    __half *scs = reinterpret_cast<__half *>(smem + PF_STAGES * PF_STAGE_BYTES);     // [128][ng]
+    __half *scs = reinterpret_cast<__half *>(smem + PF_STAGES * STAGE);     // [PF_ROWS][ng] (int4 only)
 
-    constexpr int WK = PF_ROWS * 2 / PF_THREADS, XK = PF_TOKS * 16 / PF_THREADS;    // copies per thread per stage
+    constexpr int WK = PF_ROWS * WP / PF_THREADS, XK = PF_TOKS * 16 / PF_THREADS;    // copies per thread per stage
+    static_assert(PF_ROWS * WP % PF_THREADS == 0 && (1 << WPS) == WP, "whole weight copy rounds per stage");
 #if PF_HOIST
     // this thread's sources at G = 0 (an absent activation row: xq / xm with 0 bytes, zeros), advanced per stage
     const u8 *wsrc[WK], *xsrc[XK];
@@ -195,7 +236,7 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 #pragma unroll
     for (int k = 0; k < WK; k++) {
         const int idx = tid + PF_THREADS * k;
-        wsrc[k] = rowd[idx >> 1] + 16 * (idx & 1);
+        wsrc[k] = rowd[idx >> WPS] + 16 * (idx & (WP - 1));
     }
 #pragma unroll
     for (int k = 0; k < XK; k++) {
@@ -208,36 +249,36 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 #endif
     auto issue = [&](int G) {
         if (G < nG) {
-            u8 *st = smem + (G % PF_STAGES) * PF_STAGE_BYTES;
+            u8 *st = smem + (G % PF_STAGES) * STAGE;
 #pragma unroll
-            for (int k = 0; k < WK; k++) {   // weights: 2 pieces per row
-                const int idx = tid + PF_THREADS * k, row = idx >> 1, pc = idx & 1;
+            for (int k = 0; k < WK; k++) {   // weights: WP pieces per row (int4 2, int8 4)
+                const int idx = tid + PF_THREADS * k, row = idx >> WPS, pc = idx & (WP - 1);
 #if PF_HOIST
-                pf_cp16(st + row * 32 + 16 * pc, wsrc[k] + 32 * G, 16);
+                pf_cp16(st + row * WB + 16 * pc, wsrc[k] + WB * G, 16);
 #else
-                pf_cp16(st + row * 32 + 16 * pc, rowd[row] + 32 * G + 16 * pc, 16);
+                pf_cp16(st + row * WB + 16 * pc, rowd[row] + WB * G + 16 * pc, 16);
 #endif
             }
 #pragma unroll
             for (int k = 0; k < XK; k++) {  // split x: 16 pieces per activation row
                 const int idx = tid + PF_THREADS * k, a = idx >> 4, pc = idx & 15;
 #if PF_HOIST
-                pf_cp16(st + PF_W_BYTES + a * 256 + 16 * pc, xsrc[k] + (xn[k] ? G * 256 : 0), xn[k]);
+                pf_cp16(st + W_BYTES + a * 256 + 16 * pc, xsrc[k] + (xn[k] ? G * 256 : 0), xn[k]);
 #else
                 const int r = act[a];
                 const u8 *src = r >= 0 ? xq + ((long long)r * nG + G) * 256 + 16 * pc : xq;
-                pf_cp16(st + PF_W_BYTES + a * 256 + 16 * pc, src, r >= 0 ? 16 : 0);
+                pf_cp16(st + W_BYTES + a * 256 + 16 * pc, src, r >= 0 ? 16 : 0);
 #endif
             }
             if (tid < 3 * PF_TOKS) {        // metadata: 3 pieces per activation row
                 const int a = tid / 3, pc = tid - 3 * a;
 #if PF_HOIST
-                pf_cp16(st + PF_W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, msrc + (mr >= 0 ? G * 12 : 0),
+                pf_cp16(st + W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, msrc + (mr >= 0 ? G * 12 : 0),
                         mr >= 0 ? 16 : 0);
 #else
                 const int r = act[a];
                 const int *src = r >= 0 ? xm + ((long long)r * nG + G) * 12 + 4 * pc : xm;
-                pf_cp16(st + PF_W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, src, r >= 0 ? 16 : 0);
+                pf_cp16(st + W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, src, r >= 0 ? 16 : 0);
 #endif
             }
         }
@@ -246,8 +287,9 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 
 #pragma unroll
     for (int s = 0; s < PF_STAGES - 1; s++) issue(s);
-    for (int i = tid; i < PF_ROWS * ng; i += PF_THREADS)       // the group scales, once (plain loads)
-        scs[i] = __ushort_as_half(__ldg(reinterpret_cast<const unsigned short *>(rowm[i / ng]) + i % ng));
+    if constexpr (!I8)
+        for (int i = tid; i < PF_ROWS * ng; i += PF_THREADS)   // the group scales, once (plain loads)
+            scs[i] = __ushort_as_half(__ldg(reinterpret_cast<const unsigned short *>(rowm[i / ng]) + i % ng));
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -258,26 +300,43 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
         __syncthreads();                     // stage G landed for every thread; stage G - 1 is free again
         issue(G + PF_STAGES - 1);
         if (PF_SKIP && 16 * wt >= nact) continue;   // a warp whose 16 activation rows are all absent (warp-uniform)
-        const u8 *st = smem + (G % PF_STAGES) * PF_STAGE_BYTES;
-        const u8 *xs = st + PF_W_BYTES;
-        const int *ms = reinterpret_cast<const int *>(st + PF_W_BYTES + PF_X_BYTES);
+        const u8 *st = smem + (G % PF_STAGES) * STAGE;
+        const u8 *xs = st + W_BYTES;
+        const int *ms = reinterpret_cast<const int *>(st + W_BYTES + PF_X_BYTES);
         uint32_t a[4][2][4];
         float sc[4][2];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int row = 64 * wr + 16 * i + g;
-            const uint2 w0 = *reinterpret_cast<const uint2 *>(st + row * 32 + 8 * t);
-            const uint2 w1 = *reinterpret_cast<const uint2 *>(st + (row + 8) * 32 + 8 * t);
+            if (I8) {
+                // bytes 16 t .. 16 t + 15 of rows g, g + 8 (a quarter warp reads 128 contiguous bytes: no conflict);
+                // MMA m takes columns 16 t + 8 m .. + 7: even ones -> a0 / a1 (k = 4t ..), odd ones -> a2 / a3
+                const uint4 w0 = *reinterpret_cast<const uint4 *>(st + row * 64 + 16 * t);
+                const uint4 w1 = *reinterpret_cast<const uint4 *>(st + (row + 8) * 64 + 16 * t);
 #pragma unroll
-            for (int m = 0; m < 2; m++) {
-                const uint32_t x0 = m ? w0.y : w0.x, x1 = m ? w1.y : w1.x;
-                a[i][m][0] = x0 & 0x0f0f0f0fu;
-                a[i][m][1] = x1 & 0x0f0f0f0fu;
-                a[i][m][2] = (x0 >> 4) & 0x0f0f0f0fu;
-                a[i][m][3] = (x1 >> 4) & 0x0f0f0f0fu;
+                for (int m = 0; m < 2; m++) {
+                    const uint32_t lo0 = m ? w0.z : w0.x, hi0 = m ? w0.w : w0.y;
+                    const uint32_t lo1 = m ? w1.z : w1.x, hi1 = m ? w1.w : w1.y;
+                    a[i][m][0] = __byte_perm(lo0, hi0, 0x6420);
+                    a[i][m][1] = __byte_perm(lo1, hi1, 0x6420);
+                    a[i][m][2] = __byte_perm(lo0, hi0, 0x7531);
+                    a[i][m][3] = __byte_perm(lo1, hi1, 0x7531);
+                }
+                sc[i][0] = sc[i][1] = 1.f;   // the row's scale: applied once by the caller
+            } else {
+                const uint2 w0 = *reinterpret_cast<const uint2 *>(st + row * 32 + 8 * t);
+                const uint2 w1 = *reinterpret_cast<const uint2 *>(st + (row + 8) * 32 + 8 * t);
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    const uint32_t x0 = m ? w0.y : w0.x, x1 = m ? w1.y : w1.x;
+                    a[i][m][0] = x0 & 0x0f0f0f0fu;
+                    a[i][m][1] = x1 & 0x0f0f0f0fu;
+                    a[i][m][2] = (x0 >> 4) & 0x0f0f0f0fu;
+                    a[i][m][3] = (x1 >> 4) & 0x0f0f0f0fu;
+                }
+                sc[i][0] = __half2float(scs[row * ng + (G >> gsh)]);
+                sc[i][1] = __half2float(scs[(row + 8) * ng + (G >> gsh)]);
             }
-            sc[i][0] = __half2float(scs[row * ng + (G >> gsh)]);
-            sc[i][1] = __half2float(scs[(row + 8) * ng + (G >> gsh)]);
         }
 #pragma unroll
         for (int q = 0; q < 4; q++) {
@@ -292,15 +351,22 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 #pragma unroll
             for (int ab = 0; ab < 2; ab++) {
                 b[ab] = *reinterpret_cast<const uint4 *>(xs + tb * 256 + (2 * ab + (g & 1)) * 64 + 16 * t);
-                ci[ab] = *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
+                // int8: signed weights need no offset, the accumulators start at MAGIC itself
+                ci[ab] = I8 ? make_int4(PF_MAGIC, PF_MAGIC, PF_MAGIC, PF_MAGIC)
+                            : *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int d[2][4];
 #pragma unroll
                 for (int ab = 0; ab < 2; ab++) {
-                    pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
-                    pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
+                    if (I8) {
+                        pf_mma_ss_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
+                        pf_mma_ss(d[ab], a[i][1], b[ab].z, b[ab].w);
+                    } else {
+                        pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
+                        pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
+                    }
                 }
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
@@ -344,8 +410,9 @@ struct PfTables {
     int *act;
 };
 
+template <int FMT = FMT_INT4>
 __device__ inline PfTables pf_tables(u8 *smem, int C, int group) {
-    u8 *p = smem + PF_STAGES * PF_STAGE_BYTES + align16(PF_ROWS * (C / group) * 2);
+    u8 *p = smem + PF_STAGES * PfFmt<FMT>::STAGE + (FMT == FMT_INT8 ? 0 : align16(PF_ROWS * (C / group) * 2));
     PfTables tb;
     tb.rowd = reinterpret_cast<const u8 **>(p);
     tb.rowm = tb.rowd + PF_ROWS;
@@ -376,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = s0 + (int)threadIdx.x < S ? s0 + (int)threadIdx.x : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, W.group, xq, xm, acc);
+    pf_mainloop<FMT_INT4>(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, W.group, xq, xm, acc);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
@@ -386,6 +453,45 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4
         for (int i = 0; i < 4; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) Y[s * ldy + n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r] = acc[i][q][r];
+    }
+}
+
+// ---- pf_linear_int8 ---------------------------------------------------------------------------------------------
+// pf_linear_int4 for int8 weights (one fp16 scale per row): Y[s, n] = scale[n] * sum_k q[n, k] x[s, k]. N need not
+// be a multiple of PF_ROWS: the block's rows past N read row N - 1 (valid memory) and are not written.
+//   grid (ceil(N / PF_ROWS), ceil(S / PF_TOKS)), block PF_THREADS (256), dynamic smem = pf_smem_int8().
+extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int8(
+    QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
+    COLI_PDL_ENTRY();
+    extern __shared__ float4 smem4[];
+    u8 *smem = reinterpret_cast<u8 *>(smem4);
+    const QMat W = QMAT_MAKE(w, FMT_INT8);
+    const int n0 = PF_ROWS * blockIdx.x, s0 = PF_TOKS * blockIdx.y;
+    PfTables tb = pf_tables<FMT_INT8>(smem, W.cols, 0);
+    if (threadIdx.x < PF_ROWS) pf_row(W, min(n0 + (int)threadIdx.x, W.rows - 1), tb.rowd, tb.rowm, threadIdx.x);
+    if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = s0 + (int)threadIdx.x < S ? s0 + (int)threadIdx.x : -1;
+    __syncthreads();
+    float acc[4][4][2];
+    pf_mainloop<FMT_INT8>(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, 0, xq, xm, acc);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float sc[4][2];                          // the rows' scales (the tables survive the main loop)
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            sc[i][r] = __half2float(__ushort_as_half(
+                __ldg(reinterpret_cast<const unsigned short *>(tb.rowm[64 * (warp % PF_RW) + 16 * i + g + 8 * r]))));
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const int s = s0 + 16 * (warp / PF_RW) + 4 * q + t;
+        if (s >= S) continue;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int n = n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r;
+                if (n < W.rows) Y[s * ldy + n] = __fmul_rn(acc[i][q][r], sc[i][r]);
+            }
     }
 }
 
@@ -415,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_gateup_int4
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = (int)threadIdx.x < cnt ? pair_token[p0 + threadIdx.x] : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cnt, cols, group, xq, xm, acc);
+    pf_mainloop<FMT_INT4>(smem, tb.rowd, tb.rowm, tb.act, cnt, cols, group, xq, xm, acc);
     // gate (block rows < HALF) and up meet in shared memory: ex[half][pair][j], rows padded to PF_EXLD floats
     static_assert(2 * PF_TOKS * PF_EXLD * 4 <= PF_STAGES * PF_STAGE_BYTES, "the exchange fits the drained stages");
     float *ex = reinterpret_cast<float *>(smem);
@@ -465,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_down_int4(
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = (int)threadIdx.x < cnt ? p0 + (int)threadIdx.x : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop(smem, tb.rowd, tb.rowm, tb.act, cnt, cols, group, hq, hm, acc);
+    pf_mainloop<FMT_INT4>(smem, tb.rowd, tb.rowm, tb.act, cnt, cols, group, hq, hm, acc);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int q = 0; q < 4; q++) {

@@ -451,8 +451,8 @@ def main() -> int:
     ap.add_argument("--dense-only", action="store_true",
                     help="only the copy, the dense GEMVs and the attention rows (skip the MoE and the other kernels)")
     ap.add_argument("--prefill-only", action="store_true",
-                    help="only the copy and the prefill rows (int4 GEMM and grouped MoE, fp32 v1 against the "
-                         "tensor cores)")
+                    help="only the copy and the prefill rows (int4 and int8 GEMMs, the grouped MoE; fp32 v1 against "
+                         "the tensor cores)")
     ap.add_argument("--pf-variants", action="store_true",
                     help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
     ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
@@ -893,8 +893,9 @@ def _report(a, res, rows, copy_bw, rt) -> int:
 
 
 def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
-    """The int4 prefill rows, the fp32 tiled GEMMs (v1) against the tensor cores (mma) in the same run: the dense
-    GEMM at GLM-5's q_a (2048 x 6144 g64) and o_proj (6144 x 16384 g128) shapes for S = 512 and 2,048, and the
+    """The prefill rows, the fp32 tiled GEMMs (v1) against the tensor cores (mma) in the same run: the dense int4
+    GEMM at GLM-5's q_a (2048 x 6144 g64) and o_proj (6144 x 16384 g128) shapes and the int8 one (pf_linear_int8) at
+    q_a's, q_b's (16384 x 2048) and o_proj's for S = 512 and 2,048, and the
     grouped MoE prefill of a 2,048-token prompt over 256 GLM-5 experts (top-8: ~64 pairs per expert; ~1.24 TFLOP).
     Effective TFLOP/s counts 2 flops per weight x token (not the four int8 parts the tensor cores multiply).
     The MoE rows time the whole moe() op (host: sorting the pairs; the spin covers it, so the figure is GPU time)."""
@@ -909,9 +910,13 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
         r = add_row(*args, **kw)
         print(f"  {r['kernel']}: {r['us']:.1f} us  {r.get('note', '')}", flush=True)
         return r
-    for rows_, cols_, group in ((2048, H, 64), (H, 16384, 128)):
-        b, lay_ = random_matrix_bytes(rows_, cols_, "int4", group, rng)
+    # int4 (the int4 dense core) and int8 (pf_linear_int8: coli convert's default dense core; keys gemm8_...) at
+    # q_a's, q_b's and o_proj's shapes
+    for fmt, rows_, cols_, group in (("int4", 2048, H, 64), ("int4", H, 16384, 128), ("int8", 2048, H, 0),
+                                     ("int8", 16384, 2048, 0), ("int8", H, 16384, 0)):
+        b, lay_ = random_matrix_bytes(rows_, cols_, fmt, group, rng)
         w = upload_stored(gb.rt, b, lay_, (rows_, cols_), "bench")
+        key, tag = ("gemm", f"int4 g{group}") if fmt == "int4" else ("gemm8", "int8")
         for S in (512, 2048):
             xs_ = gb.upload(rng.standard_normal((S, cols_)).astype(F32))
             got = {}
@@ -919,10 +924,10 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
                 gb.prefill_kernels = ver
                 us = tm.per_call_us(lambda i: gb.linear(xs_, w), 3, spin_us=20000)
                 tf = 2 * S * rows_ * cols_ / us / 1e6
-                add(f"gemm prefill S={S} {rows_}x{cols_} int4 g{group} [{ver}]", us, None, f"{tf:.2f} TFLOP/s")
-                out[f"gemm_{rows_}x{cols_}_S{S}_{ver}_TFLOPs"] = round(tf, 2)
+                add(f"gemm prefill S={S} {rows_}x{cols_} {tag} [{ver}]", us, None, f"{tf:.2f} TFLOP/s")
+                out[f"{key}_{rows_}x{cols_}_S{S}_{ver}_TFLOPs"] = round(tf, 2)
                 got[ver] = gb.to_host(gb.linear(xs_, w))
-            out[f"gemm_{rows_}x{cols_}_S{S}_rel_diff"] = float(rel_err(got["mma"], got["v1"]))
+            out[f"{key}_{rows_}x{cols_}_S{S}_rel_diff"] = float(rel_err(got["mma"], got["v1"]))
         del w
     # grouped MoE: 2,048 tokens, 256 experts (64 distinct records, 1.3 GB: L2 holds none of them between uses)
     lay = RecordLayout.make(H, IM, "int4", 64, 512)

@@ -13,7 +13,10 @@ Every variant below is built by nvcc with its -D settings (in parallel), loaded 
   * timed with CUDA events behind a spin kernel (scripts/bench_kernels.py's Timer: GPU time, warm-up, median of
     reps): the whole moe() op (x split, both launches, the slot sum -- the figure bench_kernels' prefill row
     gives), the gate/up and down launches alone on the same pair tiles, and the dense 2048 x 6144 GEMM at
-    S = 2,048 (checked bitwise against the default too).
+    S = 2,048 (checked bitwise against the default too), int4 g64 and int8 (pf_linear_int8: the int8 dense core
+    `coli convert` stores by default); the int8 one also on a small kv_a-shaped case (576 x 6144, S = 70: a partial
+    row block and token tile) against float64 within `linear_f64_bound` (its bits are NOT the fp32 tiles': only
+    float64 is the reference).
 Effective TFLOP/s = 2 x S x top-k x 3 x Im x H / time (the four int8 parts the tensor cores multiply not counted).
 Prints a table, best first, and writes JSON (--out). Diagnostics (PF_DIAG) are wrong by design: timed, not checked.
 """
@@ -79,8 +82,11 @@ def pf_threads(defs: dict) -> int:
     return 32 * (defs["PF_ROWS"] // 64) * (defs["PF_TOKS"] // 16)
 
 
-def smem_bytes(defs: dict, cols: int, group: int) -> int:
+def smem_bytes(defs: dict, cols: int, group: int, fmt: str = "int4") -> int:
     """cuda_backend.pf_smem for these settings."""
+    if fmt == "int8":
+        return defs["PF_STAGES"] * (defs["PF_ROWS"] * 64 + defs["PF_TOKS"] * (256 + 48)) + defs["PF_ROWS"] * 16 \
+            + defs["PF_TOKS"] * 4
     stage = defs["PF_ROWS"] * 32 + defs["PF_TOKS"] * (256 + 48)
     scales = -(-(defs["PF_ROWS"] * (cols // group) * 2) // 16) * 16
     return defs["PF_STAGES"] * stage + scales + defs["PF_ROWS"] * 16 + defs["PF_TOKS"] * 4
@@ -131,6 +137,22 @@ def f64_bound(x, idx, w, mats):
             np.add.at(slot_mag, tok, wk * mag)
     bound += (idx.shape[1] + 1) * u * slot_mag                           # the routing product and the slot sum
     return want, bound
+
+
+def linear_f64_bound(x: np.ndarray, w: np.ndarray, extra_roundings: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """float64 x @ w.T and a per-element bound on the tensor-core prefill GEMM's error (x [S, C] float32, w [N, C]
+    the stored weights' values): the split drops < 2^-27 of each 64-column block's largest |x| per element (against
+    that block's |w|); per block the parts' combination rounds (int8: the two pairs and their sum, F0 + F1 / 2^7
+    needing 27 bits) and the accumulating FFMA rounds once more (nG of them over the row, each at most 2^-24 of the
+    running |w| |x| companion); int8's row scale multiplies once at the end. (nG + extra_roundings) 2^-24 of the
+    companion plus the split's term: first-order, each at its worst, so an index error (errors the size of the
+    values) exceeds it by orders of magnitude."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    nG = x.shape[1] // 64
+    blk = np.abs(x64).reshape(len(x), nG, 64).max(axis=2)                     # [S, nG]
+    wblk = np.abs(w64).reshape(len(w), nG, 64).sum(axis=2)                    # [N, nG]
+    bound = 2.0 ** -27 * blk @ wblk.T + (nG + extra_roundings) * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64).T)
+    return x64 @ w64.T, bound
 
 
 def main() -> int:
@@ -215,6 +237,15 @@ def main() -> int:
     wb, wlay = random_matrix_bytes(2048, H, "int4", 64, rng)
     w_dense = upload_stored(rt, wb, wlay, (2048, H), "sweep")
     x_dense = gb.upload(rng.standard_normal((S, H)).astype(F32))
+    wb8, wlay8 = random_matrix_bytes(2048, H, "int8", 0, rng)                  # the int8 dense core's q_a
+    w_dense8 = upload_stored(rt, wb8, wlay8, (2048, H), "sweep")
+    from gpu_helpers import stored_matrix                                     # kv_a: 576 rows, a partial block
+    kb, klay, kref = stored_matrix(576, H, "int8", rng)
+    w_kv8 = upload_stored(rt, kb, klay, (576, H), "sweep")
+    xk = rng.standard_normal((70, H)).astype(F32)
+    xk[3] *= np.float32(2.0 ** -30)                                           # a token far below the others
+    want_kv8, bound_kv8 = linear_f64_bound(xk, kref)
+    x_kv8 = gb.upload(xk)
     print(f"inputs ready in {time.time() - t_start:.0f} s", flush=True)
 
     def moe_big():
@@ -223,7 +254,7 @@ def main() -> int:
     saved = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, gb.prefill_kernels)
     gb.prefill_kernels = "mma"
     shipped_big = gb.to_host(moe_big())          # the module as the backend builds it (PyCUDA): "default" must match
-    ref_big = ref_dense = None
+    ref_big = ref_dense = ref_dense8 = None
     try:
         for n in names:
             if n not in built:
@@ -231,7 +262,8 @@ def main() -> int:
             defs = VARIANTS[n]
             cubin, regs = built[n]
             r = {"defs": defs, "regs_spill": regs, "threads": pf_threads(defs),
-                 "smem_gateup": smem_bytes(defs, H, 64), "smem_down": smem_bytes(defs, IM, 64)}
+                 "smem_gateup": smem_bytes(defs, H, 64), "smem_down": smem_bytes(defs, IM, 64),
+                 "smem_int8": smem_bytes(defs, H, 0, "int8")}
             r["fits_sm86"] = max(r["smem_gateup"], r["smem_down"]) <= SMEM_SM86
             out["variants"][n] = r
             if max(r["smem_gateup"], r["smem_down"]) > rt.smem_optin:
@@ -246,14 +278,26 @@ def main() -> int:
                 us = tm.per_call_us(lambda i: gb.linear(x_dense, w_dense), a.iters * 2, reps=3, warmup=1,
                                     spin_us=20000)
                 r.update(dense_us=round(us, 1), dense_TFLOPs=round(2 * S * 2048 * H / us / 1e6, 2))
+                us8 = tm.per_call_us(lambda i: gb.linear(x_dense, w_dense8), a.iters * 2, reps=3, warmup=1,
+                                     spin_us=20000)
+                r.update(dense8_us=round(us8, 1), dense8_TFLOPs=round(2 * S * 2048 * H / us8 / 1e6, 2))
                 got_dense = gb.to_host(gb.linear(x_dense, w_dense))
+                got_dense8 = gb.to_host(gb.linear(x_dense, w_dense8))
+                got_kv8 = gb.to_host(gb.linear(x_kv8, w_kv8))
+                ex8 = np.abs(got_kv8.astype(np.float64) - want_kv8) / bound_kv8
+                r["int8_f64_err_over_bound"] = float(np.nanmax(np.where(np.isfinite(ex8), ex8, np.inf)))
                 got_big = gb.to_host(moe_big())
                 if n == "default":
-                    ref_big, ref_dense = got_big, got_dense
+                    ref_big, ref_dense, ref_dense8 = got_big, got_dense, got_dense8
                     r["bits_equal_shipped"] = bool(np.array_equal(got_big, shipped_big, equal_nan=True))
+                    gb.prefill_kernels = "v1"           # the fp32 tiles on the same case: context, not a check
+                    v1 = gb.to_host(gb.linear(x_kv8, w_kv8)).astype(np.float64)
+                    gb.prefill_kernels = "mma"
+                    r["int8_v1_f64_err_over_bound"] = float(np.max(np.abs(v1 - want_kv8) / bound_kv8))
                 diag = bool(defs["PF_DIAG"])
                 r["bits_equal_default"] = bool(np.array_equal(got_big, ref_big, equal_nan=True)
-                                               and np.array_equal(got_dense, ref_dense, equal_nan=True))
+                                               and np.array_equal(got_dense, ref_dense, equal_nan=True)
+                                               and np.array_equal(got_dense8, ref_dense8, equal_nan=True))
                 if not r["bits_equal_default"]:
                     r["max_abs_diff_default"] = float(np.nanmax(np.abs(got_big.astype(np.float64) - ref_big)))
                 got_small = gb.to_host(gb.moe(x_small, sidx, sw, ((e_, srecs[e_]) for e_ in range(es))))
@@ -262,7 +306,7 @@ def main() -> int:
                 r["f64_err_over_bound"] = float(np.nanmax(np.where(np.isfinite(excess), excess, np.inf)))
                 r["diagnostic"] = diag
                 r["ok"] = diag or (r["bits_equal_default"] and r["f64_err_over_bound"] <= 1.0
-                                   and r.get("bits_equal_shipped", True))
+                                   and r["int8_f64_err_over_bound"] <= 1.0 and r.get("bits_equal_shipped", True))
             except Exception as e:      # noqa: BLE001 -- one failing variant must not end the sweep
                 r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
                 try:
@@ -352,7 +396,7 @@ def _table(out: dict) -> None:
         print(f"mma.sync u8 x s8 alone: {rates} -> at most {pk['ceiling_effective_TFLOPs']} effective TFLOP/s with "
               f"four parts (times the tiles' fill)")
     print(f"{'variant':20} {'moe ms':>7} {'TFLOP/s':>8} {'gu us':>7} {'dn us':>7} {'kern TF':>8} {'dense TF':>8} "
-          f"{'regs gu/dn':>14} {'blk/SM':>6} {'99KB':>4}  check")
+          f"{'int8 TF':>8} {'regs gu/dn':>14} {'blk/SM':>6} {'99KB':>4}  check")
     for n, r in rows:
         if "moe_ms" not in r:
             print(f"{n:20} FAILED {r.get('error', '')}")
@@ -365,9 +409,11 @@ def _table(out: dict) -> None:
             chk = f"ERROR {r.get('error', '')}"
         else:
             chk = (f"{'same bits' if r['bits_equal_default'] else 'BITS DIFFER'}, f64 err/bound "
-                   f"{r['f64_err_over_bound']:.2g}{'' if r.get('ok') else '  FAILED'}")
+                   f"{r['f64_err_over_bound']:.2g} (int8 {r['int8_f64_err_over_bound']:.2g})"
+                   f"{'' if r.get('ok') else '  FAILED'}")
         print(f"{n:20} {r['moe_ms']:7.2f} {r['moe_TFLOPs']:8.1f} {r['gateup_us']:7.0f} {r['down_us']:7.0f} "
               f"{r['kernels_TFLOPs']:8.1f} {r.get('dense_TFLOPs', float('nan')):8.1f} "
+              f"{r.get('dense8_TFLOPs', float('nan')):8.1f} "
               f"{f'{rg[0]}+{rg[1]}/{rd[0]}+{rd[1]}':>14} "
               f"{r['blocks_per_sm_gateup']:>3}/{r['blocks_per_sm_down']:<2} {'yes' if r['fits_sm86'] else 'no':>4}"
               f"  {chk}")

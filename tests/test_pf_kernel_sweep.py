@@ -53,6 +53,7 @@ def test_host_block_shape_matches_the_kernel_settings(name, monkeypatch):
     assert sweep.pf_threads(defs) == cb.pf_threads() <= 1024
     for cols, group in ((6144, 64), (2048, 64), (16384, 128)):
         assert sweep.smem_bytes(defs, cols, group) == cb.pf_smem(cols, group)
+        assert sweep.smem_bytes(defs, cols, 0, "int8") == cb.pf_smem(cols, 0, "int8")
     assert (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES) != (0, 0, 0)
     assert sweep.VARIANTS["default"] == sweep.DEFAULTS
 
@@ -137,3 +138,20 @@ def test_the_float64_bound_holds_fp32_and_rejects_a_wrong_kernel():
     assert f32.max() <= 1.0, f32.max()
     wrong = np.abs(_fp32_moe(x, idx, w, mats, swap=True).astype(np.float64) - want) / bound
     assert wrong.max() > 1e3, wrong.max()
+
+
+def test_the_linear_bound_holds_fp32_and_rejects_a_wrong_kernel():
+    """linear_f64_bound (the int8 / int4 dense GEMM's check against float64): a float32 evaluation of the same product
+    (int8 codes times a row scale, a token 2^-30 below the others) lies within it; one whose weight columns are paired
+    with the wrong x columns (two 4-column halves swapped, as a wrong byte permutation would) does not."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(-127, 128, (96, 384))
+    w = (q * rng.uniform(0.001, 0.01, (96, 1))).astype(np.float32)
+    x = rng.standard_normal((9, 384)).astype(np.float32)
+    x[4] *= np.float32(2.0 ** -30)
+    want, bound = sweep.linear_f64_bound(x, w)
+    np.testing.assert_allclose(want, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-13)
+    assert (bound > 0).all()
+    assert (np.abs((x @ w.T).astype(np.float64) - want) / bound).max() <= 1.0
+    swapped = w.reshape(96, -1, 2, 4)[:, :, ::-1].reshape(96, 384)
+    assert (np.abs((x @ swapped.T).astype(np.float64) - want) / bound).max() > 1e3

@@ -267,7 +267,11 @@ def _prefill_backend(version="mma"):
     (6144, 16384, "int4", 128, "mma", ["pf_split_rows", "pf_linear_int4"]),
     (2048, 6144, "int4", 64, "v1", ["gemm_nt_int4"]),
     (576, 6144, "int4", 64, "mma", ["gemm_nt_int4"]),          # rows not whole blocks of 128
-    (2048, 6144, "int8", 64, "mma", ["gemm_nt_int8"]),
+    (2048, 6144, "int8", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),
+    (576, 6144, "int8", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),     # kv_a: the last row block partial
+    (2048, 6144, "int8", 64, "v1", ["gemm_nt_int8"]),
+    (2048, 6144 + 32, "int8", 64, "mma", ["gemm_nt_int8"]),   # not whole 64-column blocks
+    (2048, 6144, "bf16", 64, "mma", ["gemm_nt_bf16"]),
 ])
 def test_prefill_linear_launches(rows, cols, fmt, group, version, want):
     from coli.gpu.cuda_backend import pf_smem
@@ -282,6 +286,10 @@ def test_prefill_linear_launches(rows, cols, fmt, group, version, want):
         _, grid, block, smem = gb.rt.launches[-1]
         assert grid == (rows // 256, 10) and block == 256 and smem == pf_smem(cols, group)
         assert gb.rt.launches[0][1] == (S * cols // 64 // 8,)      # a warp per 64-column block
+    if want[-1] == "pf_linear_int8":
+        _, grid, block, smem = gb.rt.launches[-1]
+        assert grid == (-(-rows // 256), 10) and block == 256 and smem == pf_smem(cols, 0, "int8")
+        assert gb.rt.launches[0][1] == (S * cols // 64 // 8,)
 
 
 def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
@@ -343,3 +351,135 @@ def test_the_prefill_kernel_setting_must_name_a_version():
     assert kernel_choice("COLI_PREFILL_KERNELS", "v1", PREFILL_VERSIONS) == "v1"
     with pytest.raises(ColiError, match=r"COLI_PREFILL_KERNELS='fast' is not a kernel version: use one of mma, v1"):
         kernel_choice("COLI_PREFILL_KERNELS", "fast", PREFILL_VERSIONS)
+
+
+# ---- pf_linear_int8 (int8 weights, one fp16 scale per row) ---------------------------------------------------------
+def _prmt(lo: int, hi: int, sel: int) -> int:
+    """__byte_perm(lo, hi, sel): result byte i = byte (sel >> 4 i) & 7 of hi:lo."""
+    src = int(lo).to_bytes(4, "little") + int(hi).to_bytes(4, "little")
+    return int.from_bytes(bytes(src[(sel >> 4 * i) & 7] for i in range(4)), "little")
+
+
+def _mma_s8s8(a_frag, b_frag):
+    """mma.sync.m16n8k32 s8 x s8 from the u8 x s8 emulation: a byte >= 128 is itself - 256 as a signed A."""
+    du = np.array(_mma_m16n8k32(a_frag, b_frag), np.int64)
+    high = [tuple(int.from_bytes(bytes(b >> 7 for b in int(w).to_bytes(4, "little")), "little") for w in fr)
+            for fr in a_frag]
+    return du - 256 * np.array(_mma_m16n8k32(high, b_frag), np.int64)
+
+
+def _warp_tile_int8(q8: np.ndarray, row_scale: np.ndarray, xsplit, ntok_quads=1):
+    """pf_mainloop<FMT_INT8> for one warp, one 16-row tile (i = 0, wr = 0), `ntok_quads` quads of 4 tokens, then
+    pf_linear_int8's store: 64-byte staged rows, each lane's 16 bytes sorted by PRMT into even / odd columns, the
+    s8 x s8 MMA from C = MAGIC, the PF_EPI 1 flush with scale 1 (fp32, each operation rounded once), the row's scale
+    times the sum at the end."""
+    C = q8.shape[1]
+    wq = q8.astype(np.int8).view(np.uint8)
+    acc = np.zeros((32, ntok_quads, 2), F32)
+    M1, c7, c14 = F32(12681216.0), F32(0.0078125), F32(6.103515625e-05)
+    for G in range(C // 64):
+        ws = np.ascontiguousarray(wq[:, 64 * G:64 * G + 64])                      # the stage's weight rows
+        xs = np.stack([xb[G][0] for xb in xsplit]).view(np.uint8)
+        ms = np.stack([xb[G][1] for xb in xsplit])
+        a_frags = [[], []]
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            w0 = ws[g, 16 * t:16 * t + 16].view(np.uint32)
+            w1 = ws[g + 8, 16 * t:16 * t + 16].view(np.uint32)
+            for m in range(2):
+                lo0, hi0, lo1, hi1 = int(w0[2 * m]), int(w0[2 * m + 1]), int(w1[2 * m]), int(w1[2 * m + 1])
+                a_frags[m].append((_prmt(lo0, hi0, 0x6420), _prmt(lo1, hi1, 0x6420), _prmt(lo0, hi0, 0x7531),
+                                   _prmt(lo1, hi1, 0x7531)))
+        for q in range(ntok_quads):
+            d = np.full((2, 32, 4), MAGIC, np.int64)                                 # C = MAGIC: no offset
+            for ab in range(2):
+                b_frags = [[], []]
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    tb = 4 * q + (g >> 1)
+                    bw = xs[tb, (2 * ab + (g & 1)) * 64 + 16 * t:(2 * ab + (g & 1)) * 64 + 16 * t + 16].view(np.uint32)
+                    b_frags[0].append((int(bw[0]), int(bw[1])))
+                    b_frags[1].append((int(bw[2]), int(bw[3])))
+                for m in range(2):
+                    d[ab] += _mma_s8s8(a_frags[m], b_frags[m])
+            assert (np.abs(d - MAGIC) < 2 ** 19).all()              # within the magic's exact range (2^22)
+            for lane in range(32):
+                fe = ms[4 * q + (lane & 3), 8:9].view(F32)[0]
+                for r in range(2):
+                    X = [np.array([d[ab, lane, 2 * r + c]], np.int32).view(F32)[0] for ab in range(2) for c in range(2)]
+                    assert all(float(v - MAGIC_F).is_integer() for v in X)       # exact integer dot products
+                    p01, p23 = _fma(X[1], c7, _sub(X[0], M1)), _fma(X[3], c7, _sub(X[2], M1))
+                    acc[lane, q, r] = _fma(fe, _fma(p23, c14, p01), acc[lane, q, r])
+    out = np.zeros_like(acc)
+    for lane in range(32):
+        g = lane >> 2
+        for r in range(2):
+            out[lane, :, r] = [_mul(a, row_scale[g + 8 * r]) for a in acc[lane, :, r]]
+    return out
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_int8_mainloop_fragments_give_the_dot_products(wide):
+    """The int8 path against float64, every byte of -127..127 (and the quantiser's ends) in play: the bound is the
+    split's 2^-27 of each block's largest x against that block's |w|, plus per block the pairs' two roundings and the
+    combination's (F0 + F1 / 2^7 needs 27 bits for int8), the accumulating FFMA's over the nG blocks, and the row
+    scale's product: (nG + 4) roundings of 2^-24 of the companion sum |w| |x|."""
+    rng = np.random.default_rng(8 + wide)
+    C, ntq = 256, 2
+    q8 = rng.integers(-127, 128, (16, C))
+    q8[0, :64] = 127
+    q8[1, :64] = -127                                                    # a block at the MMA's largest sums
+    row_scale = rng.uniform(0.5, 1.5, 16).astype(np.float16).astype(F32)
+    x = np.stack([np.concatenate([_block(rng, wide) for _ in range(C // 64)]) for _ in range(4 * ntq)])
+    x[:, :64] = np.abs(x[:, :64])
+    xsplit = [[pf_split64(row[64 * G:64 * G + 64]) for G in range(C // 64)] for row in x]
+    got = _warp_tile_int8(q8, row_scale, xsplit, ntq)
+    W = q8 * row_scale.astype(np.float64)[:, None]                       # [16, C]
+    want = W @ x.astype(np.float64).T                                    # [16 rows, tokens]
+    companion = np.abs(W) @ np.abs(x.astype(np.float64)).T
+    nG = C // 64
+    blkmax = np.abs(x.astype(np.float64)).reshape(len(x), nG, 64).max(axis=2)
+    wblk = np.abs(W).reshape(16, nG, 64).sum(axis=2)
+    bound = 2.0 ** -27 * wblk @ blkmax.T + (nG + 4) * 2.0 ** -24 * companion
+    worst = 0.0
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for q in range(ntq):
+            for r in range(2):
+                row, tok = g + 8 * r, 4 * q + t
+                err = abs(float(got[lane, q, r]) - want[row, tok])
+                assert err <= bound[row, tok], (lane, q, r, err, bound[row, tok])
+                worst = max(worst, err / companion[row, tok])
+    assert worst > 0          # fp32 roundings happened: the comparison is not vacuous
+
+
+def test_int8_fragments_wrong_column_order_is_caught():
+    """The bound rejects a kernel that pairs the weight bytes with the wrong x columns (the halves of every 8 columns
+    swapped)."""
+    rng = np.random.default_rng(3)
+    C = 64
+    q8 = rng.integers(-127, 128, (16, C))
+    x = np.stack([_block(rng) for _ in range(4)])
+    xsplit = [[pf_split64(row)] for row in x]
+    swapped = q8.reshape(16, 8, 2, 4)[:, :, ::-1].reshape(16, C)        # columns 0-3 and 4-7 of each 8 swapped
+    got = _warp_tile_int8(swapped, np.ones(16, F32), xsplit)
+    want = q8.astype(np.float64) @ x.astype(np.float64).T
+    companion = np.abs(q8.astype(np.float64)) @ np.abs(x.astype(np.float64)).T
+    errs = [abs(float(got[lane, 0, r]) - want[(lane >> 2) + 8 * r, lane & 3])
+            - 6 * 2.0 ** -24 * companion[(lane >> 2) + 8 * r, lane & 3] for lane in range(32) for r in range(2)]
+    assert max(errs) > 0
+
+
+def test_pf_int8_layout_ok_and_shared_memory():
+    from coli.gpu.cuda_backend import pf_int8_layout_ok, pf_layout_ok, pf_smem
+    for rows, cols in ((2048, 6144), (16384, 2048), (576, 6144), (128, 6144), (6144, 16384)):   # GLM-5's int8 core
+        lay = MatrixLayout.make(rows, cols, "int8", 0, 512)
+        assert pf_int8_layout_ok(lay) and not pf_layout_ok(lay)
+    assert not pf_int8_layout_ok(MatrixLayout.make(2048, 6144 + 32, "int8", 0, 512))   # not whole 64-column blocks
+    assert not pf_int8_layout_ok(MatrixLayout.make(2048, 6144, "int4", 64, 512))
+    assert not pf_int8_layout_ok(MatrixLayout.make(2048, 6144, "bf16", 0, 512))
+    # 3 stages of 25.5 KiB (64-byte weight rows) + the tables, no scales: within sm_86/89's 99 KB, 2 blocks per SM on
+    # sm_90, whatever the width
+    want = 3 * (256 * 64 + 32 * 256 + 32 * 48) + 256 * 16 + 32 * 4
+    assert pf_smem(6144, 0, "int8") == pf_smem(16384, 0, "int8") == want
+    assert pf_smem(6144, 0, "int8") <= 99 * 1024 and 2 * pf_smem(6144, 0, "int8") <= 227 * 1024

@@ -89,6 +89,7 @@ def _signatures() -> dict[tuple[str, str], str]:
     # int4 prefill (S > 1) on the tensor cores (cuda/prefill_mma.cu)
     s[("prefill_mma", "pf_split_rows")] = "PiiqPP"
     s[("prefill_mma", "pf_linear_int4")] = QM + "iPPPq"
+    s[("prefill_mma", "pf_linear_int8")] = QM + "iPPPq"
     s[("prefill_mma", "pf_gateup_int4")] = "PqqiiiiqPPPPPP"
     s[("prefill_mma", "pf_down_int4")] = "PqiiiiqPPPPPPiP"
     return s
@@ -128,8 +129,9 @@ ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
-# int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE): "mma" (default) on the tensor cores
-# (cuda/prefill_mma.cu) where pf_layout_ok / pf_moe_layout_ok and the shared memory allow, else the fp32 tiled GEMMs;
+# int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE; the dense linear of int8 weights too): "mma"
+# (default) on the tensor cores (cuda/prefill_mma.cu) where pf_layout_ok / pf_int8_layout_ok / pf_moe_layout_ok and
+# the shared memory allow, else the fp32 tiled GEMMs;
 # "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
 PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
 PREFILL_VERSIONS = ("mma", "v1")
@@ -157,6 +159,7 @@ GEMV2R_MAX = 4          # input rows per gemv2r launch: GEMV2R_MAX in gemv.cu
 GEMV_ROWS_MAX = 16      # steps of 2..this many rows run their linears with gemv2r (weights read once per 4 rows;
                         # the 64x64 fp32 GEMM ran a B = 16 step's dense part at 7.5 ms a layer on the H200)
 GEMV_ROWS_INT4 = 4      # int4 weights: beyond this the tensor-core prefill GEMM (pf_linear_int4) takes them
+                        # (int8 weights: beyond GEMV_ROWS_MAX, pf_linear_int8)
 
 
 @dataclass
@@ -347,13 +350,15 @@ class CudaBackend:
         # step's dense part at 7.5 ms a layer against 0.23 ms for one token (H200, 2026-12-01)
         if 1 < S <= self._rows_gemv_max(w) and self._gemv_rows(w, x.ptr, S, out.ptr):
             return
-        if S > 1 and pf_layout_ok(w.layout) and self._pf_ok(pf_smem(K, w.layout.group)):
+        # int4 and int8 alike: the tensor cores (prefill_mma.cu) where the layout and the shared memory allow
+        pf_fmt = "int4" if pf_layout_ok(w.layout) else "int8" if pf_int8_layout_ok(w.layout) else None
+        if S > 1 and pf_fmt and self._pf_ok(pf_smem(K, w.layout.group, pf_fmt)):
             xq, xm = self._pf_split(x.ptr, S, K)
-            fn = self._fn("prefill_mma", "pf_linear_int4")
-            smem = pf_smem(K, w.layout.group)
+            fn = self._fn("prefill_mma", f"pf_linear_{pf_fmt}")
+            smem = pf_smem(K, w.layout.group, pf_fmt)
             self.rt.allow_smem(fn, smem)
-            self.rt.launch(fn, (w.rows // PF_ROWS, -(-S // PF_TOKS)), pf_threads(), *w.args(), S, xq.ptr, xm.ptr,
-                           out.ptr, w.rows, smem=smem)
+            self.rt.launch(fn, (-(-w.rows // PF_ROWS), -(-S // PF_TOKS)), pf_threads(), *w.args(), S, xq.ptr,
+                           xm.ptr, out.ptr, w.rows, smem=smem)
             return
         self._gemm(False, x.ptr, K, 0, S, w, 0, 0, w.rows, K, out.ptr, w.rows, 0, 1)
 
@@ -1257,6 +1262,13 @@ def pf_layout_ok(lay) -> bool:
             and vec_ok(lay))
 
 
+def pf_int8_layout_ok(lay) -> bool:
+    """Whether pf_linear_int8 (the tensor-core prefill GEMM for int8 weights, one fp16 scale per row) takes this
+    stored matrix: whole 64-column blocks (the split x's), 16-byte aligned rows; any number of rows (the block's rows
+    past the end repeat the last one and are not written)."""
+    return lay.fmt == "int8" and lay.cols % 64 == 0 and lay.rows >= 1 and vec_ok(lay)
+
+
 def pf_moe_layout_ok(lay) -> bool:
     """Whether the tensor-core grouped MoE prefill takes this record layout: gate and up alike ([Im, H], Im in whole
     blocks of PF_ROWS / 2: a block holds that many gate and the same up rows) and down [H, Im] as pf_layout_ok wants."""
@@ -1272,9 +1284,12 @@ def pf_threads() -> int:
     return 32 * (PF_ROWS // 64) * (PF_TOKS // 16)
 
 
-def pf_smem(cols: int, group: int) -> int:
+def pf_smem(cols: int, group: int, fmt: str = "int4") -> int:
     """Dynamic shared memory of the prefill_mma.cu GEMMs over `cols` columns: PF_STAGES stages (weights, split x,
-    metadata), the block's fp16 group scales, its row-address and activation-row tables."""
+    metadata), the block's fp16 group scales, its row-address and activation-row tables. int8 (pf_linear_int8): a
+    weight row stages 64 bytes per 64 columns, and its one scale per row is read at the end (none staged)."""
+    if fmt == "int8":
+        return PF_STAGES * (PF_ROWS * 64 + PF_TOKS * 256 + PF_TOKS * 48) + PF_ROWS * 16 + PF_TOKS * 4
     stage = PF_ROWS * 32 + PF_TOKS * 256 + PF_TOKS * 48
     scales = -(-(PF_ROWS * (cols // group) * 2) // 16) * 16
     return PF_STAGES * stage + scales + PF_ROWS * 16 + PF_TOKS * 4

@@ -1,6 +1,6 @@
-"""The int4 prefill (S > 1) on the tensor cores (cuda/prefill_mma.cu): the dense linear and the grouped MoE against
-numpy and float64, next to the fp32 tiled GEMMs (gemm.cu, "v1") on the same inputs; NaN confined to its token;
-deterministic results; partial tiles, pruned slots and mixed record layouts."""
+"""The int4 prefill (S > 1) on the tensor cores (cuda/prefill_mma.cu): the dense linear (int4 and int8 weights) and
+the grouped MoE against numpy and float64, next to the fp32 tiled GEMMs (gemm.cu, "v1") on the same inputs; NaN
+confined to its token; deterministic results; partial tiles, pruned slots and mixed record layouts."""
 
 from __future__ import annotations
 
@@ -50,6 +50,72 @@ def test_linear_nan_stays_in_its_token(gb, rng):
     buf, lay, ref = stored_matrix(256, 256, "int4", rng)
     w = qweight(gb, buf, lay)
     x = rand(rng, 9, 256)
+    x[4, 100] = np.nan
+    got = _with(gb, "mma", lambda: gb.to_host(gb.linear(gb.upload(x), w)))
+    assert np.isnan(got[4]).all()
+    assert np.isfinite(np.delete(got, 4, axis=0)).all()
+
+
+def _sweep():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import pf_kernel_sweep
+    return pf_kernel_sweep
+
+
+def _kernels_run(gb, fn):
+    """fn() and the names of the kernels it launched (the real launches, recorded on their way)."""
+    names, launch = [], gb.rt.launch
+
+    def recording(f, *a, **kw):
+        names.append(getattr(f, "coli_name", "?"))
+        return launch(f, *a, **kw)
+    gb.rt.launch = recording
+    try:
+        return fn(), names
+    finally:
+        del gb.rt.launch
+
+
+@pytest.mark.parametrize("rows,cols,S,xkind", [
+    (2048, 6144, 70, "normal"),          # q_a_proj, a partial token tile
+    (576, 6144, 130, "wide"),            # kv_a_proj: a partial row block; elements 2^-20 of their block's largest
+    (16384, 2048, 300, "normal"),        # q_b_proj
+    (6144, 16384, 33, "normal"),         # o_proj: 256 blocks of 64 columns
+    (128, 6144, 17, "zero-blocks"),      # the indexer's wk: half a row block; the smallest S the GEMM takes
+])
+def test_linear_int8_tensor_cores_within_the_float64_bound(gb, rng, rows, cols, S, xkind):
+    """pf_linear_int8 at GLM-5's int8 dense-core shapes against float64, each output within linear_f64_bound (the
+    split's 2^-27 per block, the per-block and accumulation roundings: derived from the magnitudes), beside the
+    fp32 tiles (v1) on the same inputs. Its bits are not the tiles' (another summation order): float64 decides."""
+    from coli.gpu.cuda_backend import pf_int8_layout_ok
+    buf, lay, ref = stored_matrix(rows, cols, "int8", rng)
+    assert pf_int8_layout_ok(lay)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, S, cols)
+    if xkind == "wide":
+        x *= np.exp2(rng.integers(-20, 8, x.shape)).astype(F32)
+    elif xkind == "zero-blocks":
+        x[:, :64] = 0
+    want, bound = _sweep().linear_f64_bound(x, ref)
+    xd = gb.upload(x)
+    got, names = _with(gb, "mma", lambda: _kernels_run(gb, lambda: gb.to_host(gb.linear(xd, w))))
+    assert names == ["pf_split_rows", "pf_linear_int8"], names
+    v1 = _with(gb, "v1", lambda: gb.to_host(gb.linear(xd, w)))
+    over = np.abs(got.astype(np.float64) - want) / bound
+    errs = {"mma": rel_err(got, want), "v1": rel_err(v1, want)}
+    report("prefill_linear_int8", shape=[rows, cols], S=S, x=xkind, err_over_bound=float(over.max()),
+           **{f"rel_err_{k}": e for k, e in errs.items()})
+    assert over.max() <= 1.0, (over.max(), np.unravel_index(over.argmax(), over.shape))
+    assert errs["mma"] < TOL
+    assert errs["mma"] <= 4 * errs["v1"] + 1e-7, errs
+
+
+def test_linear_int8_nan_stays_in_its_token(gb, rng):
+    buf, lay, ref = stored_matrix(300, 256, "int8", rng)
+    w = qweight(gb, buf, lay)
+    x = rand(rng, 40, 256)
     x[4, 100] = np.nan
     got = _with(gb, "mma", lambda: gb.to_host(gb.linear(gb.upload(x), w)))
     assert np.isnan(got[4]).all()
@@ -159,10 +225,13 @@ def test_prefill_variants_give_the_default_bits(gb, rng, name, monkeypatch):
         inputs.append((gb.upload(x), idx, w, recs))
     buf, lay, _ = stored_matrix(2048, 6144, "int4", rng, group=64)
     wq, xd = qweight(gb, buf, lay), gb.upload(rand(rng, 70, 6144))
+    buf8, lay8, _ = stored_matrix(576, 6144, "int8", rng)                 # int8: kv_a, a partial row block
+    wq8 = qweight(gb, buf8, lay8)
 
     def outputs():
         return ([_with(gb, "mma", lambda: gb.to_host(gb.moe(x, idx, w, ((e, recs[e]) for e in sorted(recs)))))
-                 for x, idx, w, recs in inputs] + [_with(gb, "mma", lambda: gb.to_host(gb.linear(xd, wq)))])
+                 for x, idx, w, recs in inputs] + [_with(gb, "mma", lambda: gb.to_host(gb.linear(xd, wq))),
+                                                   _with(gb, "mma", lambda: gb.to_host(gb.linear(xd, wq8)))])
     want = outputs()
     try:
         gb.rt.use_module("prefill_mma", gb.rt.drv.module_from_buffer(cubin))
