@@ -184,7 +184,8 @@ def main() -> int:
     tm = Timer(gb.rt, spin=True)
     rng = np.random.default_rng(0)
     cfg = dense_config(PRESETS["glm5"], layers=1)
-    res: dict = {"device": gb.rt.name, "prefill_kernels": gb.prefill_kernels, "layers": {}}
+    res: dict = {"device": gb.rt.name, "prefill_kernels": gb.prefill_kernels, "prefill_int8": gb.prefill_int8,
+                 "layers": {}}
     for fmt in fmts:
         model = GlmMoeDsaModel(cfg, RandomDense(cfg, fmt), gb)
         out = res["layers"][fmt] = {}

@@ -253,6 +253,7 @@ def main() -> int:
 
     saved = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, gb.prefill_kernels)
     gb.prefill_kernels = "mma"
+    gb.prefill_int8 = True          # the int8 GEMM rows are pf_linear_int8's (opt-in in the product: COLI_PREFILL_INT8)
     shipped_big = gb.to_host(moe_big())          # the module as the backend builds it (PyCUDA): "default" must match
     ref_big = ref_dense = ref_dense8 = None
     try:

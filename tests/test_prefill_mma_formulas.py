@@ -267,16 +267,19 @@ def _prefill_backend(version="mma"):
     (6144, 16384, "int4", 128, "mma", ["pf_split_rows", "pf_linear_int4"]),
     (2048, 6144, "int4", 64, "v1", ["gemm_nt_int4"]),
     (576, 6144, "int4", 64, "mma", ["gemm_nt_int4"]),          # rows not whole blocks of 128
-    (2048, 6144, "int8", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),
-    (576, 6144, "int8", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),     # kv_a: the last row block partial
-    (2048, 6144, "int8", 64, "v1", ["gemm_nt_int8"]),
-    (2048, 6144 + 32, "int8", 64, "mma", ["gemm_nt_int8"]),   # not whole 64-column blocks
+    (2048, 6144, "int8+", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),    # +: COLI_PREFILL_INT8=1
+    (576, 6144, "int8+", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),     # kv_a: the last row block partial
+    (2048, 6144, "int8", 64, "mma", ["gemm_nt_int8"]),        # the default until a GPU run: the fp32 tiles
+    (2048, 6144, "int8+", 64, "v1", ["gemm_nt_int8"]),
+    (2048, 6144 + 32, "int8+", 64, "mma", ["gemm_nt_int8"]),  # not whole 64-column blocks
     (2048, 6144, "bf16", 64, "mma", ["gemm_nt_bf16"]),
 ])
 def test_prefill_linear_launches(rows, cols, fmt, group, version, want):
     from coli.gpu.cuda_backend import pf_smem
     from coli.gpu.cuda_weights import QWeight
     gb = _prefill_backend(version)
+    gb.prefill_int8 = fmt.endswith("+")
+    fmt = fmt.rstrip("+")
     lay = MatrixLayout.make(rows, cols, fmt, group, 512)
     w = QWeight(gb.rt.empty((lay.nbytes,), np.uint8).ptr, lay, (rows, cols))
     S = 300

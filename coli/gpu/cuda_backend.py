@@ -135,6 +135,19 @@ GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs 
 # "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
 PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
 PREFILL_VERSIONS = ("mma", "v1")
+# pf_linear_int8 (int8 weights on the tensor cores) is opt-in until it has run on a GPU: it was written after the last
+# device run of 2026-12-01 (no device was lent again that session); COLI_PREFILL_INT8=1 takes it,
+# tests/gpu/test_gpu_prefill.py's int8 tests are the check that flips the default. Without it an int8 weight's prefill
+# linear runs on the fp32 tiles, as before.
+PREFILL_INT8_DEFAULT = "0"
+
+
+def prefill_int8_enabled(env: dict | None = None) -> bool:
+    """COLI_PREFILL_INT8: "1" int8 weights' prefill linears on the tensor cores (pf_linear_int8), "0" (default, see
+    PREFILL_INT8_DEFAULT) on the fp32 tiles."""
+    from coli.gpu.graphs import env_switch
+    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores",
+                      "int8 prefill linears on the fp32 tiles, the default until a GPU run", env)
 # The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
 # chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
@@ -205,6 +218,7 @@ class CudaBackend:
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
         self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
+        self.prefill_int8 = prefill_int8_enabled()            # pf_linear_int8 for int8 weights (opt-in, see above)
         self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
         self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
@@ -351,7 +365,8 @@ class CudaBackend:
         if 1 < S <= self._rows_gemv_max(w) and self._gemv_rows(w, x.ptr, S, out.ptr):
             return
         # int4 and int8 alike: the tensor cores (prefill_mma.cu) where the layout and the shared memory allow
-        pf_fmt = "int4" if pf_layout_ok(w.layout) else "int8" if pf_int8_layout_ok(w.layout) else None
+        pf_fmt = "int4" if pf_layout_ok(w.layout) else \
+            "int8" if self.prefill_int8 and pf_int8_layout_ok(w.layout) else None
         if S > 1 and pf_fmt and self._pf_ok(pf_smem(K, w.layout.group, pf_fmt)):
             xq, xm = self._pf_split(x.ptr, S, K)
             fn = self._fn("prefill_mma", f"pf_linear_{pf_fmt}")

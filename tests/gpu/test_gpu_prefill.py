@@ -13,13 +13,14 @@ from test_gpu_moe import _experts, moe_reference
 pytestmark = pytest.mark.gpu
 
 
-def _with(gb, version, fn):
-    saved = gb.prefill_kernels
-    gb.prefill_kernels = version
+def _with(gb, version, fn, int8: bool = True):
+    """fn() with prefill_kernels = version and pf_linear_int8 taken (COLI_PREFILL_INT8=1: these tests are its check)."""
+    saved = gb.prefill_kernels, gb.prefill_int8
+    gb.prefill_kernels, gb.prefill_int8 = version, int8
     try:
         return fn()
     finally:
-        gb.prefill_kernels = saved
+        gb.prefill_kernels, gb.prefill_int8 = saved
 
 
 @pytest.mark.parametrize("rows,cols,group,S,xkind", [

@@ -50,7 +50,9 @@ def _load(d, slots, monkeypatch, switch=None):
 
 def test_coli_run_gets_the_ahead_copies_exactly_where_they_fit_and_the_switch_is_on(tiny, monkeypatch):
     d, _ = tiny
-    for slots, switch, on in ((SLOTS, None, True), (36, "1", True), (35, None, False), (SLOTS, "0", False)):
+    # unset: off until this test has run on a GPU (layer_ahead.PREFILL_AHEAD_DEFAULT); the test then flips it
+    for slots, switch, on in ((SLOTS, "1", True), (36, "1", True), (35, "1", False), (SLOTS, "0", False),
+                              (SLOTS, None, False)):
         model, cfg = _load(d, slots, monkeypatch, switch)
         vx = model.experts
         got = vx.ahead_layers
@@ -110,7 +112,7 @@ def test_the_stage_runtime_copies_ahead_on_a_long_prompt(tmp_path, tiny, monkeyp
     import tempfile
     from pathlib import Path
     d, prompt = tiny
-    model, _ = _load(d, SLOTS, monkeypatch)
+    model, _ = _load(d, SLOTS, monkeypatch, "1")         # the Run below inherits COLI_PREFILL_AHEAD=1
     want, _ = greedy(model, prompt, NEW, capacity=PROMPT + NEW + 8)
     model.experts.close()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
