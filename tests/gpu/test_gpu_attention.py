@@ -22,7 +22,7 @@ MLA_SHAPES = [  # nh, dn, dr, dv, Lkv, T, S
 ]
 
 
-@pytest.fixture(params=["auto", "tile3", "tile1", "split2", "split1", "v1"])
+@pytest.fixture(params=["auto", "tile3", "tile2", "tile1", "split2", "split1", "v1"])
 def attn_kernels(request, gb):
     """Every attention version: the split-context decode (default: the tile kernel with two key buffers), the tile
     kernel with one, the previous split kernel, its first version, and the first version (one block per head and
@@ -76,7 +76,7 @@ def _ctx64(qa, q, lat, kpe, keys, scale):
     return (p / p.sum(axis=1, keepdims=True)) @ L
 
 
-@pytest.mark.parametrize("split", ["auto", "tile3", "tile1", "split2", "split1"])
+@pytest.mark.parametrize("split", ["auto", "tile3", "tile2", "tile1", "split2", "split1"])
 @pytest.mark.parametrize("chunk", [None, 16, 112, 4096])
 def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk, split):
     """The split kernels at GLM-5's decode shape (64 heads, Lkv 512, rope 64, 3,000 keys) for every chunk size the
@@ -101,7 +101,7 @@ def test_attend_core_split_at_glm5_decode_shape(gb, rng, chunk, split):
         gb.attn_chunk, gb.attn_kernels = before
 
 
-@pytest.mark.parametrize("split", ["auto", "tile3", "tile1", "split2"])
+@pytest.mark.parametrize("split", ["auto", "tile3", "tile2", "tile1", "split2"])
 def test_split_context_within_the_fp32_bound_of_the_float64_attention(gb, rng, split):
     """Every element of the split context at GLM-5's decode shape (dense 2,500 keys; 2,048 of them selected) within
     the bound an fp32 evaluation of it keeps (tests/test_attention_split.py's reference64: derived from the scores'
@@ -131,7 +131,7 @@ def test_split_context_within_the_fp32_bound_of_the_float64_attention(gb, rng, s
         gb.attn_kernels = before
 
 
-@pytest.mark.parametrize("attn_kernels", ["auto", "tile3", "tile1", "split2", "split1"], indirect=True)
+@pytest.mark.parametrize("attn_kernels", ["auto", "tile3", "tile2", "tile1", "split2", "split1"], indirect=True)
 def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng, attn_kernels):
     """T_dev (CUDA-graph replay): one grid sized for the capacity, the cache length changed in device memory
     between launches; each result equals the attention over the first T keys."""
@@ -147,7 +147,7 @@ def test_attend_core_reads_the_cache_length_from_device_memory(gb, rng, attn_ker
         assert err < 1e-5, (T, err)
 
 
-@pytest.mark.parametrize("split", ["auto", "tile3"])
+@pytest.mark.parametrize("split", ["auto", "tile3", "tile2"])
 @pytest.mark.parametrize("pe_off,base_off", [(8, 0), (9, 0), (8, 1)])
 def test_tile_kernels_stage_the_queries_at_any_alignment(gb, rng, split, pe_off, base_off):
     """tile3 copies the queries in 16-byte pieces only where q_abs, q's base, its row stride and the rope offset

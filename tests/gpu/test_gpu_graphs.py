@@ -82,9 +82,9 @@ def test_graph_tokens_match_transformers_and_the_eager_cache(root, oracles, name
     assert_same_cache(cache, r_cache)
 
 
-@pytest.mark.parametrize("attn", ["tile3", "tile1"])
+@pytest.mark.parametrize("attn", ["tile3", "tile2", "tile1"])
 def test_graph_tokens_with_each_tile_attention(root, oracles, monkeypatch, attn):
-    """COLI_ATTN_KERNELS=tile3 / tile1 (the backend reads the setting when it is made): replayed decode steps with
+    """COLI_ATTN_KERNELS=tile3 (auto's first choice) / tile2 / tile1 (the backend reads the setting when it is made): replayed decode steps with
     device-side T and a grid sized for the capacity, through the indexer's switch to top-k -- tokens equal
     transformers' and the cache equals the eager step's bitwise."""
     from coli.gpu import cuda_backend
