@@ -398,6 +398,19 @@ __device__ inline void fma4(float4 &c, float p, const float4 &v) {
     c.x = fmaf(p, v.x, c.x); c.y = fmaf(p, v.y, c.y); c.z = fmaf(p, v.z, c.z); c.w = fmaf(p, v.w, c.w);
 }
 
+// The block's HB query rows (q_abs | q_pe of heads h0.., row s; heads past nh: zeros) into qs (row stride DP floats)
+// as 4-byte cp.async pieces, THREADS threads: any alignment (tile3 takes 16-byte pieces where it can).
+template <int HB, int THREADS>
+__device__ inline void stage_queries_4b(float *qs, const float *qa, const float *q, int dq, int pe_off, int s, int nh,
+                                        int h0, int Lkv, int D, int DP, int tid) {
+    for (int e = tid; e < HB * D; e += THREADS) {
+        const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
+        const long long row = (long long)s * nh + h;
+        const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
+        at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
+    }
+}
+
 // A lane's register tile of the scores (tile2 / tile1: NK = 4 keys, tile3: 8): a[i][j] = slice sl's part of
 // q_abs|q_pe of head hq + 4 i . lat|k_pe of key kq + 4 j, over the float4 columns f = sl, sl + KS, ... < D4 of the
 // staged query rows qs and tile rows kb (row stride DP floats); UF: how far the column loop is unrolled.
@@ -480,12 +493,7 @@ __device__ void mla_tile_body(const float *qa, const float *q, int dq, int pe_of
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    for (int e = tid; e < AT2_HB * D; e += AT2_THREADS) {    // the queries (heads past nh: zeros), with tile 0
-        const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
-        const long long row = (long long)s * nh + h;
-        const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
-        at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
-    }
+    stage_queries_4b<AT2_HB, AT2_THREADS>(qs, qa, q, dq, pe_off, s, nh, h0, Lkv, D, DP, tid);   // with tile 0
     stage(0, 0);
     // score-phase ownership: slice sl, heads hq + 4i, keys kq + 4j; softmax: head sh, key st; context: heads
     // 8 hh + i, latent dims 4 d4 .. 4 d4 + 3
@@ -731,12 +739,7 @@ __device__ void mla_tile3_body(const float *qa, const float *q, int dq, int pe_o
             if (f >= D4) { f -= D4; hl++; }
         }
     } else {
-        for (int e = tid; e < AT3_HB * D; e += AT3_THREADS) {
-            const int hl = e / D, d = e - hl * D, h = min(h0 + hl, nh - 1);
-            const long long row = (long long)s * nh + h;
-            const float *src = d < Lkv ? qa + row * Lkv + d : q + row * dq + pe_off + d - Lkv;
-            at2_cp4(qs + hl * DP + d, src, h0 + hl < nh);
-        }
+        stage_queries_4b<AT3_HB, AT3_THREADS>(qs, qa, q, dq, pe_off, s, nh, h0, Lkv, D, DP, tid);
     }
     stage(0, 0);
     // score-phase ownership: slice sl, heads hq + 4i, keys kq + 4j; softmax: head sh, keys st and st + 16; context:

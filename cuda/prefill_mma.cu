@@ -427,60 +427,36 @@ __device__ inline void pf_row(const QMat &m, int r, const u8 **rowd, const u8 **
     rowm[slot] = mm;
 }
 
-// ---- pf_linear_int4 ---------------------------------------------------------------------------------------------
+// ---- pf_linear_int4, pf_linear_int8 ----------------------------------------------------------------------------
 // Y[s, n] = sum_k x[s, k] W[n, k] for s < S, n < N (= W rows), x split (pf_split_rows: xq, xm, C = W cols).
-//   grid (N / PF_ROWS, ceil(S / PF_TOKS)), block PF_THREADS (256), dynamic smem = pf_smem(C, group).
-extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4(
-    QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
-    COLI_PDL_ENTRY();
-    extern __shared__ float4 smem4[];
-    u8 *smem = reinterpret_cast<u8 *>(smem4);
-    const QMat W = QMAT_MAKE(w, FMT_INT4);
+//   int4: grid (N / PF_ROWS, ceil(S / PF_TOKS)), block PF_THREADS (256), dynamic smem = pf_smem(C, group).
+//   int8 (one fp16 scale per row: Y[s, n] = scale[n] * sum_k q[n, k] x[s, k]): N need not be a multiple of PF_ROWS --
+//   the block's rows past N read row N - 1 (valid memory) and are not written; grid (ceil(N / PF_ROWS), ceil(S /
+//   PF_TOKS)), dynamic smem = pf_smem_int8().
+template <int FMT>
+__device__ __forceinline__ void pf_linear_body(QMat W, int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
+    extern __shared__ float4 pf_linear_sh4[];
+    u8 *smem = reinterpret_cast<u8 *>(pf_linear_sh4);
+    constexpr bool I8 = FMT == FMT_INT8;
     const int n0 = PF_ROWS * blockIdx.x, s0 = PF_TOKS * blockIdx.y;
-    PfTables tb = pf_tables(smem, W.cols, W.group);
+    PfTables tb = I8 ? pf_tables<FMT_INT8>(smem, W.cols, 0) : pf_tables(smem, W.cols, W.group);
     static_assert(PF_ROWS <= PF_THREADS, "a thread a row in the tables");
-    if (threadIdx.x < PF_ROWS) pf_row(W, n0 + threadIdx.x, tb.rowd, tb.rowm, threadIdx.x);
+    if (threadIdx.x < PF_ROWS)
+        pf_row(W, I8 ? min(n0 + (int)threadIdx.x, W.rows - 1) : n0 + threadIdx.x, tb.rowd, tb.rowm, threadIdx.x);
     if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = s0 + (int)threadIdx.x < S ? s0 + (int)threadIdx.x : -1;
     __syncthreads();
     float acc[4][4][2];
-    pf_mainloop<FMT_INT4>(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, W.group, xq, xm, acc);
+    pf_mainloop<FMT>(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, I8 ? 0 : W.group, xq, xm, acc);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const int s = s0 + 16 * (warp / PF_RW) + 4 * q + t;
-        if (s >= S) continue;
+    float sc[4][2];                          // int8: the rows' scales (the tables survive the main loop)
+    if (I8) {
 #pragma unroll
         for (int i = 0; i < 4; i++)
 #pragma unroll
-            for (int r = 0; r < 2; r++) Y[s * ldy + n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r] = acc[i][q][r];
+            for (int r = 0; r < 2; r++)
+                sc[i][r] = __half2float(__ushort_as_half(__ldg(
+                    reinterpret_cast<const unsigned short *>(tb.rowm[64 * (warp % PF_RW) + 16 * i + g + 8 * r]))));
     }
-}
-
-// ---- pf_linear_int8 ---------------------------------------------------------------------------------------------
-// pf_linear_int4 for int8 weights (one fp16 scale per row): Y[s, n] = scale[n] * sum_k q[n, k] x[s, k]. N need not
-// be a multiple of PF_ROWS: the block's rows past N read row N - 1 (valid memory) and are not written.
-//   grid (ceil(N / PF_ROWS), ceil(S / PF_TOKS)), block PF_THREADS (256), dynamic smem = pf_smem_int8().
-extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int8(
-    QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
-    COLI_PDL_ENTRY();
-    extern __shared__ float4 smem4[];
-    u8 *smem = reinterpret_cast<u8 *>(smem4);
-    const QMat W = QMAT_MAKE(w, FMT_INT8);
-    const int n0 = PF_ROWS * blockIdx.x, s0 = PF_TOKS * blockIdx.y;
-    PfTables tb = pf_tables<FMT_INT8>(smem, W.cols, 0);
-    if (threadIdx.x < PF_ROWS) pf_row(W, min(n0 + (int)threadIdx.x, W.rows - 1), tb.rowd, tb.rowm, threadIdx.x);
-    if (threadIdx.x < PF_TOKS) tb.act[threadIdx.x] = s0 + (int)threadIdx.x < S ? s0 + (int)threadIdx.x : -1;
-    __syncthreads();
-    float acc[4][4][2];
-    pf_mainloop<FMT_INT8>(smem, tb.rowd, tb.rowm, tb.act, min(PF_TOKS, S - s0), W.cols, 0, xq, xm, acc);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    float sc[4][2];                          // the rows' scales (the tables survive the main loop)
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-            sc[i][r] = __half2float(__ushort_as_half(
-                __ldg(reinterpret_cast<const unsigned short *>(tb.rowm[64 * (warp % PF_RW) + 16 * i + g + 8 * r]))));
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         const int s = s0 + 16 * (warp / PF_RW) + 4 * q + t;
@@ -489,10 +465,26 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int8
         for (int i = 0; i < 4; i++)
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                const int n = n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r;
-                if (n < W.rows) Y[s * ldy + n] = __fmul_rn(acc[i][q][r], sc[i][r]);
+                if (!I8) {
+                    Y[s * ldy + n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r] = acc[i][q][r];
+                } else {
+                    const int n = n0 + 64 * (warp % PF_RW) + 16 * i + g + 8 * r;
+                    if (n < W.rows) Y[s * ldy + n] = __fmul_rn(acc[i][q][r], sc[i][r]);
+                }
             }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int4(
+    QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
+    COLI_PDL_ENTRY();
+    pf_linear_body<FMT_INT4>(QMAT_MAKE(w, FMT_INT4), S, xq, xm, Y, ldy);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS, PF_MINB) pf_linear_int8(
+    QMAT_PARAMS(w), int S, const u8 *xq, const int *xm, float *Y, long long ldy) {
+    COLI_PDL_ENTRY();
+    pf_linear_body<FMT_INT8>(QMAT_MAKE(w, FMT_INT8), S, xq, xm, Y, ldy);
 }
 
 // ---- pf_gateup_int4 ---------------------------------------------------------------------------------------------
