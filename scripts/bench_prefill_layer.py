@@ -169,12 +169,10 @@ def main() -> int:
     if bad:
         print(f"bench_prefill_layer: --fmt {','.join(bad)}: use int8, int4, bf16 or f32", file=sys.stderr)
         return 2
-    try:
-        from coli.gpu.cuda_backend import CudaBackend
-        gb = CudaBackend()
-    except Exception as e:      # noqa: BLE001 -- no PyCUDA, no driver, no device: one line, not a traceback
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"bench_prefill_layer: needs a CUDA GPU with PyCUDA: {why}", file=sys.stderr)
+    from coli.gpu.cubin_build import backend_or_refusal
+    gb, refusal = backend_or_refusal("bench_prefill_layer")
+    if gb is None:
+        print(refusal, file=sys.stderr)
         return 2
     from bench_kernels import Timer
     from coli.bench.dense_layer import RandomDense, dense_config

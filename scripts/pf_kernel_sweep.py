@@ -169,12 +169,10 @@ def main() -> int:
               file=sys.stderr)
         return 2
     nvcc = shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None)
-    try:
-        from coli.gpu.cuda_backend import CudaBackend
-        gb = CudaBackend()
-    except Exception as e:      # noqa: BLE001 -- no PyCUDA, no driver, no device: one line, not a traceback
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"pf_kernel_sweep: needs a CUDA GPU with PyCUDA: {why}", file=sys.stderr)
+    from coli.gpu.cubin_build import backend_or_refusal
+    gb, refusal = backend_or_refusal("pf_kernel_sweep")
+    if gb is None:
+        print(refusal, file=sys.stderr)
         return 2
     if nvcc is None:
         print("pf_kernel_sweep: needs nvcc (the CUDA toolkit) to build the variants; put it on PATH", file=sys.stderr)

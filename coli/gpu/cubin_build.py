@@ -1,5 +1,6 @@
-"""A kernel file built with nvcc under -D settings, for the kernel sweeps (scripts/moe_kernel_sweep.py,
-scripts/pf_kernel_sweep.py): its cubin, and per kernel the registers and spill bytes ptxas reported."""
+"""For the device scripts: a kernel file built with nvcc under -D settings (scripts/moe_kernel_sweep.py,
+scripts/pf_kernel_sweep.py): its cubin, and per kernel the registers and spill bytes ptxas reported; and the CUDA
+backend or the one-line refusal where there is none (scripts/pf_kernel_sweep.py, scripts/bench_prefill_layer.py)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,14 @@ def ptxas_usage(log: str) -> dict[str, list[int]]:
         if m and fn:
             res.setdefault(fn, [0, 0])[0] = int(m.group(1))
     return res
+
+
+def backend_or_refusal(tool: str):
+    """(CudaBackend(), None), or (None, "<tool>: needs a CUDA GPU with PyCUDA: <why>") -- the device scripts' one-line
+    refusal where there is no PyCUDA, no driver or no device, instead of a traceback."""
+    try:
+        from coli.gpu.cuda_backend import CudaBackend
+        return CudaBackend(), None
+    except Exception as e:      # noqa: BLE001 -- no PyCUDA, no driver, no device: one line
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, f"{tool}: needs a CUDA GPU with PyCUDA: {why}"
