@@ -41,15 +41,16 @@ def kv_bytes(cfg: ModelConfig, positions: int) -> int:
 
 
 def plan_slots(cfg: ModelConfig, record_bytes: int, dense_bytes: int, *, vram_gb: float | None,
-               max_context: int, slots: int | None = None, prefill_rows: int = 0) -> dict:
+               max_context: int, slots: int | None = None, prefill_rows: int = 0, always_reserve: bool = False) -> dict:
     """size_pool's plan at this budget; `prefill_rows` (the prefill chunk) reserved in the workspaces unless the
-    budget holds every routed expert without it (then nothing streams and the chunk is never used)."""
+    budget holds every routed expert without it (then nothing streams and the chunk is never used) and not
+    `always_reserve` (plan_vram: the MTP layer's experts took slots, so the main layers' experts stream after all)."""
     slot_bytes = align(record_bytes, 4096)
     if slots is not None:
         return {"slots": int(slots), "slot_bytes": slot_bytes, "pool_bytes": int(slots) * slot_bytes,
                 "dense_bytes": dense_bytes, "kv_bytes": kv_bytes(cfg, max_context), "workspace_bytes": 0,
                 "budget_bytes": None}
-    if prefill_rows:
+    if prefill_rows and not always_reserve:
         bare = plan_slots(cfg, record_bytes, dense_bytes, vram_gb=vram_gb, max_context=max_context)
         if bare["slots"] >= len(cfg.moe_layers) * cfg.n_routed_experts:
             return bare     # every expert resident even so: steps keep --step-tokens, no chunk to reserve for
@@ -62,6 +63,24 @@ def plan_slots(cfg: ModelConfig, record_bytes: int, dense_bytes: int, *, vram_gb
             raise
         raise ColiError(f"{e}; the workspaces hold a {prefill_rows}-token prefill chunk "
                         f"({prefill_workspace_bytes(cfg, prefill_rows) / GB:.2f} GB): or lower --prefill-chunk") from None
+
+
+def plan_vram(cfg: ModelConfig, record_bytes: int, dense_bytes: int, *, vram_gb: float | None, max_context: int,
+              slots: int | None = None, prefill_rows: int = 0, mtp: str | None = None) -> dict:
+    """The whole budget's plan: plan_slots for the main layers, then (`mtp`: the container has an MTP layer, this is
+    COLI_MTP_EXPERTS' choice) plan_mtp. plan_slots leaves the prefill chunk out when every main expert fits; if the
+    MTP layer's experts then push the slots below every main expert, the experts stream and steps do take the chunk's
+    rows, so the plan is made again with them reserved (without that: GLM-5's shape with room for 100 slots beyond
+    every expert went ~3.9 GB over --vram-gb on a 4,096-token chunk)."""
+    kw = dict(vram_gb=vram_gb, max_context=max_context, slots=slots, prefill_rows=prefill_rows)
+    plan = plan_slots(cfg, record_bytes, dense_bytes, **kw)
+    if mtp is None:
+        return plan
+    out = plan_mtp(cfg, plan, mtp)
+    every = len(cfg.moe_layers) * cfg.n_routed_experts
+    if prefill_rows and plan.get("budget_bytes") is not None and out["slots"] < every <= plan["slots"]:
+        out = plan_mtp(cfg, plan_slots(cfg, record_bytes, dense_bytes, **kw, always_reserve=True), mtp)
+    return out
 
 
 MTP_EXPERTS_CHOICES = ("auto", "resident", "upload")
@@ -125,10 +144,9 @@ def build_vram_experts(model, host, cfg: ModelConfig, layout, *, vram_gb: float 
     from coli.gpu.vram_experts import VramExperts
     b = model.backend
     dense = int(b.rt.pool.active_bytes)
-    plan = plan_slots(cfg, layout.nbytes, dense, vram_gb=vram_gb, max_context=max_context, slots=slots,
-                      prefill_rows=prefill_rows)
-    if getattr(model.weights, "mtp_layer", None) is not None:   # the draft head's experts: from the same budget
-        plan = plan_mtp(cfg, plan, mtp_experts_choice())
+    has_mtp = getattr(model.weights, "mtp_layer", None) is not None    # the draft head's experts: same budget
+    plan = plan_vram(cfg, layout.nbytes, dense, vram_gb=vram_gb, max_context=max_context, slots=slots,
+                     prefill_rows=prefill_rows, mtp=mtp_experts_choice() if has_mtp else None)
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     ahead = ahead_layers_for(cfg.moe_layers, E, K, plan["slots"])     # COLI_PREFILL_AHEAD and room for it
     vx = VramExperts(b, host, layout, cfg.num_hidden_layers, E, K, plan["slots"], policy=policy,

@@ -77,3 +77,26 @@ def test_coli_mtp_experts_forces_the_choice_and_a_bad_value_is_named():
         "upload"
     with pytest.raises(ColiError, match="COLI_MTP_EXPERTS='sometimes'"):
         mtp_experts_choice({"COLI_MTP_EXPERTS": "sometimes"})
+
+
+def test_an_mtp_layer_that_makes_the_experts_stream_gets_the_prefill_chunk_reserved():
+    """plan_slots leaves the chunk out when every main expert fits; the MTP layer's resident experts then take 256
+    slots, the main experts stream and steps take the chunk's rows: plan_vram reserves them (it went ~3.9 GB over)."""
+    from coli.gpu.prefill_budget import prefill_workspace_bytes
+    from coli.gpu.setup import plan_vram
+    record, chunk = 1_000_000, 4096
+    slot = -(-record // 4096) * 4096
+    every = len(GLM5.moe_layers) * GLM5.n_routed_experts
+    dense = 10 * 10**9
+    budget = dense + kv_bytes(GLM5, 4096) + WORKSPACE_BYTES + (every + 100) * slot     # 100 slots to spare
+    kw = dict(vram_gb=budget / GB, max_context=4096, prefill_rows=chunk)
+    assert plan_slots(GLM5, record, dense, **kw)["slots"] >= every      # no chunk reserved: nothing would stream
+    p = plan_vram(GLM5, record, dense, **kw, mtp="auto")
+    assert p["mtp"] in ("resident", "upload") and p["slots"] < every     # ... but with the MTP layer it streams
+    assert p["workspace_bytes"] == WORKSPACE_BYTES + prefill_workspace_bytes(GLM5, chunk)
+    assert _total(p) <= p["budget_bytes"]
+    # the same budget without an MTP layer, or where every expert still fits beside it, reserves nothing
+    assert plan_vram(GLM5, record, dense, **kw) == plan_slots(GLM5, record, dense, **kw)
+    roomy = dict(kw, vram_gb=(budget + 300 * slot) / GB)
+    q = plan_vram(GLM5, record, dense, **roomy, mtp="auto")
+    assert q["slots"] >= every and q["workspace_bytes"] == WORKSPACE_BYTES
