@@ -99,6 +99,11 @@ class KVCache:
             cap = self.capacity
             while cap < need:
                 cap *= 2
+            # the model's context caps the doubling as it caps bucket(): a GLM-5 session cache doubling from 256
+            # would reach 262,144 rows for a context of 202,752 (~13 GB of f32 rows that no position can use)
+            limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+            if 0 < limit < cap and need <= limit:
+                cap = limit
             self._allocate(cap)
 
     def write(self, layer: int, start: int, lat: Array, k_pe: Array, k_idx: Array | None) -> None:

@@ -266,3 +266,16 @@ def test_the_serving_loop_gives_each_ended_request_s_cache_back(oracle, model, t
     server.submit(b"c", req("bad", 10 ** 9))            # fails before it has a cache: nothing to give back
     run()
     assert isinstance(sent[-1], Error) and model.cache_pool.idle() == {cap: 1}
+
+
+def test_a_cache_that_grows_is_never_doubled_past_the_model_s_context(model):
+    import dataclasses
+    from coli.model.kv_cache import KVCache
+    cfg = dataclasses.replace(model.config, max_position_embeddings=4000)
+    c = KVCache.empty(cfg, model.backend, 3000, pool=CachePool())
+    assert c.capacity == 3072
+    c.reserve(3500)                                 # doubling would give 6144 rows; the context holds 4000
+    assert c.capacity == 4000
+    d = KVCache.empty(cfg, model.backend, 4000, pool=CachePool())
+    d.reserve(4100)                                 # past the context (nothing above refused it): doubling as before
+    assert d.capacity == 8000
