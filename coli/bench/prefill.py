@@ -113,8 +113,8 @@ def prefill_figures(raw: dict, *, L: int, head_s: float, head_s_full: float, fix
         out["copies"] = c.get("copies", 0) + (c.get("spec_copies") or 0)
         out["ahead_bytes_slice"] = c.get("spec_bytes") or 0
         out["copied_over_all_experts"] = cb / (L * GLM5_EXPERTS * record_bytes) if record_bytes else None
-        cs = c.get("demand_copy_s")
-        out["copy_busy_GBps"] = cb / cs / 1e9 if cs else None
+        cs = c.get("demand_copy_s")          # the demand lane's busy time: its own bytes over it (the ahead copies
+        out["copy_busy_GBps"] = c.get("copy_bytes", 0) / cs / 1e9 if cs else None   # ran on the other lane)
         out["cpu_fallbacks"] = c.get("cpu_fallbacks")
     comp = None
     if warm is not None:

@@ -107,31 +107,37 @@ def plan_mtp(cfg: ModelConfig, plan: dict, choice: str = "auto") -> dict:
         return {**plan, "mtp": "upload", "mtp_bytes": up} if choice == "upload" else \
             {**plan, "mtp": "resident", "mtp_bytes": layer_bytes}
     ws, kv, dense = plan["workspace_bytes"], plan["kv_bytes"], plan["dense_bytes"]
+    forced = "forced by COLI_MTP_EXPERTS"
+    share = f"they would take over {MTP_RESIDENT_SHARE:.0%} of the pool"
     if choice == "upload":
-        choices = (("upload", up),)
-    elif choice == "resident" or layer_bytes <= MTP_RESIDENT_SHARE * plan["pool_bytes"]:
-        choices = (("resident", layer_bytes), ("upload", up))
+        choices = (("upload", up, forced),)
+    elif choice == "resident":                       # forced: no quiet fall-back to uploads
+        choices = (("resident", layer_bytes, forced),)
+    elif layer_bytes <= MTP_RESIDENT_SHARE * plan["pool_bytes"]:
+        choices = (("resident", layer_bytes, f"at most {MTP_RESIDENT_SHARE:.0%} of the pool"),
+                   ("upload", up, "no room for them resident beside 2 slots"))
     else:
-        choices = (("upload", up),)
-    for mode, extra in choices:
+        choices = (("upload", up, share),)
+    for mode, extra, why in choices:
         try:
             p = size_pool(plan["budget_bytes"], dense, kv, ws + extra, slot_bytes, min_slots=2)
         except ColiError:
             continue
-        return {**p, "workspace_bytes": ws, "mtp": mode, "mtp_bytes": extra}
+        return {**p, "workspace_bytes": ws, "mtp": mode, "mtp_bytes": extra, "mtp_reason": why}
+    what = (f"the MTP layer's experts resident ({layer_bytes / 1e9:.2f} GB, COLI_MTP_EXPERTS=resident)"
+            if choice == "resident" else "the MTP layer's experts")
     return {**plan, "mtp": "none", "mtp_bytes": 0,
-            "mtp_problem": f"the VRAM budget leaves no room for the MTP layer's experts beside {plan['slots']} "
-                           f"slots (raise --vram-gb)"}
+            "mtp_problem": f"the VRAM budget leaves no room for {what} beside {plan['slots']} slots (raise --vram-gb)"}
 
 
 def describe_mtp(plan: dict) -> str:
     """The start-up log's words for plan_mtp's choice."""
     mode, n = plan.get("mtp"), plan.get("mtp_bytes", 0) / 1e9
+    why = plan.get("mtp_reason")
     if mode == "resident":
-        return f"; MTP layer's experts resident ({n:.2f} GB)"
+        return f"; MTP layer's experts resident ({n:.2f} GB{': ' + why if why else ''})"
     if mode == "upload":
-        return f"; MTP layer's experts uploaded on use ({n:.2f} GB reserved: they would take over " \
-               f"{MTP_RESIDENT_SHARE:.0%} of the pool)"
+        return f"; MTP layer's experts uploaded on use ({n:.2f} GB reserved{': ' + why if why else ''})"
     return f"; no room for the MTP layer's experts ({plan.get('mtp_problem')})" if mode == "none" else ""
 
 
@@ -145,8 +151,9 @@ def build_vram_experts(model, host, cfg: ModelConfig, layout, *, vram_gb: float 
     b = model.backend
     dense = int(b.rt.pool.active_bytes)
     has_mtp = getattr(model.weights, "mtp_layer", None) is not None    # the draft head's experts: same budget
+    choice = mtp_experts_choice()          # read (and a bad value refused) whether or not the container has the layer
     plan = plan_vram(cfg, layout.nbytes, dense, vram_gb=vram_gb, max_context=max_context, slots=slots,
-                     prefill_rows=prefill_rows, mtp=mtp_experts_choice() if has_mtp else None)
+                     prefill_rows=prefill_rows, mtp=choice if has_mtp else None)
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     ahead = ahead_layers_for(cfg.moe_layers, E, K, plan["slots"])     # COLI_PREFILL_AHEAD and room for it
     vx = VramExperts(b, host, layout, cfg.num_hidden_layers, E, K, plan["slots"], policy=policy,

@@ -151,3 +151,13 @@ def test_a_prefill_asks_each_layer_once_for_the_union_of_consecutive_trace_token
         assert all(x["prefill_s"] > 0 and x["nomoe_s"] > 0 for x in pb.raws)
     finally:
         r.close()
+
+
+def test_the_demand_lanes_rate_counts_its_own_bytes_not_the_ahead_copies():
+    """copy_busy_GBps: the demand lane's bytes over its busy time; layer-ahead copies ran on the speculative lane and
+    count in copied_bytes (every expert still crossed once) but not in that rate."""
+    raw = _raw(copied=256 * MB, copy_s=0.1)
+    raw["counters"].update(spec_bytes=256 * MB, spec_copies=256)
+    row = pf.prefill_figures(raw, **KW)
+    assert row["copied_bytes_slice"] == 512 * MB and row["ahead_bytes_slice"] == 256 * MB
+    assert row["copy_busy_GBps"] == pytest.approx(256 * MB / 0.1 / 1e9)

@@ -100,3 +100,15 @@ def test_an_mtp_layer_that_makes_the_experts_stream_gets_the_prefill_chunk_reser
     roomy = dict(kw, vram_gb=(budget + 300 * slot) / GB)
     q = plan_vram(GLM5, record, dense, **roomy, mtp="auto")
     assert q["slots"] >= every and q["workspace_bytes"] == WORKSPACE_BYTES
+
+
+def test_a_forced_resident_that_does_not_fit_is_refused_not_turned_into_uploads():
+    small = plan_slots(GLM5, RECORD, 11 * 10**9, vram_gb=16, max_context=4096)     # ~3 GB of slots
+    assert GLM5.n_routed_experts * SLOT > small["pool_bytes"]
+    p = plan_mtp(GLM5, small, "resident")
+    assert p["mtp"] == "none" and "COLI_MTP_EXPERTS=resident" in p["mtp_problem"]
+    assert plan_mtp(GLM5, small, "auto")["mtp"] == "upload"                        # auto does fall back
+    up = plan_mtp(GLM5, plan_slots(GLM5, RECORD, 9 * 10**9, vram_gb=16, max_context=4096), "upload")
+    assert up["mtp"] == "upload" and "forced by COLI_MTP_EXPERTS" in describe_mtp(up)
+    auto = _plan(16, 9 * 10**9)
+    assert auto["mtp"] == "upload" and "would take over 25% of the pool" in describe_mtp(auto)
