@@ -23,6 +23,17 @@ def _with(gb, version, fn, int8: bool = True):
         gb.prefill_kernels, gb.prefill_int8 = saved
 
 
+def activations(rng, S: int, cols: int, kind: str) -> np.ndarray:
+    """x [S, cols] for the linear tests: "normal"; "wide" (elements 2^-20 .. 2^7 of the others: a block's small values
+    meet the split's 2^-27 cut); "zero-blocks" (the first 64 columns zero: one whole split block of zeros)."""
+    x = rand(rng, S, cols)
+    if kind == "wide":
+        x *= np.exp2(rng.integers(-20, 8, x.shape)).astype(F32)
+    elif kind == "zero-blocks":
+        x[:, :64] = 0
+    return x
+
+
 @pytest.mark.parametrize("rows,cols,group,S,xkind", [
     (2048, 6144, 64, 70, "normal"),      # q_a_proj, a partial token tile
     (6144, 16384, 128, 5, "normal"),     # o_proj
@@ -34,11 +45,7 @@ def test_linear_tensor_cores_as_exact_as_fp32(gb, rng, rows, cols, group, S, xki
     buf, lay, ref = stored_matrix(rows, cols, "int4", rng, group=group)
     assert pf_layout_ok(lay)
     w = qweight(gb, buf, lay)
-    x = rand(rng, S, cols)
-    if xkind == "wide":
-        x *= np.exp2(rng.integers(-20, 8, x.shape)).astype(F32)
-    elif xkind == "zero-blocks":
-        x[:, :64] = 0
+    x = activations(rng, S, cols, xkind)
     want = x.astype(np.float64) @ ref.T.astype(np.float64)
     errs = {v: rel_err(_with(gb, v, lambda: gb.to_host(gb.linear(gb.upload(x), w))), want) for v in ("v1", "mma")}
     report("prefill_linear", shape=[rows, cols], group=group, S=S, x=xkind,
@@ -97,11 +104,7 @@ def test_linear_int8_tensor_cores_within_the_float64_bound(gb, rng, rows, cols, 
     buf, lay, ref = stored_matrix(rows, cols, "int8", rng)
     assert pf_int8_layout_ok(lay)
     w = qweight(gb, buf, lay)
-    x = rand(rng, S, cols)
-    if xkind == "wide":
-        x *= np.exp2(rng.integers(-20, 8, x.shape)).astype(F32)
-    elif xkind == "zero-blocks":
-        x[:, :64] = 0
+    x = activations(rng, S, cols, xkind)
     want, bound = _sweep().linear_f64_bound(x, ref)
     xd = gb.upload(x)
     got, names = _with(gb, "mma", lambda: _kernels_run(gb, lambda: gb.to_host(gb.linear(xd, w))))
