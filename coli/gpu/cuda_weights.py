@@ -36,6 +36,12 @@ def check_format(fmt: str, what: str) -> None:
                         f"{', '.join(SUPPORTED)}; re-convert with --experts/--dense int4|int8|bf16|f32)")
 
 
+def check_record_formats(layout: RecordLayout) -> None:
+    """Each matrix of an expert record in a format the CUDA kernels take (else check_format's error, naming it)."""
+    for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
+        check_format(m.fmt, f"routed experts ({part})")
+
+
 def qmat_args(ptr: int, lay: MatrixLayout) -> tuple:
     """The six kernel arguments of a stored matrix (QMAT_PARAMS in coli_common.cuh): P i i i i q."""
     return (int(ptr), lay.rows, lay.cols, lay.group or 32, lay.rows_per_tile, lay.tile_bytes)
@@ -196,8 +202,7 @@ class UploadedExperts:
         self.rt, self.weights = rt, weights
         self.batch = int(weights.config.num_experts_per_tok)  # records live at once: the room plan_mtp reserves
         self.layout: RecordLayout = weights.record_layout
-        for m, part in zip(self.layout.matrices, ("gate_proj", "up_proj", "down_proj")):
-            check_format(m.fmt, f"routed experts ({part})")
+        check_record_formats(self.layout)
         self.uploaded = 0                                    # records copied so far (stats, tests)
 
     def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
@@ -225,8 +230,7 @@ class ResidentExperts:
         container = hasattr(weights, "read_record") and hasattr(weights, "record_layout")
         if container:
             self.layout: RecordLayout = weights.record_layout
-            for m, part in zip(self.layout.matrices, ("gate_proj", "up_proj", "down_proj")):
-                check_format(m.fmt, f"routed experts ({part})")
+            check_record_formats(self.layout)
         else:
             self.layout = host_record_layout(c.hidden_size, c.moe_intermediate_size)
         self.stride = align(self.layout.nbytes, ALIGN)

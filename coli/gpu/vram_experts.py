@@ -42,7 +42,7 @@ from coli.errors import ColiError
 from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
 from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of
-from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_format
+from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_record_formats
 from coli.gpu.pool import SlotPool, staging_slots
 from coli.gpu.spec_governor import SpecGovernor
 from coli.weights import ExpertWeights
@@ -110,8 +110,7 @@ class VramExperts:
         asked for >= ahead_fraction of its layer's experts puts every expert of the next MoE layer on the speculative
         lane, whatever `speculate` says and outside the governor's budget (not guesses: that layer needs them all).
         None (the default here; the product decides in coli/gpu/setup.py): none."""
-        for m, part in zip(layout.matrices, ("gate_proj", "up_proj", "down_proj")):
-            check_format(m.fmt, f"routed experts ({part})")
+        check_record_formats(layout)
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
         self.E, self.K = n_experts, top_k
         self.faults, self.log = faults, log

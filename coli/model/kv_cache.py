@@ -22,6 +22,11 @@ from coli.model.backend import Array, Backend
 from coli.model.cache_pool import CachePool, bucket
 
 
+def context_limit(config) -> int:
+    """The model's context in positions (0: not known): no cache is sized past it."""
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
 class CacheReleased(RuntimeError):
     """A KV cache used after `release()` gave its buffers back (a bug of the code that released it)."""
 
@@ -50,8 +55,7 @@ class KVCache:
         """A cache of at least `capacity` rows; with a pool, exactly bucket(capacity, the model's context) rows, its
         buffers a released cache's of that capacity when the pool has one."""
         c = cls(config, backend, pool=pool)
-        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
-        c._allocate(bucket(capacity, limit) if pool is not None else max(1, capacity))
+        c._allocate(bucket(capacity, context_limit(config)) if pool is not None else max(1, capacity))
         return c
 
     def _allocate(self, capacity: int) -> None:
@@ -101,7 +105,7 @@ class KVCache:
                 cap *= 2
             # the model's context caps the doubling as it caps bucket(): a GLM-5 session cache doubling from 256
             # would reach 262,144 rows for a context of 202,752 (~13 GB of f32 rows that no position can use)
-            limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+            limit = context_limit(self.config)
             if 0 < limit < cap and need <= limit:
                 cap = limit
             self._allocate(cap)
