@@ -12,11 +12,27 @@
 //   eager step uploads the same table from the host). idx [K] int32 (every entry in 0 .. E-1: the router never
 //   prunes in a replayed step), slots [E] uint64 (one layer's row of the slot table), table [K] uint64.
 //   grid 1, block 32.
+//
+// kv_put3(pos, src0, n0, dst0, src1, n1, dst1, src2, n2, dst2)
+//   kv_put of up to three rows in one launch (a layer's latent, rope key and indexer key: Backend.write_rows_many):
+//   blockIdx.y = k picks the row, gridDim.y how many there are (the unused ones' arguments are not read).
+//   grid (ceil(max n / 256), count), block 256.
 #include "coli_common.cuh"
 
 extern "C" __global__ void kv_put(const float *src, long long n, const int *pos, float *dst) {
     COLI_PDL_ENTRY();
     float *row = dst + (long long)pos[0] * n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        row[i] = src[i];
+}
+
+extern "C" __global__ void kv_put3(const int *pos, const float *src0, long long n0, float *dst0, const float *src1,
+                                   long long n1, float *dst1, const float *src2, long long n2, float *dst2) {
+    COLI_PDL_ENTRY();
+    const int k = blockIdx.y;
+    const float *src = k == 0 ? src0 : k == 1 ? src1 : src2;
+    const long long n = k == 0 ? n0 : k == 1 ? n1 : n2;
+    float *row = (k == 0 ? dst0 : k == 1 ? dst1 : dst2) + (long long)pos[0] * n;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         row[i] = src[i];
 }

@@ -9,35 +9,76 @@
 //   the same order as a plain loop (thread t: elements t, t + 256, ... in turn), so the result is the same bits.
 //   12: D = 6144 is two rounds of loads per pass, 2048 one (8 loads in flight: 8 us for 6144 in the layer, 47 registers).
 #define NORM_U 12
-extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int D, float eps) {
-    COLI_PDL_ENTRY();
-    __shared__ float red[32];
-    const float *xr = x + (long long)blockIdx.x * D;
-    float *yr = y + (long long)blockIdx.x * D;
+
+// One row's RMSNorm: the body of rmsnorm, add_rmsnorm and rmsnorm2, so the three give the same bits. ADD: the row
+// is a + b (one fp32 add, rounded as the add kernel rounds it), stored to h before it is normed; else the row is a
+// (b, h unused). Each thread reads back only the elements it wrote to h, so the second pass needs no extra barrier.
+template <bool ADD>
+__device__ __forceinline__ void rms_row(const float *a, const float *b, float *h, const float *w, float *y, int D,
+                                        float eps, float *red) {
     const int B = blockDim.x;
     float ss = 0.f;
     for (int i0 = threadIdx.x; i0 < D; i0 += NORM_U * B) {
         float v[NORM_U];
 #pragma unroll
-        for (int u = 0; u < NORM_U; u++) v[u] = i0 + u * B < D ? xr[i0 + u * B] : 0.f;
+        for (int u = 0; u < NORM_U; u++) {
+            const int i = i0 + u * B;
+            v[u] = i < D ? (ADD ? __fadd_rn(a[i], b[i]) : a[i]) : 0.f;
+        }
+        if (ADD) {
+#pragma unroll
+            for (int u = 0; u < NORM_U; u++)
+                if (i0 + u * B < D) h[i0 + u * B] = v[u];
+        }
 #pragma unroll
         for (int u = 0; u < NORM_U; u++)
             if (i0 + u * B < D) ss = fmaf(v[u], v[u], ss);
     }
     ss = block_sum(ss, red);
     const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    const float *x = ADD ? h : a;
     for (int i0 = threadIdx.x; i0 < D; i0 += NORM_U * B) {
         float v[NORM_U], g[NORM_U];
 #pragma unroll
         for (int u = 0; u < NORM_U; u++) {
             const int i = i0 + u * B;
-            v[u] = i < D ? xr[i] : 0.f;
+            v[u] = i < D ? x[i] : 0.f;
             g[u] = i < D ? w[i] : 0.f;
         }
 #pragma unroll
         for (int u = 0; u < NORM_U; u++)
-            if (i0 + u * B < D) yr[i0 + u * B] = __fmul_rn(g[u], __fmul_rn(v[u], inv));
+            if (i0 + u * B < D) y[i0 + u * B] = __fmul_rn(g[u], __fmul_rn(v[u], inv));
     }
+}
+
+extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int D, float eps) {
+    COLI_PDL_ENTRY();
+    __shared__ float red[32];
+    const long long r = (long long)blockIdx.x * D;
+    rms_row<false>(x + r, nullptr, nullptr, w, y + r, D, eps, red);
+}
+
+// add_rmsnorm(a, b, w, h, y, D, eps): h = a + b (the residual add), y = rmsnorm(h, w) -- one launch for the forward's
+//   add followed by the next RMSNorm (Backend.add_rms_norm), the same bits as add then rmsnorm.
+//   a, b, h, y [R, D] fp32 (h, y distinct from a, b and from each other), w [D].  grid R, block 256.
+extern "C" __global__ void add_rmsnorm(const float *a, const float *b, const float *w, float *h, float *y, int D,
+                                       float eps) {
+    COLI_PDL_ENTRY();
+    __shared__ float red[32];
+    const long long r = (long long)blockIdx.x * D;
+    rms_row<true>(a + r, b + r, h + r, w, y + r, D, eps, red);
+}
+
+// rmsnorm2(x0, w0, y0, D0, x1, w1, y1, D1, eps): rmsnorm of two tensors of R rows each in one launch (the attention's
+//   q_a and kv_a latents, Backend.rms_norm_many): blockIdx.y picks the tensor.  grid (R, 2), block 256.
+extern "C" __global__ void rmsnorm2(const float *x0, const float *w0, float *y0, int D0, const float *x1,
+                                    const float *w1, float *y1, int D1, float eps) {
+    COLI_PDL_ENTRY();
+    __shared__ float red[32];
+    const bool second = blockIdx.y == 1;
+    const int D = second ? D1 : D0;
+    const long long r = (long long)blockIdx.x * D;
+    rms_row<false>((second ? x1 : x0) + r, nullptr, nullptr, second ? w1 : w0, (second ? y1 : y0) + r, D, eps, red);
 }
 
 // layernorm(x, w, b, y, D, eps): xc = x - mean(x); y = xc / sqrt(mean(xc^2) + eps) * w + b

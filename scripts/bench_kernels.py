@@ -255,7 +255,8 @@ class LaunchLog:
     weights it reads; keeps every buffer allocated meanwhile alive, so the launches can be issued again for timing."""
 
     OPS = ("rms_norm", "layer_norm", "linear", "linear_many", "rope", "split_cols", "write_rows", "indexer_select",
-           "mla_attend", "swiglu", "route", "moe_step", "add")
+           "mla_attend", "swiglu", "route", "moe_step", "add", "add_rms_norm", "rms_norm_many", "rope_many",
+           "write_rows_many")
 
     def __init__(self, gb):
         self.gb, self.launches, self.keep, self._op, self._bytes = gb, [], [], None, 0
@@ -341,7 +342,7 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
     weights together > 2x L2, so a replay reads them from HBM) per GEMV version, replayed: GPU time per layer. Also
     the default version's kernels one by one (op, kernel, grid, us, weight bytes) and the replay's output against the
     eager step's (the same kernels: identical) and against the other versions'."""
-    from coli.bench.dense_layer import RandomDense, dense_config, layer_body
+    from coli.bench.dense_layer import RandomDense, dense_config, layer_steady
     from coli.config import PRESETS
     from coli.gpu.graphs import DeviceStep, StepLayout, attn_span
     from coli.model.backend import cos_sin_table
@@ -365,11 +366,14 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
     st.attn_n_max = attn_span(T, cfg.index_topk, cfg.num_attention_heads, cfg.kv_lora_rank, rt.sm_count,
                               gb.attn_chunk)
     h0 = gb.upload(rng.standard_normal((1, cfg.hidden_size)).astype(F32))
+    x0 = gb.rms_norm(h0, model.layers[0].input_norm, cfg.rms_norm_eps)   # outside the graph: each layer's nodes alone
 
     def body():
-        h, allowed = h0, None
+        # every layer as the forward runs one in the model's middle: its last residual add fused with the next input
+        # norm (layer_steady), so a layer's nodes are a middle layer's
+        h, x, allowed = h0, x0, None
         for i in range(layers):
-            h, allowed = layer_body(model, i, h, positions, cos, sin, cache, pos, allowed)
+            h, x, allowed = layer_steady(model, i, h, x, positions, cos, sin, cache, pos, allowed)
         return h
 
     out: dict = {"fmt": fmt, "T": T, "layers": layers,

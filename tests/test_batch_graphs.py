@@ -306,21 +306,23 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, r
             for cache in caches]
     rows = []
     for name, args in captured:
-        if name == "kv_put":                          # (src, n, pos_ptr, dst): row r's position, row r's cache
-            r = (args[2] - st.dyn.ptr - st.layout.pos_at) // 8
-            assert args[3] in bufs[r]
-            rows.append(r)
+        if name == "kv_put3":     # (pos_ptr, then (src, n, dst) per cache row): row r's position, row r's caches
+            r = (args[0] - st.dyn.ptr - st.layout.pos_at) // 8
+            dsts = [a for a in args[3::3] if a]        # the unused slots' pointers are 0
+            assert all(d in bufs[r] for d in dsts)
+            rows.append((r, len(dsts)))
         elif name == "indexer_scores_dyn":
             rows.append(("idx", (args[5] - st.dyn.ptr - st.layout.pos_at) // 8))
         elif name.startswith("embed_"):
             assert args[-2] == st.dyn.ptr                                     # the B tokens of the step's inputs
-        elif name == "rope":
-            assert args[4] == 3 and args[1] == st.dyn.ptr + st.layout.angles_at   # B rows of angles
+        elif name in ("rope", "rope4"):
+            assert name == "rope4"                                            # a layer's ropes in one launch
+            assert args[2] == 3 and args[0] == st.dyn.ptr + st.layout.angles_at   # B rows of angles
     full = sum(t == "full" for t in c.indexer_types)
     want = []
-    for i in range(c.num_hidden_layers):             # per layer, rows in order: lat, k_pe (+ k_idx), then the indexer
+    for i in range(c.num_hidden_layers):   # per layer, rows in order: one write of lat, k_pe (+ k_idx), then the indexer
         for r in range(3):
-            want += [r, r] + ([r, ("idx", r)] if c.indexer_types[i] == "full" else [])
+            want += [(r, 3), ("idx", r)] if c.indexer_types[i] == "full" else [(r, 2)]
     assert rows == want and full > 0
     # a row leaving: a new key, eager once, then captured
     for _ in range(3):

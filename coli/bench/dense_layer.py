@@ -5,10 +5,11 @@ scripts/bench_kernels.py's MoE rows). scripts/bench_kernels.py captures it as a 
 
     src = RandomDense(config, "int8")                 # a WeightSource: `coli bench make-slice`'s random rows
     model = GlmMoeDsaModel(config, src, backend)
-    h = layer_body(model, i, h, positions, cos, sin, cache, start)    # the forward's loop body, layer i
+    h, allowed = layer_body(model, i, h, positions, cos, sin, cache, start)    # the forward's layer i
+    h, x, allowed = layer_steady(model, i, h, x, positions, cos, sin, cache, start)   # as in the model's middle
 
-`layer_body` is the loop body of GlmMoeDsaModel._logits (tests/bench/test_dense_layer.py checks that embed +
-layer_body over every layer + the head gives the forward's logits exactly, so the two cannot drift apart).
+`layer_body` and `layer_steady` are GlmMoeDsaModel's layer (`_layer`; tests/bench/test_dense_layer.py checks that embed
++ either over every layer + the head gives the forward's logits exactly, so they cannot drift apart).
 Importing this module needs no GPU.
 """
 
@@ -76,10 +77,18 @@ def dense_config(base: ModelConfig, layers: int = 1, vocab: int = 256) -> ModelC
 def layer_body(model: Any, i: int, h: Any, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: Any,
                start: int, allowed: Any = None) -> tuple[Any, Any]:
     """Decoder layer i of model's forward on the hidden state h [S, H] -> (new h, the indexer's selection), exactly
-    GlmMoeDsaModel._logits' loop body."""
+    GlmMoeDsaModel's layer (`_layer`) with its input norm in front and a plain residual add at its end."""
     c, b = model.config, model.backend
     x = b.rms_norm(h, model.layers[i].input_norm, c.rms_norm_eps)                                # [S, H]
-    a, allowed = model._attention(i, model.layers[i].attn, x, positions, cos, sin, cache, start, allowed)
-    h = b.add(h, a)
-    x2 = b.rms_norm(h, model.layers[i].post_norm, c.rms_norm_eps)                                # [S, H]
-    return b.add(h, model._mlp(i, model.layers[i], x2, h)), allowed
+    h, _, allowed = model._layer(i, model.layers[i], h, x, positions, cos, sin, cache, start, allowed, None)
+    return h, allowed
+
+
+def layer_steady(model: Any, i: int, h: Any, x: Any, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 cache: Any, start: int, allowed: Any = None) -> tuple[Any, Any, Any]:
+    """Decoder layer i as the forward runs a layer in the middle of the model: from h [S, H] and its normed input x,
+    to (new h, the next layer's normed input, the indexer's selection) -- the residual add and the next input norm one
+    op (add_rms_norm). After the last layer the next is layer 0 (a benchmark's layers in a loop: every one has the
+    nodes of a middle layer)."""
+    nxt = model.layers[(i + 1) % len(model.layers)].input_norm
+    return model._layer(i, model.layers[i], h, x, positions, cos, sin, cache, start, allowed, nxt)

@@ -32,6 +32,7 @@ from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runti
 from coli.gpu.cuda_weights import (
     FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
 )
+from coli.model.backend import Backend
 from coli.weights import ExpertWeights
 
 F32 = np.float32
@@ -47,6 +48,9 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("elementwise", "copy_cols"): "PiiiPi",
         ("norm", "rmsnorm"): "PPPif", ("norm", "layernorm"): "PPPPif",
         ("rope", "rope"): "PPPPiiiii",
+        # fused ops (Backend.add_rms_norm, rms_norm_many, rope_many, write_rows_many): fewer nodes per replayed layer
+        ("norm", "add_rmsnorm"): "PPPPPif", ("norm", "rmsnorm2"): "PPPiPPPif",
+        ("rope", "rope4"): "PPii" + "PPiii" * 4, ("graph", "kv_put3"): "P" + "PqP" * 3,
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
         ("router", "route_topk"): "PPiiiiifPP",
         ("gemm", "moe_reduce"): "PiiiPi",
@@ -156,6 +160,8 @@ PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / acti
 ATTN_VERSIONS = ("auto", "tile3", "tile2", "tile1", "split2", "split1", "v1")
 ATTN_PROJ_VERSIONS = ("auto", "tile3", "tile2", "tile1")   # decode the projections with mla_qabs_<fmt> / mla_o_<fmt>
 MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu)
+ROPE_MANY = 4        # tensors per rope4 launch (cuda/rope.cu)
+KV_PUT_MANY = 3      # cache rows per kv_put3 launch (cuda/graph.cu)
 GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
 GEMV2_ROUND_CHUNKS = 64   # gemv2_split's fixed cost of a round of groups, in chunks of a segment (fitted to the sweep)
 GEMV_VERSIONS = ("v3", "v2", "v1")
@@ -200,7 +206,7 @@ class DeviceMask:
         return m
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0, runtime: CudaRuntime | None = None):
@@ -277,6 +283,27 @@ class CudaBackend:
             return
         self.rt.copy(dst.ptr + start * row, src.ptr, src.nbytes)
 
+    def write_rows_many(self, pairs, start: int) -> None:
+        """write_rows of each (dst, src); inside a captured step up to KV_PUT_MANY rows in one kv_put3 launch (a layer's
+        cache write: one node instead of three), eagerly one copy each."""
+        if self.step is None:
+            return super().write_rows_many(pairs, start)
+        for j in range(0, len(pairs), KV_PUT_MANY):
+            self._kv_put3(pairs[j:j + KV_PUT_MANY], start)
+
+    def _kv_put3(self, pairs, start: int) -> None:
+        args, ns = [], []
+        for dst, src in pairs:
+            row = dst.nbytes // dst.shape[0]
+            if src.nbytes != src.shape[0] * row or start + src.shape[0] > dst.shape[0]:
+                raise ValueError(f"cannot write rows {src.shape} into {dst.shape} at {start}")
+            self.step.check_rows(src.shape[0], "write_rows_many").check_start(start)
+            ns.append(row // 4)
+            args += [src.ptr, row // 4, dst.ptr]
+        args += [0, 0, 0] * (KV_PUT_MANY - len(pairs))
+        grid = max(self._grid1d(n) for n in ns)
+        self.rt.launch(self._fn("graph", "kv_put3"), (grid, len(pairs)), 256, self.step.pos_ptr, *args)
+
     def rows(self, x: DeviceArray, n: int) -> DeviceArray:
         return x.row_view(0, n)
 
@@ -341,6 +368,28 @@ class CudaBackend:
         fn = self._fn("norm", "rmsnorm")
         self.rt.launch(fn, (x.size // D,), 256, x.ptr, w.ptr, out.ptr, D, F32(eps))
         return out
+
+    def add_rms_norm(self, h: DeviceArray, a: DeviceArray, w: DeviceArray, eps: float) -> tuple[DeviceArray, DeviceArray]:
+        """(h + a, rms_norm(h + a)) in one add_rmsnorm launch: the same bits as add then rms_norm."""
+        if h.shape != a.shape:
+            raise ValueError(f"add_rms_norm of {h.shape} and {a.shape}")
+        D = h.shape[-1]
+        s, out = self.empty(h.shape), self.empty(h.shape)
+        fn = self._fn("norm", "add_rmsnorm")
+        self.rt.launch(fn, (h.size // D,), 256, h.ptr, a.ptr, w.ptr, s.ptr, out.ptr, D, F32(eps))
+        return s, out
+
+    def rms_norm_many(self, xs, eps: float) -> list[DeviceArray]:
+        """[rms_norm(x, w, eps) for (x, w) in xs]; two tensors of the same rows in one rmsnorm2 launch (the q_a and kv_a
+        latents), the same bits as two rmsnorm launches."""
+        if len(xs) != 2 or xs[0][0].size // xs[0][0].shape[-1] != xs[1][0].size // xs[1][0].shape[-1]:
+            return super().rms_norm_many(xs, eps)
+        (x0, w0), (x1, w1) = xs
+        y0, y1 = self.empty(x0.shape), self.empty(x1.shape)
+        fn = self._fn("norm", "rmsnorm2")
+        self.rt.launch(fn, (x0.size // x0.shape[-1], 2), 256, x0.ptr, w0.ptr, y0.ptr, x0.shape[-1],
+                       x1.ptr, w1.ptr, y1.ptr, x1.shape[-1], F32(eps))
+        return [y0, y1]
 
     def layer_norm(self, x: DeviceArray, w: DeviceArray, b: DeviceArray, eps: float) -> DeviceArray:
         D = x.shape[-1]
@@ -508,6 +557,31 @@ class CudaBackend:
         fn = self._fn("rope", "rope")
         self.rt.launch(fn, (self._grid1d(x.size),), 256, x.ptr, cs.ptr, sn.ptr, out.ptr, S, n, d, offset, half)
         return out
+
+    def rope_many(self, xs, cos: np.ndarray, sin: np.ndarray) -> list[DeviceArray]:
+        """[rope(x, cos, sin, offset) for (x, offset) in xs], up to ROPE_MANY tensors of the same rows per rope4 launch
+        (one node for a layer's q, k_pe, indexer q and key): the same bits as one rope launch each."""
+        outs = []
+        for j in range(0, len(xs), ROPE_MANY):
+            outs += self._rope4(xs[j:j + ROPE_MANY], cos, sin)
+        return outs
+
+    def _rope4(self, xs, cos: np.ndarray, sin: np.ndarray) -> list[DeviceArray]:
+        S, half = xs[0][0].shape[0], cos.shape[-1]
+        if any(x.shape[0] != S for x, _ in xs):
+            raise ValueError(f"rope_many of tensors with different rows: {[x.shape for x, _ in xs]}")
+        if self.step is not None:       # captured step: this position's angles are in the step's device inputs
+            cs, sn = self.step.check_rows(S, "rope_many").angles(half)
+        else:
+            cs, sn = self._cos_sin(cos, sin)
+        outs = [self.empty(x.shape) for x, _ in xs]
+        args = []
+        for (x, off), y in zip(xs, outs):
+            args += [x.ptr, y.ptr, x.shape[1], x.shape[2], off]
+        args += [0, 0, 0, 0, 0] * (ROPE_MANY - len(xs))
+        grid = max(self._grid1d(x.size) for x, _ in xs)
+        self.rt.launch(self._fn("rope", "rope4"), (grid, len(xs)), 256, cs.ptr, sn.ptr, S, half, *args)
+        return outs
 
     # ---- matrix kernels ------------------------------------------------------------------------------------
     def _gemv(self, w: QWeight, wrow0: int, wz: int, N: int, Z: int, x: int, x_z: int, y: int, y_z: int) -> bool:

@@ -50,6 +50,26 @@ class Backend(Protocol):
     # x [S, n, d]: rotates the interleaved pairs in x[..., offset:offset+dr] (cos/sin [S, dr/2]) and lays
     # the span out [evens' | odds'] like transformers; the rest passes through
 
+    # -- fused ops: a backend may run each as one launch (the CUDA backend: a replayed decode layer has fewer graph
+    # nodes); the defaults compose the ops above, so a fused op's values are those of its composition, bit for bit
+    def add_rms_norm(self, h: Array, a: Array, w: Array, eps: float) -> tuple[Array, Array]:
+        """The residual add and the next RMSNorm: (h + a, rms_norm(h + a, w, eps)), both [A, D]."""
+        s = self.add(h, a)
+        return s, self.rms_norm(s, w, eps)
+
+    def rms_norm_many(self, xs: Sequence[tuple[Array, Array]], eps: float) -> list[Array]:
+        """[rms_norm(x, w, eps) for (x, w) in xs] (the attention's q_a and kv_a latents, same rows)."""
+        return [self.rms_norm(x, w, eps) for x, w in xs]
+
+    def rope_many(self, xs: Sequence[tuple[Array, int]], cos: np.ndarray, sin: np.ndarray) -> list[Array]:
+        """[rope(x, cos, sin, offset) for (x, offset) in xs]: several tensors [S, n_k, d_k] with the same angles."""
+        return [self.rope(x, cos, sin, off) for x, off in xs]
+
+    def write_rows_many(self, pairs: Sequence[tuple[Array, Array]], start: int) -> None:
+        """write_rows(dst, start, src) for every (dst, src) (a layer's cache write: latent, rope key, indexer key)."""
+        for dst, src in pairs:
+            self.write_rows(dst, start, src)
+
     # -- attention -----------------------------------------------------------------------------
     def mla_attend(self, q: Array, lat: Array, k_pe: Array, w_kb: Array, w_vb: Array,
                    allowed: np.ndarray, scale: float) -> Array: ...

@@ -171,15 +171,20 @@ def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
     c, b = model.config, model.backend
     cos, sin = segment_angles(c, segs)                                  # [S, dr/2] each
 
+    eps, layers = c.rms_norm_eps, model.layers
     h = b.embed(model.embed, ids)                                       # [S, H]
     allowed: list = [None] * len(segs)                                  # per row: its last full indexer's mask
-    for i, lw in enumerate(model.layers):
-        x = b.rms_norm(h, lw.input_norm, c.rms_norm_eps)                # [S, H]
+    # each residual add with the RMSNorm that reads its sum as one op (add_rms_norm), as in GlmMoeDsaModel.forward
+    x = b.rms_norm(h, layers[0].input_norm, eps)                        # [S, H]
+    for i, lw in enumerate(layers):
         p = model._attention_inputs(i, lw.attn, x, cos, sin)            # every projection once over all rows
         o = attention_rows(model, i, lw.attn, p, segs, allowed)         # [S, nh*dv]
-        h = b.add(h, b.linear(o, lw.attn.o))
-        x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)                # [S, H]
-        h = b.add(h, model._mlp(i, lw, x2, h))                          # one router, one stream() of the union
+        h, x2 = b.add_rms_norm(h, b.linear(o, lw.attn.o), lw.post_norm, eps)   # [S, H] each
+        mlp = model._mlp(i, lw, x2, h)                                  # one router, one stream() of the union
+        if i + 1 < len(layers):
+            h, x = b.add_rms_norm(h, mlp, layers[i + 1].input_norm, eps)
+        else:
+            h = b.add(h, mlp)
     return h
 
 

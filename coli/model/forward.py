@@ -259,19 +259,35 @@ class GlmMoeDsaModel:
         positions = np.arange(start, start + S)                        # [S]
         cos, sin = cos_sin_table(positions, c.qk_rope_head_dim, c.rope_theta)  # [S, dr/2]
 
+        eps, layers = c.rms_norm_eps, self.layers
         h = b.embed(self.embed, ids)                                   # [S, H]
         allowed = None                                                  # [S, T] from the last full indexer
-        for i, lw in enumerate(self.layers):
-            x = b.rms_norm(h, lw.input_norm, c.rms_norm_eps)           # [S, H]
-            a, allowed = self._attention(i, lw.attn, x, positions, cos, sin, cache, start, allowed)
-            h = b.add(h, a)
-            x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)           # [S, H]
-            h = b.add(h, self._mlp(i, lw, x2, h))
+        # every residual add runs with the RMSNorm that reads its sum as one op (add_rms_norm: one launch on the GPU,
+        # the same bits): the post-attention norm, the next layer's input norm, and after the last layer the final
+        # norm where it norms every row of h (all rows wanted, or one row)
+        final_fused = all_rows or S == 1
+        x = b.rms_norm(h, layers[0].input_norm, eps)                    # [S, H]
+        for i, lw in enumerate(layers):
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm if final_fused else None
+            h, x, allowed = self._layer(i, lw, h, x, positions, cos, sin, cache, start, allowed, nxt)
         cache.length = start + S
 
-        if not all_rows:
-            h = b.last_row(h)                                           # [1, H]
-        return b.rms_norm(h, self.final_norm, c.rms_norm_eps)          # [S or 1, H]
+        if final_fused:
+            return x                                                    # [S or 1, H]
+        return b.rms_norm(b.last_row(h), self.final_norm, eps)         # [1, H]
+
+    def _layer(self, i, lw: LayerWeights, h, x, positions, cos, sin, cache: KVCache, start, allowed, next_norm):
+        """Decoder layer i on the residual stream h [S, H] and its normed input x [S, H] -> (h, x_next, allowed):
+        h += Attention(x); h += MLP(RMSNorm(h)); x_next = RMSNorm(h) with next_norm's weight, from the residual add's
+        own op (add_rms_norm; None without a next_norm)."""
+        b, eps = self.backend, self.config.rms_norm_eps
+        a, allowed = self._attention(i, lw.attn, x, positions, cos, sin, cache, start, allowed)
+        h, x2 = b.add_rms_norm(h, a, lw.post_norm, eps)                 # [S, H] each
+        mlp = self._mlp(i, lw, x2, h)
+        if next_norm is None:
+            return b.add(h, mlp), None, allowed
+        h, x = b.add_rms_norm(h, mlp, next_norm, eps)
+        return h, x, allowed
 
     # ------------------------------------------------------------------------------------------
     def _attention(self, i, w: AttentionWeights, x, positions, cos, sin, cache: KVCache, start, prev_allowed):
@@ -289,19 +305,24 @@ class GlmMoeDsaModel:
         full = w.idx_wq_b is not None      # the layer's kind, from its weights (the MTP layer is outside the config)
         # the projections that read the same input are asked for together (the CUDA backend: one launch each)
         of_x = b.linear_many(x, [w.q_a, w.kv_a] + ([w.idx_wk, w.idx_weights] if full else []))
-        q_lat = b.rms_norm(of_x[0], w.q_a_norm, 1e-6)                  # [S, Lq]  (also feeds the indexer)
-        of_q = b.linear_many(q_lat, [w.q_b] + ([w.idx_wq_b] if full else []))
-        q = b.rope(of_q[0].reshape(S, nh, dn + dr), cos, sin, dn)      # [S, nh, dn+dr], rope part last, rotated
         lat, k_pe = b.split_cols(of_x[1], Lkv)                          # [S, Lkv], [S, dr]
-        lat = b.rms_norm(lat, w.kv_a_norm, 1e-6)                        # normalised latent
-        k_pe = b.rope(k_pe.reshape(S, 1, dr), cos, sin, 0).reshape(S, dr)  # one rope key for all heads
-
-        p = AttentionInputs(q, lat, k_pe)
+        # both latents' norms as one op (rms_norm_many: one launch on the GPU); q_lat also feeds the indexer
+        q_lat, lat = b.rms_norm_many([(of_x[0], w.q_a_norm), (lat, w.kv_a_norm)], 1e-6)   # [S, Lq], [S, Lkv]
+        of_q = b.linear_many(q_lat, [w.q_b] + ([w.idx_wq_b] if full else []))
+        # every rope of the layer as one op (rope_many: one launch on the GPU), the same angles for all
+        ropes = [(of_q[0].reshape(S, nh, dn + dr), dn),                # q: rope part last
+                 (k_pe.reshape(S, 1, dr), 0)]                          # one rope key for all heads
         if full:
             ih, ihd = c.index_n_heads, c.index_head_dim
-            p.iq = b.rope(of_q[1].reshape(S, ih, ihd), cos, sin, 0)    # [S, ih, ihd], rope first
             ik = b.layer_norm(of_x[2], w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
-            p.k_idx = b.rope(ik.reshape(S, 1, ihd), cos, sin, 0).reshape(S, ihd)
+            ropes += [(of_q[1].reshape(S, ih, ihd), 0),                 # indexer queries: rope first
+                      (ik.reshape(S, 1, ihd), 0)]                       # indexer key
+        roped = b.rope_many(ropes, cos, sin)
+
+        p = AttentionInputs(roped[0], lat, roped[1].reshape(S, dr))    # q [S, nh, dn+dr] rotated, lat, k_pe [S, dr]
+        if full:
+            p.iq = roped[2]                                             # [S, ih, ihd]
+            p.k_idx = roped[3].reshape(S, ihd)                          # [S, ihd]
             p.head_w = of_x[3]                                          # [S, ih] (scaled by ih^-0.5 inside)
         return p
 

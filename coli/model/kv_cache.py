@@ -114,10 +114,10 @@ class KVCache:
         """Store S new positions starting at `start` (= length before this call)."""
         self._live()
         lc, b = self.layers[layer], self.backend
-        b.write_rows(lc.lat, start, lat)
-        b.write_rows(lc.k_pe, start, k_pe)
+        pairs = [(lc.lat, lat), (lc.k_pe, k_pe)]
         if lc.k_idx is not None and k_idx is not None:
-            b.write_rows(lc.k_idx, start, k_idx)
+            pairs.append((lc.k_idx, k_idx))
+        b.write_rows_many(pairs, start)                # one launch in a captured step (CudaBackend: kv_put3)
 
     def view(self, layer: int, n: int) -> tuple[Array, Array, Array | None]:
         self._live()

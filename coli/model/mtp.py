@@ -137,17 +137,15 @@ class MtpHead:
         m, c, b, w = self.model, self.model.config, self.model.backend, self.w
         ids = np.asarray(ids, dtype=np.int64)
         S = int(ids.shape[0])
-        x = self._combine(ids, h)                                                  # = eh_proj(concat[e, hh])
+        x, xn = self._combine(ids, h)                                              # = eh_proj(concat[e, hh]), normed
         start = cache.length
         cache.reserve(S)
         positions = np.arange(start, start + S)
         cos, sin = cos_sin_table(positions, c.qk_rope_head_dim, c.rope_theta)
         lw = w.layer
-        xn = b.rms_norm(x, lw.input_norm, c.rms_norm_eps)
         a, _ = m._attention(0, lw.attn, xn, positions, cos, sin, cache, start, None)   # cache layer 0 = the MTP layer
-        x = b.add(x, a)
         cache.length = start + S
-        return self._finish(x)
+        return self._finish(x, a)
 
     def step_rows(self, ids: Sequence[int], h: Array, cache: KVCache) -> tuple[Array, Array]:
         """step() with the S positions as S one-position rows, each position's attention its own decode step's
@@ -158,31 +156,30 @@ class MtpHead:
         m, c, b, w = self.model, self.model.config, self.model.backend, self.w
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         S = int(ids.shape[0])
-        x = self._combine(ids, h)                                                  # [S, H]
+        x, xn = self._combine(ids, h)                                              # [S, H] each
         segs = position_rows(cache, S)
         cache.reserve(S)
         cos, sin = segment_angles(c, segs)                                        # [S, dr/2], per row as alone
         lw = w.layer
-        xn = b.rms_norm(x, lw.input_norm, c.rms_norm_eps)
         p = m._attention_inputs(0, lw.attn, xn, cos, sin)
         o = attention_rows(m, 0, lw.attn, p, segs, [None] * S)                    # [S, nh*dv]; cache layer 0
-        x = b.add(x, b.linear(o, lw.attn.o))
         cache.length = segs[-1].start + 1
-        return self._finish(x)
+        return self._finish(x, b.linear(o, lw.attn.o))
 
-    def _combine(self, ids: np.ndarray, h: Array) -> Array:
-        """eh_proj(concat[enorm(embed(ids)), hnorm(h)]) [S, H], as two half-width products."""
+    def _combine(self, ids: np.ndarray, h: Array) -> tuple[Array, Array]:
+        """x = eh_proj(concat[enorm(embed(ids)), hnorm(h)]) [S, H], as two half-width products, and the layer's
+        input norm of it (one op with the products' add: add_rms_norm). -> (x, xn)."""
         m, c, b, w = self.model, self.model.config, self.model.backend, self.w
         e = b.rms_norm(b.embed(m.embed, ids), w.enorm, c.rms_norm_eps)            # [S, H]
         hh = b.rms_norm(h, w.hnorm, c.rms_norm_eps)                               # [S, H]
-        return b.add(b.linear(e, w.eh_emb), b.linear(hh, w.eh_hid))
+        return b.add_rms_norm(b.linear(e, w.eh_emb), b.linear(hh, w.eh_hid), w.layer.input_norm, c.rms_norm_eps)
 
-    def _finish(self, x: Array) -> tuple[Array, Array]:
-        """The layer after its attention (x [S, H] with the attention added): MoE + shared expert, shared_head.norm,
-        the lm_head. -> (g [S, H], logits [S, V])."""
+    def _finish(self, x: Array, a: Array) -> tuple[Array, Array]:
+        """The layer after its attention (x [S, H] its input, a [S, H] the attention's output): the residual add,
+        MoE + shared expert, shared_head.norm, the lm_head. -> (g [S, H], logits [S, V])."""
         m, c, b, w = self.model, self.model.config, self.model.backend, self.w
         lw = w.layer
-        x2 = b.rms_norm(x, lw.post_norm, c.rms_norm_eps)
+        x, x2 = b.add_rms_norm(x, a, lw.post_norm, c.rms_norm_eps)               # [S, H] each
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor)              # [S, K], [S, K]
         if not isinstance(idx, np.ndarray):
@@ -192,8 +189,8 @@ class MtpHead:
         else:
             wanted = sorted(set(idx.ravel().tolist()))
             routed = b.moe(x2, idx, wts, self.experts.stream(self.layer_index, wanted))
-        x = b.add(x, b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)))
-        g = b.rms_norm(x, w.head_norm, c.rms_norm_eps)                            # [S, H]
+        mlp = b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down))
+        _, g = b.add_rms_norm(x, mlp, w.head_norm, c.rms_norm_eps)                # [S, H]
         return g, b.linear(g, m.lm_head)                                          # [S, H], [S, V]
 
 

@@ -7,6 +7,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from coli.model.backend import Backend
+
 F32 = np.float32
 # Bound the [rows, ih, T] indexer temporary of long prefills to ~64 MB.
 _INDEXER_CHUNK_ELEMS = 16 * 1024 * 1024
@@ -54,7 +56,7 @@ def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
     return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     name = "numpy"
 
     def upload(self, host: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coli.bench.dense_layer import RandomDense, dense_config, layer_body
+from coli.bench.dense_layer import RandomDense, dense_config, layer_body, layer_steady
 from coli.config import PRESETS
 from coli.model.backend import cos_sin_table
 from coli.model.forward import GlmMoeDsaModel
@@ -48,3 +48,12 @@ def test_layer_body_is_the_forwards_loop_body():
     got = b.linear(b.rms_norm(h, model.final_norm, cfg.rms_norm_eps), model.lm_head)
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got).all() and float(np.abs(got).max()) > 0
+    # layer_steady (what scripts/bench_kernels.py captures: each layer ends in the next input norm) is the same layer
+    cache = model.new_cache(16)
+    cache.reserve(S)
+    h, allowed = b.embed(model.embed, ids), None
+    x = b.rms_norm(h, model.layers[0].input_norm, cfg.rms_norm_eps)
+    for i in range(cfg.num_hidden_layers):
+        h, x, allowed = layer_steady(model, i, h, x, pos, cos, sin, cache, 0, allowed)
+    np.testing.assert_array_equal(b.rms_norm(h, model.layers[0].input_norm, cfg.rms_norm_eps), x)
+    np.testing.assert_array_equal(b.linear(b.rms_norm(h, model.final_norm, cfg.rms_norm_eps), model.lm_head), want)

@@ -1,0 +1,163 @@
+"""The fused decode ops (Backend.add_rms_norm, rms_norm_many, rope_many, write_rows_many: one launch each on the CUDA
+backend, fewer nodes in a replayed layer) give the same bits as the unfused kernels they replace, on GLM-5's decode
+shapes and small odd ones -- eagerly and in step mode (the per-token values read from a DeviceStep's device inputs, as
+inside a captured decode step). Their numpy composition (the Backend defaults) is the reference of the unfused
+kernels' own tests (test_gpu_elementwise.py); here the bar is np.array_equal against those kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coli.model.backend import cos_sin_table
+from coli.model.numpy_backend import NumpyBackend
+from gpu_helpers import rand
+
+pytestmark = pytest.mark.gpu
+NP = NumpyBackend()
+
+# GLM-5 at one token and a short prefill: hidden 6144, q_lora 2048, kv_lora 512, rope 64, nope 192, 64 heads, indexer
+# 32 heads of 128; then small odd shapes (a D not a multiple of the block, one row, rows past one block's loads)
+GLM5_ROPES = [((64, 256), 192), ((1, 64), 0), ((32, 128), 0), ((1, 128), 0)]
+ODD_ROPES = [((3, 48), 32), ((1, 16), 0), ((5, 16), 0), ((1, 40), 8)]
+
+
+def _host(gb, xs):
+    return [gb.to_host(x) for x in xs]
+
+
+@pytest.mark.parametrize("S,D", [(1, 6144), (7, 6144), (3, 2048), (1, 100), (5, 777), (2, 3100)])
+def test_add_rms_norm_is_add_then_rmsnorm_bit_for_bit(gb, rng, S, D):
+    h, a, w = rand(rng, S, D, scale=3.0), rand(rng, S, D), rand(rng, D) + 1
+    dh, da, dw = gb.upload(h), gb.upload(a), gb.upload(w)
+    s, y = _host(gb, gb.add_rms_norm(dh, da, dw, 1e-5))
+    s_ref = gb.add(dh, da)
+    np.testing.assert_array_equal(s, gb.to_host(s_ref))
+    np.testing.assert_array_equal(y, gb.to_host(gb.rms_norm(s_ref, dw, 1e-5)))
+    np.testing.assert_array_equal(s, h + a)                 # the sum is numpy's (one fp32 add)
+    # the inputs are left as they were (the sum and the norm go to buffers of their own)
+    np.testing.assert_array_equal(gb.to_host(dh), h)
+    np.testing.assert_array_equal(gb.to_host(da), a)
+
+
+def test_add_rms_norm_refuses_mismatched_shapes(gb, rng):
+    with pytest.raises(ValueError, match=r"add_rms_norm of \(1, 64\) and \(2, 64\)"):
+        gb.add_rms_norm(gb.upload(rand(rng, 1, 64)), gb.upload(rand(rng, 2, 64)), gb.upload(rand(rng, 64)), 1e-5)
+
+
+@pytest.mark.parametrize("S,D0,D1", [(1, 2048, 512), (5, 2048, 512), (1, 100, 37), (3, 3100, 1)])
+def test_rms_norm_many_is_one_rmsnorm_each_bit_for_bit(gb, rng, S, D0, D1):
+    x0, x1 = rand(rng, S, D0, scale=2.0), rand(rng, S, D1, scale=0.5)
+    w0, w1 = rand(rng, D0) + 1, rand(rng, D1) + 1
+    d = [(gb.upload(x0), gb.upload(w0)), (gb.upload(x1), gb.upload(w1))]
+    got = _host(gb, gb.rms_norm_many(d, 1e-6))
+    want = [gb.to_host(gb.rms_norm(x, w, 1e-6)) for x, w in d]
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(g, r)
+
+
+def test_rms_norm_many_of_a_row_view(gb, rng):
+    """The kv_a latent of a decode step is a view into kv_a's output (split_cols of one row): read where it lies."""
+    kv, q = rand(rng, 1, 576), rand(rng, 1, 2048)
+    dkv = gb.upload(kv)
+    lat, _ = gb.split_cols(dkv, 512)
+    w0, w1 = gb.upload(rand(rng, 2048) + 1), gb.upload(rand(rng, 512) + 1)
+    got = _host(gb, gb.rms_norm_many([(gb.upload(q), w0), (lat, w1)], 1e-6))
+    np.testing.assert_array_equal(got[1], gb.to_host(gb.rms_norm(gb.upload(kv[:, :512].copy()), w1, 1e-6)))
+    np.testing.assert_array_equal(got[0], gb.to_host(gb.rms_norm(gb.upload(q), w0, 1e-6)))
+
+
+def _ropes(gb, rng, S, specs):
+    hosts = [rand(rng, S, n, d) for (n, d), _ in specs]
+    return hosts, [(gb.upload(x), off) for x, ((_, _), off) in zip(hosts, specs)]
+
+
+@pytest.mark.parametrize("S", [1, 5])
+@pytest.mark.parametrize("specs,dr", [(GLM5_ROPES, 64), (ODD_ROPES, 16), (GLM5_ROPES + GLM5_ROPES[:1], 64),
+                                      (GLM5_ROPES[:2], 64)])
+def test_rope_many_is_one_rope_each_bit_for_bit(gb, rng, S, specs, dr):
+    cos, sin = cos_sin_table(np.arange(40, 40 + S), dr, 1e6)
+    hosts, xs = _ropes(gb, rng, S, specs)
+    got = _host(gb, gb.rope_many(xs, cos, sin))
+    assert [g.shape for g in got] == [x.shape for x in hosts]
+    for g, (x, off), h in zip(got, xs, hosts):
+        np.testing.assert_array_equal(g, gb.to_host(gb.rope(x, cos, sin, off)))
+        np.testing.assert_array_equal(g, NP.rope(h, cos, sin, off))
+
+
+def test_rope_many_refuses_tensors_of_different_rows(gb, rng):
+    cos, sin = cos_sin_table([3], 16, 1e6)
+    xs = [(gb.upload(rand(rng, 1, 2, 16)).reshape(1, 2, 16), 0), (gb.upload(rand(rng, 2, 1, 16)).reshape(2, 1, 16), 0)]
+    with pytest.raises(ValueError, match="rope_many of tensors with different rows"):
+        gb.rope_many(xs, cos, sin)
+
+
+def _step(gb, pos: int, dr: int):
+    """A DeviceStep (coli/gpu/graphs.py) holding position `pos` and its angles on the device, as a replayed step's
+    first node leaves them."""
+    from coli.gpu.graphs import DeviceStep, StepLayout
+    layout = StepLayout(dr // 2, (), 8)
+    st = DeviceStep(gb.rt, layout, None, 1, None, 16)
+    cos, sin = cos_sin_table([pos], dr, 1e6)
+    layout.pack(st.pinned_in, 0, pos, cos, sin)
+    gb.rt.drv.memcpy_htod(st.dyn.ptr, st.pinned_in)
+    st.pos, st.capacity = pos, 64
+    return st, cos, sin
+
+
+@pytest.mark.parametrize("widths", [(512, 64, 128), (512, 64), (37, 1, 300)])
+def test_write_rows_many_in_a_step_is_one_kv_put_each_bit_for_bit(gb, rng, widths):
+    """Inside a captured step the cache rows go to the step's device position in one kv_put3; the caches hold what
+    one kv_put each (the unfused step) and the eager copies write, and nothing else of them changes."""
+    cap, pos = 64, 41
+    fill = [rand(rng, cap, n) for n in widths]
+    rows = [rand(rng, 1, n) for n in widths]
+    st, _, _ = _step(gb, pos, 64)
+
+    def run(fused: bool, in_step: bool):
+        caches = [gb.upload(f) for f in fill]
+        pairs = [(c, gb.upload(r)) for c, r in zip(caches, rows)]
+        gb.step = st if in_step else None
+        try:
+            if fused:
+                gb.write_rows_many(pairs, pos)
+            else:
+                for c, r in pairs:
+                    gb.write_rows(c, pos, r)
+        finally:
+            gb.step = None
+        return _host(gb, caches)
+
+    fused = run(True, True)
+    for got, one, eager, f, r in zip(fused, run(False, True), run(True, False), fill, rows):
+        np.testing.assert_array_equal(got, one)
+        np.testing.assert_array_equal(got, eager)
+        want = f.copy()
+        want[pos] = r[0]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_write_rows_many_in_a_step_refuses_a_write_elsewhere(gb, rng):
+    from coli.gpu.cuda_runtime import CudaError
+    st, _, _ = _step(gb, 9, 64)
+    gb.step = st
+    try:
+        with pytest.raises(CudaError, match="a row write at 8 in the step of position 9"):
+            gb.write_rows_many([(gb.upload(rand(rng, 16, 8)), gb.upload(rand(rng, 1, 8)))], 8)
+    finally:
+        gb.step = None
+
+
+def test_rope_many_in_a_step_reads_the_steps_angles(gb, rng):
+    """In step mode the angles come from the step's device inputs (what a replayed step's first node wrote), not from
+    the host tables passed in: the same bits as the eager rope with the host's angles of that position."""
+    st, cos, sin = _step(gb, 77, 64)
+    hosts, xs = _ropes(gb, rng, 1, GLM5_ROPES)
+    zeros = np.zeros_like(cos)
+    gb.step = st
+    try:
+        got = _host(gb, gb.rope_many(xs, zeros, zeros))   # the host tables are not read inside a step
+    finally:
+        gb.step = None
+    for g, (x, off) in zip(got, xs):
+        np.testing.assert_array_equal(g, gb.to_host(gb.rope(x, cos, sin, off)))
