@@ -11,11 +11,12 @@
 #define NORM_U 12
 
 // One row's RMSNorm: the body of rmsnorm, add_rmsnorm and rmsnorm2, so the three give the same bits. ADD: the row
-// is a + b (one fp32 add, rounded as the add kernel rounds it), stored to h before it is normed; else the row is a
-// (b, h unused). Each thread reads back only the elements it wrote to h, so the second pass needs no extra barrier.
+// is a + b, or a + (b + c) where c is given (each fp32 add rounded as the add kernel rounds it, in that order), stored
+// to h before it is normed; else the row is a (b, c, h unused). Each thread reads back only the elements it wrote to
+// h, so the second pass needs no extra barrier.
 template <bool ADD>
-__device__ __forceinline__ void rms_row(const float *a, const float *b, float *h, const float *w, float *y, int D,
-                                        float eps, float *red) {
+__device__ __forceinline__ void rms_row(const float *a, const float *b, const float *c, float *h, const float *w,
+                                        float *y, int D, float eps, float *red) {
     const int B = blockDim.x;
     float ss = 0.f;
     for (int i0 = threadIdx.x; i0 < D; i0 += NORM_U * B) {
@@ -23,7 +24,7 @@ __device__ __forceinline__ void rms_row(const float *a, const float *b, float *h
 #pragma unroll
         for (int u = 0; u < NORM_U; u++) {
             const int i = i0 + u * B;
-            v[u] = i < D ? (ADD ? __fadd_rn(a[i], b[i]) : a[i]) : 0.f;
+            v[u] = i < D ? (ADD ? __fadd_rn(a[i], c ? __fadd_rn(b[i], c[i]) : b[i]) : a[i]) : 0.f;
         }
         if (ADD) {
 #pragma unroll
@@ -55,18 +56,19 @@ extern "C" __global__ void rmsnorm(const float *x, const float *w, float *y, int
     COLI_PDL_ENTRY();
     __shared__ float red[32];
     const long long r = (long long)blockIdx.x * D;
-    rms_row<false>(x + r, nullptr, nullptr, w, y + r, D, eps, red);
+    rms_row<false>(x + r, nullptr, nullptr, nullptr, w, y + r, D, eps, red);
 }
 
-// add_rmsnorm(a, b, w, h, y, D, eps): h = a + b (the residual add), y = rmsnorm(h, w) -- one launch for the forward's
-//   add followed by the next RMSNorm (Backend.add_rms_norm), the same bits as add then rmsnorm.
-//   a, b, h, y [R, D] fp32 (h, y distinct from a, b and from each other), w [D].  grid R, block 256.
-extern "C" __global__ void add_rmsnorm(const float *a, const float *b, const float *w, float *h, float *y, int D,
-                                       float eps) {
+// add_rmsnorm(a, b, c, w, h, y, D, eps): h = a + b, or a + (b + c) with c non-null (the residual add of a MoE layer's
+//   routed and shared sums), y = rmsnorm(h, w) -- one launch for the forward's add(s) followed by the next RMSNorm
+//   (Backend.add_rms_norm), the same bits as add (add) then rmsnorm.
+//   a, b, c, h, y [R, D] fp32 (h, y distinct from the inputs and from each other), w [D].  grid R, block 256.
+extern "C" __global__ void add_rmsnorm(const float *a, const float *b, const float *c, const float *w, float *h,
+                                       float *y, int D, float eps) {
     COLI_PDL_ENTRY();
     __shared__ float red[32];
     const long long r = (long long)blockIdx.x * D;
-    rms_row<true>(a + r, b + r, h + r, w, y + r, D, eps, red);
+    rms_row<true>(a + r, b + r, c ? c + r : nullptr, h + r, w, y + r, D, eps, red);
 }
 
 // rmsnorm2(x0, w0, y0, D0, x1, w1, y1, D1, eps): rmsnorm of two tensors of R rows each in one launch (the attention's
@@ -78,7 +80,8 @@ extern "C" __global__ void rmsnorm2(const float *x0, const float *w0, float *y0,
     const bool second = blockIdx.y == 1;
     const int D = second ? D1 : D0;
     const long long r = (long long)blockIdx.x * D;
-    rms_row<false>((second ? x1 : x0) + r, nullptr, nullptr, second ? w1 : w0, (second ? y1 : y0) + r, D, eps, red);
+    rms_row<false>((second ? x1 : x0) + r, nullptr, nullptr, nullptr, second ? w1 : w0, (second ? y1 : y0) + r, D, eps,
+                   red);
 }
 
 // layernorm(x, w, b, y, D, eps): xc = x - mean(x); y = xc / sqrt(mean(xc^2) + eps) * w + b

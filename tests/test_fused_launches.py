@@ -61,7 +61,12 @@ def test_add_rms_norm_is_one_launch_of_a_block_per_row(S, D):
     assert s.shape == y.shape == (S, D) and len({s.ptr, y.ptr, h.ptr, a.ptr}) == 4
     [(name, grid, block, args)] = gb.rt.launches
     assert (name, grid, block) == ("add_rmsnorm", (S,), 256)
-    assert args[:5] == (h.ptr, a.ptr, w.ptr, s.ptr, y.ptr) and args[5] == D
+    assert args[:6] == (h.ptr, a.ptr, 0, w.ptr, s.ptr, y.ptr) and args[6] == D      # no second addend: null
+    gb.rt.launches.clear()
+    a2 = gb.rt.empty((S, D))                        # a MoE layer's routed + shared sums: one launch too
+    s, y = gb.add_rms_norm(h, a, w, 1e-5, a2)
+    [(name, grid, block, args)] = gb.rt.launches
+    assert (name, grid) == ("add_rmsnorm", (S,)) and args[:6] == (h.ptr, a.ptr, a2.ptr, w.ptr, s.ptr, y.ptr)
 
 
 def test_rms_norm_many_of_the_two_latents_is_one_launch():

@@ -49,7 +49,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("norm", "rmsnorm"): "PPPif", ("norm", "layernorm"): "PPPPif",
         ("rope", "rope"): "PPPPiiiii",
         # fused ops (Backend.add_rms_norm, rms_norm_many, rope_many, write_rows_many): fewer nodes per replayed layer
-        ("norm", "add_rmsnorm"): "PPPPPif", ("norm", "rmsnorm2"): "PPPiPPPif",
+        ("norm", "add_rmsnorm"): "PPPPPPif", ("norm", "rmsnorm2"): "PPPiPPPif",
         ("rope", "rope4"): "PPii" + "PPiii" * 4, ("graph", "kv_put3"): "P" + "PqP" * 3,
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
         ("router", "route_topk"): "PPiiiiifPP",
@@ -369,14 +369,17 @@ class CudaBackend(Backend):
         self.rt.launch(fn, (x.size // D,), 256, x.ptr, w.ptr, out.ptr, D, F32(eps))
         return out
 
-    def add_rms_norm(self, h: DeviceArray, a: DeviceArray, w: DeviceArray, eps: float) -> tuple[DeviceArray, DeviceArray]:
-        """(h + a, rms_norm(h + a)) in one add_rmsnorm launch: the same bits as add then rms_norm."""
-        if h.shape != a.shape:
-            raise ValueError(f"add_rms_norm of {h.shape} and {a.shape}")
+    def add_rms_norm(self, h: DeviceArray, a: DeviceArray, w: DeviceArray, eps: float,
+                     a2: DeviceArray | None = None) -> tuple[DeviceArray, DeviceArray]:
+        """(s, rms_norm(s)), s = h + a or h + (a + a2), in one add_rmsnorm launch: the same bits as add (add) then
+        rms_norm."""
+        if h.shape != a.shape or (a2 is not None and a2.shape != h.shape):
+            raise ValueError(f"add_rms_norm of {h.shape} and {a.shape}" + ("" if a2 is None else f" and {a2.shape}"))
         D = h.shape[-1]
         s, out = self.empty(h.shape), self.empty(h.shape)
         fn = self._fn("norm", "add_rmsnorm")
-        self.rt.launch(fn, (h.size // D,), 256, h.ptr, a.ptr, w.ptr, s.ptr, out.ptr, D, F32(eps))
+        self.rt.launch(fn, (h.size // D,), 256, h.ptr, a.ptr, 0 if a2 is None else a2.ptr, w.ptr, s.ptr, out.ptr, D,
+                       F32(eps))
         return s, out
 
     def rms_norm_many(self, xs, eps: float) -> list[DeviceArray]:

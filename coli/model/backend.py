@@ -52,9 +52,10 @@ class Backend(Protocol):
 
     # -- fused ops: a backend may run each as one launch (the CUDA backend: a replayed decode layer has fewer graph
     # nodes); the defaults compose the ops above, so a fused op's values are those of its composition, bit for bit
-    def add_rms_norm(self, h: Array, a: Array, w: Array, eps: float) -> tuple[Array, Array]:
-        """The residual add and the next RMSNorm: (h + a, rms_norm(h + a, w, eps)), both [A, D]."""
-        s = self.add(h, a)
+    def add_rms_norm(self, h: Array, a: Array, w: Array, eps: float, a2: Array | None = None) -> tuple[Array, Array]:
+        """The residual add and the next RMSNorm: (s, rms_norm(s, w, eps)), both [A, D], s = h + a, or h + (a + a2)
+        with a2 (a MoE layer's routed and shared sums, added first as the MLP adds them)."""
+        s = self.add(h, a if a2 is None else self.add(a, a2))
         return s, self.rms_norm(s, w, eps)
 
     def rms_norm_many(self, xs: Sequence[tuple[Array, Array]], eps: float) -> list[Array]:

@@ -283,10 +283,10 @@ class GlmMoeDsaModel:
         b, eps = self.backend, self.config.rms_norm_eps
         a, allowed = self._attention(i, lw.attn, x, positions, cos, sin, cache, start, allowed)
         h, x2 = b.add_rms_norm(h, a, lw.post_norm, eps)                 # [S, H] each
-        mlp = self._mlp(i, lw, x2, h)
+        mlp, mlp2 = self._mlp(i, lw, x2, h)                             # the MLP's output is mlp (+ mlp2)
         if next_norm is None:
-            return b.add(h, mlp), None, allowed
-        h, x = b.add_rms_norm(h, mlp, next_norm, eps)
+            return b.add(h, mlp if mlp2 is None else b.add(mlp, mlp2)), None, allowed
+        h, x = b.add_rms_norm(h, mlp, next_norm, eps, mlp2)
         return h, x, allowed
 
     # ------------------------------------------------------------------------------------------
@@ -342,13 +342,16 @@ class GlmMoeDsaModel:
         o = b.mla_attend(p.q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale)  # [S, nh*dv]
         return o, allowed
 
-    def _mlp(self, i, lw: LayerWeights, x2, h):
+    def _mlp(self, i, lw: LayerWeights, x2, h) -> tuple[Array, Array | None]:
+        """Layer i's MLP of x2 [S, H] (h: the residual stream, for the pilot hook) as (out, None) on a dense layer and
+        (routed, shared) on a MoE one, whose output is routed + shared: the residual add adds both in one op
+        (add_rms_norm's a2, in the order routed + shared)."""
         c, b = self.config, self.backend
         if lw.router is None:
             dense = b.swiglu(x2, lw.mlp_gate, lw.mlp_up, lw.mlp_down)
             if self.pilot_hook is not None:
                 self.pilot_hook(i, h, dense)
-            return dense
+            return dense, None
         kw = {} if self.topp is None else {"topp": self.topp}
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor, **kw)   # [S, K], [S, K]; -1 = pruned
@@ -356,7 +359,7 @@ class GlmMoeDsaModel:
             # a decode step being captured (coli/gpu/graphs.py): the choice stayed on the device, the backend's slot
             # table serves it (a forced routing comes from the step's inputs); hooks and top-p are off there
             routed = b.moe_step(i, x2, idx)                              # [1, H]
-            return b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down))
+            return routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
         if self.route_override is not None:
             forced = self.route_override(i, int(idx.shape[0]))
             if forced is not None:
@@ -374,4 +377,4 @@ class GlmMoeDsaModel:
         routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
         if shared is None:
             shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
-        return b.add(routed, shared)
+        return routed, shared

@@ -189,8 +189,8 @@ class MtpHead:
         else:
             wanted = sorted(set(idx.ravel().tolist()))
             routed = b.moe(x2, idx, wts, self.experts.stream(self.layer_index, wanted))
-        mlp = b.add(routed, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down))
-        _, g = b.add_rms_norm(x, mlp, w.head_norm, c.rms_norm_eps)                # [S, H]
+        shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        _, g = b.add_rms_norm(x, routed, w.head_norm, c.rms_norm_eps, shared)     # x + (routed + shared), normed
         return g, b.linear(g, m.lm_head)                                          # [S, H], [S, V]
 
 

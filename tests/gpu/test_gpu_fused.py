@@ -40,9 +40,26 @@ def test_add_rms_norm_is_add_then_rmsnorm_bit_for_bit(gb, rng, S, D):
     np.testing.assert_array_equal(gb.to_host(da), a)
 
 
+@pytest.mark.parametrize("S,D", [(1, 6144), (4, 6144), (3, 777)])
+def test_add_rms_norm_of_two_addends_is_two_adds_then_rmsnorm_bit_for_bit(gb, rng, S, D):
+    """A MoE layer's residual add takes the routed and the shared sums: h + (routed + shared), in that order, as
+    add(h, add(routed, shared)) computes it."""
+    h, r, sh, w = rand(rng, S, D, scale=3.0), rand(rng, S, D), rand(rng, S, D, scale=0.3), rand(rng, D) + 1
+    dh, dr, ds, dw = gb.upload(h), gb.upload(r), gb.upload(sh), gb.upload(w)
+    s, y = _host(gb, gb.add_rms_norm(dh, dr, dw, 1e-5, ds))
+    s_ref = gb.add(dh, gb.add(dr, ds))
+    np.testing.assert_array_equal(s, gb.to_host(s_ref))
+    np.testing.assert_array_equal(y, gb.to_host(gb.rms_norm(s_ref, dw, 1e-5)))
+    np.testing.assert_array_equal(s, h + (r + sh))
+    assert not np.array_equal(s, (h + r) + sh)               # the order is seen at these magnitudes: a real check
+
+
 def test_add_rms_norm_refuses_mismatched_shapes(gb, rng):
     with pytest.raises(ValueError, match=r"add_rms_norm of \(1, 64\) and \(2, 64\)"):
         gb.add_rms_norm(gb.upload(rand(rng, 1, 64)), gb.upload(rand(rng, 2, 64)), gb.upload(rand(rng, 64)), 1e-5)
+    with pytest.raises(ValueError, match=r"add_rms_norm of \(1, 64\) and \(1, 64\) and \(1, 63\)"):
+        gb.add_rms_norm(gb.upload(rand(rng, 1, 64)), gb.upload(rand(rng, 1, 64)), gb.upload(rand(rng, 64)), 1e-5,
+                        gb.upload(rand(rng, 1, 63)))
 
 
 @pytest.mark.parametrize("S,D0,D1", [(1, 2048, 512), (5, 2048, 512), (1, 100, 37), (3, 3100, 1)])
