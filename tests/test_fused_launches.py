@@ -13,7 +13,6 @@ import pytest
 
 from coli.config import preset
 from coli.container.format import MatrixLayout
-from coli.gpu.cuda_runtime import DeviceArray
 from recording_runtime import RecordingRuntime
 
 

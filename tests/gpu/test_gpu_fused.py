@@ -6,6 +6,9 @@ kernels' own tests (test_gpu_elementwise.py); here the bar is np.array_equal aga
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -117,7 +120,7 @@ def _step(gb, pos: int, dr: int):
     st = DeviceStep(gb.rt, layout, None, 1, None, 16)
     cos, sin = cos_sin_table([pos], dr, 1e6)
     layout.pack(st.pinned_in, 0, pos, cos, sin)
-    gb.rt.drv.memcpy_htod(st.dyn.ptr, st.pinned_in)
+    gb.rt.upload_bytes(st.pinned_in, st.dyn.ptr)
     st.pos, st.capacity = pos, 64
     return st, cos, sin
 
@@ -178,3 +181,19 @@ def test_rope_many_in_a_step_reads_the_steps_angles(gb, rng):
         gb.step = None
     for g, (x, off) in zip(got, xs):
         np.testing.assert_array_equal(g, gb.to_host(gb.rope(x, cos, sin, off)))
+
+
+def test_a_replayed_glm5_dense_layer_launches_the_fused_kernels(gb):
+    """scripts/bench_kernels.py's dense layer (one GLM-5 "full" layer, int8 core, a short cache) captured as a graph:
+    each fused kernel where the unfused ones were (two add_rmsnorm, one rmsnorm2, rope4, kv_put3; no rmsnorm, rope,
+    kv_put or add left), the graph's nodes its kernels and the dropped routed sum's memset (21 at T = 2,048, 30 before
+    the fused ops), and its replay the eager step's bits."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_kernels
+    tm = bench_kernels.Timer(gb.rt, spin=True)
+    out = bench_kernels.dense_layer_bench(gb, tm, "int8", 64, 2, versions=("v3",), layers=1)
+    kernels = [k["kernel"] for k in out["kernels"]]
+    assert out["v3"]["replay_equals_eager"] and out["v3"]["finite"]
+    assert [kernels.count(k) for k in ("add_rmsnorm", "rmsnorm2", "rope4", "kv_put3")] == [2, 1, 1, 1], kernels
+    assert not {"rmsnorm", "rope", "kv_put", "add"} & set(kernels), kernels
+    assert out["v3"]["graph_nodes"] == len(kernels) + 1, (out["v3"]["graph_nodes"], kernels)
