@@ -10,7 +10,7 @@
 //   12: D = 6144 is two rounds of loads per pass, 2048 one (8 loads in flight: 8 us for 6144 in the layer, 47 registers).
 #define NORM_U 12
 
-// One row's RMSNorm: the body of rmsnorm, add_rmsnorm and rmsnorm2, so the three give the same bits. ADD: the row
+// One row's RMSNorm: the body of rmsnorm, add_rmsnorm and norms3, so the three give the same bits. ADD: the row
 // is a + b, or a + (b + c) where c is given (each fp32 add rounded as the add kernel rounds it, in that order), stored
 // to h before it is normed; else the row is a (b, c, h unused). Each thread reads back only the elements it wrote to
 // h, so the second pass needs no extra barrier.
@@ -71,26 +71,9 @@ extern "C" __global__ void add_rmsnorm(const float *a, const float *b, const flo
     rms_row<true>(a + r, b + r, c ? c + r : nullptr, h + r, w, y + r, D, eps, red);
 }
 
-// rmsnorm2(x0, w0, y0, D0, x1, w1, y1, D1, eps): rmsnorm of two tensors of R rows each in one launch (the attention's
-//   q_a and kv_a latents, Backend.rms_norm_many): blockIdx.y picks the tensor.  grid (R, 2), block 256.
-extern "C" __global__ void rmsnorm2(const float *x0, const float *w0, float *y0, int D0, const float *x1,
-                                    const float *w1, float *y1, int D1, float eps) {
-    COLI_PDL_ENTRY();
-    __shared__ float red[32];
-    const bool second = blockIdx.y == 1;
-    const int D = second ? D1 : D0;
-    const long long r = (long long)blockIdx.x * D;
-    rms_row<false>((second ? x1 : x0) + r, nullptr, nullptr, nullptr, second ? w1 : w0, (second ? y1 : y0) + r, D, eps,
-                   red);
-}
-
-// layernorm(x, w, b, y, D, eps): xc = x - mean(x); y = xc / sqrt(mean(xc^2) + eps) * w + b
-//   x, y [R, D] fp32 (y may alias x), w, b [D].  grid R, block 256.
-extern "C" __global__ void layernorm(const float *x, const float *w, const float *b, float *y, int D, float eps) {
-    COLI_PDL_ENTRY();
-    __shared__ float red[32];
-    const float *xr = x + (long long)blockIdx.x * D;
-    float *yr = y + (long long)blockIdx.x * D;
+// One row's LayerNorm: the body of layernorm and norms3, so the two give the same bits.
+__device__ __forceinline__ void ln_row(const float *xr, const float *w, const float *b, float *yr, int D, float eps,
+                                       float *red) {
     float s = 0.f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i];
     const float mu = __fdiv_rn(block_sum(s, red), (float)D);
@@ -102,4 +85,34 @@ extern "C" __global__ void layernorm(const float *x, const float *w, const float
     const float sd = __fsqrt_rn(__fadd_rn(__fdiv_rn(block_sum(ss, red), (float)D), eps));
     for (int i = threadIdx.x; i < D; i += blockDim.x)
         yr[i] = __fadd_rn(__fmul_rn(__fdiv_rn(__fsub_rn(xr[i], mu), sd), w[i]), b[i]);
+}
+
+// layernorm(x, w, b, y, D, eps): xc = x - mean(x); y = xc / sqrt(mean(xc^2) + eps) * w + b
+//   x, y [R, D] fp32 (y may alias x), w, b [D].  grid R, block 256.
+extern "C" __global__ void layernorm(const float *x, const float *w, const float *b, float *y, int D, float eps) {
+    COLI_PDL_ENTRY();
+    __shared__ float red[32];
+    const long long r = (long long)blockIdx.x * D;
+    ln_row(x + r, w, b, y + r, D, eps, red);
+}
+
+// norms3(x0, w0, y0, D0, x1, w1, y1, D1, eps, x2, w2, b2, y2, D2, eps2): the norms of an attention's first projections in
+//   one launch (Backend.norm_many): rmsnorm of x0 and x1 (the q_a and kv_a latents, eps), and with gridDim.y = 3 the
+//   layernorm of x2 (the indexer key, w2, b2, eps2); each tensor R rows, blockIdx.y picks it.  grid (R, 2 or 3),
+//   block 256.
+extern "C" __global__ void norms3(const float *x0, const float *w0, float *y0, int D0, const float *x1, const float *w1,
+                                  float *y1, int D1, float eps, const float *x2, const float *w2, const float *b2,
+                                  float *y2, int D2, float eps2) {
+    COLI_PDL_ENTRY();
+    __shared__ float red[32];
+    const int k = blockIdx.y;
+    if (k == 2) {
+        const long long r = (long long)blockIdx.x * D2;
+        ln_row(x2 + r, w2, b2, y2 + r, D2, eps2, red);
+        return;
+    }
+    const int D = k == 1 ? D1 : D0;
+    const long long r = (long long)blockIdx.x * D;
+    rms_row<false>((k == 1 ? x1 : x0) + r, nullptr, nullptr, nullptr, k == 1 ? w1 : w0, (k == 1 ? y1 : y0) + r, D, eps,
+                   red);
 }

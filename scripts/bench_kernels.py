@@ -255,7 +255,7 @@ class LaunchLog:
     weights it reads; keeps every buffer allocated meanwhile alive, so the launches can be issued again for timing."""
 
     OPS = ("rms_norm", "layer_norm", "linear", "linear_many", "rope", "split_cols", "write_rows", "indexer_select",
-           "mla_attend", "swiglu", "route", "moe_step", "add", "add_rms_norm", "rms_norm_many", "rope_many",
+           "mla_attend", "swiglu", "route", "moe_step", "add", "add_rms_norm", "norm_many", "rope_many",
            "write_rows_many")
 
     def __init__(self, gb):

@@ -1,4 +1,4 @@
-"""The host side of the fused decode ops (Backend.add_rms_norm, rms_norm_many, rope_many, write_rows_many) on a
+"""The host side of the fused decode ops (Backend.add_rms_norm, norm_many, rope_many, write_rows_many) on a
 recording stand-in runtime (no GPU): each is one launch where it replaces several, with the grid and the argument
 count its kernel's signature says (tests/test_kernels_compile.py checks those against the C source), and a GLM-5
 layer's attention inputs and cache write at one token in a captured step launch the fused kernels -- the node count of
@@ -68,20 +68,27 @@ def test_add_rms_norm_is_one_launch_of_a_block_per_row(S, D):
     assert (name, grid) == ("add_rmsnorm", (S,)) and args[:6] == (h.ptr, a.ptr, a2.ptr, w.ptr, s.ptr, y.ptr)
 
 
-def test_rms_norm_many_of_the_two_latents_is_one_launch():
+def test_norm_many_of_the_latents_and_the_indexer_key_is_one_launch():
     gb = _backend()
-    q, lat = gb.rt.empty((1, 2048)), gb.rt.empty((1, 512))
-    wq, wl = gb.rt.empty((2048,)), gb.rt.empty((512,))
-    yq, yl = gb.rms_norm_many([(q, wq), (lat, wl)], 1e-6)
-    assert (yq.shape, yl.shape) == ((1, 2048), (1, 512))
+    q, lat, ik = gb.rt.empty((1, 2048)), gb.rt.empty((1, 512)), gb.rt.empty((1, 128))
+    wq, wl, wk, bk = gb.rt.empty((2048,)), gb.rt.empty((512,)), gb.rt.empty((128,)), gb.rt.empty((128,))
+    yq, yl, yk = gb.norm_many([(q, wq), (lat, wl)], 1e-6, (ik, wk, bk, 1e-5))
+    assert (yq.shape, yl.shape, yk.shape) == ((1, 2048), (1, 512), (1, 128))
     [(name, grid, block, args)] = gb.rt.launches
-    assert (name, grid, block) == ("rmsnorm2", (1, 2), 256)
+    assert (name, grid, block) == ("norms3", (1, 3), 256)
     assert args[:8] == (q.ptr, wq.ptr, yq.ptr, 2048, lat.ptr, wl.ptr, yl.ptr, 512)
-    # tensors of different rows (or not two) are normed one launch each, as before
+    assert args[9:14] == (ik.ptr, wk.ptr, bk.ptr, yk.ptr, 128) and np.float32(args[14]) == np.float32(1e-5)
+    # a shared-indexer layer: the two latents alone, the third slice not launched (its pointers null)
     gb.rt.launches.clear()
-    gb.rms_norm_many([(gb.rt.empty((2, 64)), wq), (gb.rt.empty((3, 64)), wl)], 1e-6)
-    gb.rms_norm_many([(q, wq)], 1e-6)
-    assert _names(gb) == ["rmsnorm"] * 3
+    yq, yl = gb.norm_many([(q, wq), (lat, wl)], 1e-6)
+    [(name, grid, block, args)] = gb.rt.launches
+    assert (name, grid) == ("norms3", (1, 2)) and args[9:13] == (0, 0, 0, 0)
+    # tensors of different rows (or not two latents) are normed one launch each, as before
+    gb.rt.launches.clear()
+    gb.norm_many([(gb.rt.empty((2, 64)), wq), (gb.rt.empty((3, 64)), wl)], 1e-6)
+    gb.norm_many([(q, wq)], 1e-6, (ik, wk, bk, 1e-5))
+    gb.norm_many([(q, wq), (lat, wl)], 1e-6, (gb.rt.empty((2, 128)), wk, bk, 1e-5))
+    assert _names(gb) == ["rmsnorm"] * 3 + ["layernorm"] + ["rmsnorm"] * 2 + ["layernorm"]
 
 
 def test_rope_many_of_a_glm5_layer_is_one_launch():
@@ -148,8 +155,8 @@ def _weight(gb, rows, cols, fmt="int8", group=64):
 
 
 def test_a_glm5_full_layers_attention_inputs_and_cache_write_in_a_step():
-    """The row-wise attention of a GLM-5 "full" layer at one token, in a captured step (int8 core): 6 launches -- the
-    q_a | kv_a | wk GEMV, the f32 weights_proj, both latents' norms, q_b | wq_b, the indexer key's layernorm and one
+    """The row-wise attention of a GLM-5 "full" layer at one token, in a captured step (int8 core): 5 launches -- the
+    q_a | kv_a | wk GEMV, the f32 weights_proj, one norms3 for both latents and the indexer key, q_b | wq_b, and one
     rope4 for q, k_pe, the indexer q and key (before the fused ops: 9) -- and its cache write one kv_put3 (before: 3)."""
     from coli.gpu.graphs import DeviceStep, StepLayout
     from coli.model.forward import AttentionWeights, GlmMoeDsaModel
@@ -170,7 +177,7 @@ def test_a_glm5_full_layers_attention_inputs_and_cache_write_in_a_step():
     st.pos = 5
     cos = sin = np.zeros((1, dr // 2), np.float32)
     p = model._attention_inputs(0, w, vec((1, H)), cos, sin)
-    assert _names(gb) == ["gemv2x_int8", "gemv2_f32", "rmsnorm2", "gemv2x_int8", "layernorm", "rope4"]
+    assert _names(gb) == ["gemv2x_int8", "gemv2_f32", "norms3", "gemv2x_int8", "rope4"]
     assert (p.q.shape, p.lat.shape, p.k_pe.shape, p.iq.shape, p.k_idx.shape, p.head_w.shape) == (
         (1, nh, qk), (1, Lkv), (1, dr), (1, ih, ihd), (1, ihd), (1, ih))
     gb.rt.launches.clear()

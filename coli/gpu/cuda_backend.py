@@ -48,8 +48,8 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("elementwise", "copy_cols"): "PiiiPi",
         ("norm", "rmsnorm"): "PPPif", ("norm", "layernorm"): "PPPPif",
         ("rope", "rope"): "PPPPiiiii",
-        # fused ops (Backend.add_rms_norm, rms_norm_many, rope_many, write_rows_many): fewer nodes per replayed layer
-        ("norm", "add_rmsnorm"): "PPPPPPif", ("norm", "rmsnorm2"): "PPPiPPPif",
+        # fused ops (Backend.add_rms_norm, norm_many, rope_many, write_rows_many): fewer nodes per replayed layer
+        ("norm", "add_rmsnorm"): "PPPPPPif", ("norm", "norms3"): "PPPiPPPif" + "PPPPif",
         ("rope", "rope4"): "PPii" + "PPiii" * 4, ("graph", "kv_put3"): "P" + "PqP" * 3,
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
         ("router", "route_topk"): "PPiiiiifPP",
@@ -382,17 +382,21 @@ class CudaBackend(Backend):
                        F32(eps))
         return s, out
 
-    def rms_norm_many(self, xs, eps: float) -> list[DeviceArray]:
-        """[rms_norm(x, w, eps) for (x, w) in xs]; two tensors of the same rows in one rmsnorm2 launch (the q_a and kv_a
-        latents), the same bits as two rmsnorm launches."""
-        if len(xs) != 2 or xs[0][0].size // xs[0][0].shape[-1] != xs[1][0].size // xs[1][0].shape[-1]:
-            return super().rms_norm_many(xs, eps)
-        (x0, w0), (x1, w1) = xs
-        y0, y1 = self.empty(x0.shape), self.empty(x1.shape)
-        fn = self._fn("norm", "rmsnorm2")
-        self.rt.launch(fn, (x0.size // x0.shape[-1], 2), 256, x0.ptr, w0.ptr, y0.ptr, x0.shape[-1],
-                       x1.ptr, w1.ptr, y1.ptr, x1.shape[-1], F32(eps))
-        return [y0, y1]
+    def norm_many(self, rms, eps: float, layer=None) -> list[DeviceArray]:
+        """Backend.norm_many: two RMSNorms and the optional LayerNorm of tensors of the same rows in one norms3 launch
+        (the q_a and kv_a latents, the indexer key), the same bits as rmsnorm, rmsnorm (and layernorm); other
+        combinations one launch each."""
+        xs = [x for x, _ in rms] + ([] if layer is None else [layer[0]])
+        if len(rms) != 2 or len({x.size // x.shape[-1] for x in xs}) != 1:
+            return super().norm_many(rms, eps, layer)
+        (x0, w0), (x1, w1) = rms
+        ys = [self.empty(x.shape) for x in xs]
+        ln = (0, 0, 0, 0, 0, F32(0)) if layer is None else \
+            (layer[0].ptr, layer[1].ptr, layer[2].ptr, ys[2].ptr, layer[0].shape[-1], F32(layer[3]))
+        fn = self._fn("norm", "norms3")
+        self.rt.launch(fn, (x0.size // x0.shape[-1], len(xs)), 256, x0.ptr, w0.ptr, ys[0].ptr, x0.shape[-1],
+                       x1.ptr, w1.ptr, ys[1].ptr, x1.shape[-1], F32(eps), *ln)
+        return ys
 
     def layer_norm(self, x: DeviceArray, w: DeviceArray, b: DeviceArray, eps: float) -> DeviceArray:
         D = x.shape[-1]

@@ -32,7 +32,7 @@ import numpy as np
 
 RECORDED = frozenset({"embed", "add", "rms_norm", "layer_norm", "linear", "linear_many", "split_cols", "last_row", "rope",
                       "mla_attend", "indexer_select", "swiglu", "silu_mul", "write_rows",
-                      "add_rms_norm", "rms_norm_many", "rope_many", "write_rows_many"})
+                      "add_rms_norm", "norm_many", "rope_many", "write_rows_many"})
 
 
 class TapeMismatch(RuntimeError):

@@ -58,9 +58,12 @@ class Backend(Protocol):
         s = self.add(h, a if a2 is None else self.add(a, a2))
         return s, self.rms_norm(s, w, eps)
 
-    def rms_norm_many(self, xs: Sequence[tuple[Array, Array]], eps: float) -> list[Array]:
-        """[rms_norm(x, w, eps) for (x, w) in xs] (the attention's q_a and kv_a latents, same rows)."""
-        return [self.rms_norm(x, w, eps) for x, w in xs]
+    def norm_many(self, rms: Sequence[tuple[Array, Array]], eps: float,
+                  layer: tuple[Array, Array, Array, float] | None = None) -> list[Array]:
+        """[rms_norm(x, w, eps) for (x, w) in rms], then layer_norm(x, w, b, eps') where layer = (x, w, b, eps') is
+        given: the norms of an attention's first projections (the q_a and kv_a latents, the indexer key; same rows)."""
+        out = [self.rms_norm(x, w, eps) for x, w in rms]
+        return out if layer is None else out + [self.layer_norm(*layer)]
 
     def rope_many(self, xs: Sequence[tuple[Array, int]], cos: np.ndarray, sin: np.ndarray) -> list[Array]:
         """[rope(x, cos, sin, offset) for (x, offset) in xs]: several tensors [S, n_k, d_k] with the same angles."""

@@ -306,17 +306,19 @@ class GlmMoeDsaModel:
         # the projections that read the same input are asked for together (the CUDA backend: one launch each)
         of_x = b.linear_many(x, [w.q_a, w.kv_a] + ([w.idx_wk, w.idx_weights] if full else []))
         lat, k_pe = b.split_cols(of_x[1], Lkv)                          # [S, Lkv], [S, dr]
-        # both latents' norms as one op (rms_norm_many: one launch on the GPU); q_lat also feeds the indexer
-        q_lat, lat = b.rms_norm_many([(of_x[0], w.q_a_norm), (lat, w.kv_a_norm)], 1e-6)   # [S, Lq], [S, Lkv]
+        # the norms of the first projections as one op (norm_many: one launch on the GPU): both latents and the
+        # indexer key's LayerNorm; q_lat also feeds the indexer
+        normed = b.norm_many([(of_x[0], w.q_a_norm), (lat, w.kv_a_norm)], 1e-6,
+                             (of_x[2], w.idx_k_norm_w, w.idx_k_norm_b, 1e-6) if full else None)
+        q_lat, lat = normed[0], normed[1]                               # [S, Lq], [S, Lkv]
         of_q = b.linear_many(q_lat, [w.q_b] + ([w.idx_wq_b] if full else []))
         # every rope of the layer as one op (rope_many: one launch on the GPU), the same angles for all
         ropes = [(of_q[0].reshape(S, nh, dn + dr), dn),                # q: rope part last
                  (k_pe.reshape(S, 1, dr), 0)]                          # one rope key for all heads
         if full:
             ih, ihd = c.index_n_heads, c.index_head_dim
-            ik = b.layer_norm(of_x[2], w.idx_k_norm_w, w.idx_k_norm_b, 1e-6)  # [S, ihd]
             ropes += [(of_q[1].reshape(S, ih, ihd), 0),                 # indexer queries: rope first
-                      (ik.reshape(S, 1, ihd), 0)]                       # indexer key
+                      (normed[2].reshape(S, 1, ihd), 0)]                # indexer key [S, ihd], layer-normed
         roped = b.rope_many(ropes, cos, sin)
 
         p = AttentionInputs(roped[0], lat, roped[1].reshape(S, dr))    # q [S, nh, dn+dr] rotated, lat, k_pe [S, dr]

@@ -1,4 +1,4 @@
-"""The fused decode ops (Backend.add_rms_norm, rms_norm_many, rope_many, write_rows_many: one launch each on the CUDA
+"""The fused decode ops (Backend.add_rms_norm, norm_many, rope_many, write_rows_many: one launch each on the CUDA
 backend, fewer nodes in a replayed layer) give the same bits as the unfused kernels they replace, on GLM-5's decode
 shapes and small odd ones -- eagerly and in step mode (the per-token values read from a DeviceStep's device inputs, as
 inside a captured decode step). Their numpy composition (the Backend defaults) is the reference of the unfused
@@ -65,24 +65,28 @@ def test_add_rms_norm_refuses_mismatched_shapes(gb, rng):
                         gb.upload(rand(rng, 1, 63)))
 
 
-@pytest.mark.parametrize("S,D0,D1", [(1, 2048, 512), (5, 2048, 512), (1, 100, 37), (3, 3100, 1)])
-def test_rms_norm_many_is_one_rmsnorm_each_bit_for_bit(gb, rng, S, D0, D1):
+@pytest.mark.parametrize("S,D0,D1,D2", [(1, 2048, 512, 128), (5, 2048, 512, 128), (1, 100, 37, 33), (3, 3100, 1, 1000),
+                                        (2, 2048, 512, None)])
+def test_norm_many_is_one_rmsnorm_and_layernorm_each_bit_for_bit(gb, rng, S, D0, D1, D2):
     x0, x1 = rand(rng, S, D0, scale=2.0), rand(rng, S, D1, scale=0.5)
     w0, w1 = rand(rng, D0) + 1, rand(rng, D1) + 1
     d = [(gb.upload(x0), gb.upload(w0)), (gb.upload(x1), gb.upload(w1))]
-    got = _host(gb, gb.rms_norm_many(d, 1e-6))
-    want = [gb.to_host(gb.rms_norm(x, w, 1e-6)) for x, w in d]
+    ln = None if D2 is None else (gb.upload(rand(rng, S, D2, scale=2.0) + 0.5), gb.upload(rand(rng, D2) + 1),
+                                  gb.upload(rand(rng, D2)), 1e-6)
+    got = _host(gb, gb.norm_many(d, 1e-5, ln))
+    want = [gb.to_host(gb.rms_norm(x, w, 1e-5)) for x, w in d] + ([] if ln is None else [gb.to_host(gb.layer_norm(*ln))])
+    assert len(got) == len(want) == (2 if ln is None else 3)
     for g, r in zip(got, want):
         np.testing.assert_array_equal(g, r)
 
 
-def test_rms_norm_many_of_a_row_view(gb, rng):
+def test_norm_many_of_a_row_view(gb, rng):
     """The kv_a latent of a decode step is a view into kv_a's output (split_cols of one row): read where it lies."""
     kv, q = rand(rng, 1, 576), rand(rng, 1, 2048)
     dkv = gb.upload(kv)
     lat, _ = gb.split_cols(dkv, 512)
     w0, w1 = gb.upload(rand(rng, 2048) + 1), gb.upload(rand(rng, 512) + 1)
-    got = _host(gb, gb.rms_norm_many([(gb.upload(q), w0), (lat, w1)], 1e-6))
+    got = _host(gb, gb.norm_many([(gb.upload(q), w0), (lat, w1)], 1e-6))
     np.testing.assert_array_equal(got[1], gb.to_host(gb.rms_norm(gb.upload(kv[:, :512].copy()), w1, 1e-6)))
     np.testing.assert_array_equal(got[0], gb.to_host(gb.rms_norm(gb.upload(q), w0, 1e-6)))
 
@@ -185,15 +189,15 @@ def test_rope_many_in_a_step_reads_the_steps_angles(gb, rng):
 
 def test_a_replayed_glm5_dense_layer_launches_the_fused_kernels(gb):
     """scripts/bench_kernels.py's dense layer (one GLM-5 "full" layer, int8 core, a short cache) captured as a graph:
-    each fused kernel where the unfused ones were (two add_rmsnorm, one rmsnorm2, rope4, kv_put3; no rmsnorm, rope,
-    kv_put or add left), the graph's nodes its kernels and the dropped routed sum's memset (21 at T = 2,048, 30 before
-    the fused ops), and its replay the eager step's bits."""
+    each fused kernel where the unfused ones were (two add_rmsnorm, one norms3, rope4, kv_put3; no rmsnorm, layernorm,
+    rope, kv_put or add left), the graph's nodes its kernels and the dropped routed sum's memset (20 at T = 2,048, 30
+    before the fused ops), and its replay the eager step's bits."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import bench_kernels
     tm = bench_kernels.Timer(gb.rt, spin=True)
     out = bench_kernels.dense_layer_bench(gb, tm, "int8", 64, 2, versions=("v3",), layers=1)
     kernels = [k["kernel"] for k in out["kernels"]]
     assert out["v3"]["replay_equals_eager"] and out["v3"]["finite"]
-    assert [kernels.count(k) for k in ("add_rmsnorm", "rmsnorm2", "rope4", "kv_put3")] == [2, 1, 1, 1], kernels
-    assert not {"rmsnorm", "rope", "kv_put", "add"} & set(kernels), kernels
+    assert [kernels.count(k) for k in ("add_rmsnorm", "norms3", "rope4", "kv_put3")] == [2, 1, 1, 1], kernels
+    assert not {"rmsnorm", "layernorm", "rope", "kv_put", "add"} & set(kernels), kernels
     assert out["v3"]["graph_nodes"] == len(kernels) + 1, (out["v3"]["graph_nodes"], kernels)
