@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from coli.errors import ColiError
-from coli.gpu import attention_split
+from coli.gpu import attention_split, indexer_rows
 from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
 from coli.gpu.cuda_weights import (
     FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
@@ -48,6 +48,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("norm", "rmsnorm"): "PPPif", ("norm", "layernorm"): "PPPPif",
         ("rope", "rope"): "PPPPiiiii",
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
+        ("indexer", "indexer_scores_rows"): "PPPiiiiiffiiP",
         ("router", "route_topk"): "PPiiiiifPP",
         ("gemm", "moe_reduce"): "PiiiPi",
         ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
@@ -154,6 +155,12 @@ def prefill_int8_enabled(env: dict | None = None) -> bool:
 PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
 ATTN_VERSIONS = ("auto", "tile3", "tile2", "tile1", "split2", "split1", "v1")
+# The indexer's scores of a prefill (S > 1; the replayed decode step's indexer_scores_dyn is S = 1 and unchanged):
+# "auto" (default) = "rows", cuda/indexer.cu indexer_scores_rows (4 rows a block, register-tiled: the same bits as
+# indexer_scores) where the shape and the device's shared memory allow it (coli/gpu/indexer_rows.py), else
+# indexer_scores; "v1" always indexer_scores (scripts/bench_kernels.py's old-vs-new, bisecting).
+INDEXER_KERNELS = os.environ.get("COLI_INDEXER_KERNELS", "auto")
+INDEXER_VERSIONS = ("auto", "rows", "v1")
 ATTN_PROJ_VERSIONS = ("auto", "tile3", "tile2", "tile1")   # decode the projections with mla_qabs_<fmt> / mla_o_<fmt>
 MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu)
 GEMV2X_MAX = 4       # matrices per gemv2x launch: GEMV2X_MAX in gemv.cu
@@ -218,6 +225,7 @@ class CudaBackend:
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
         self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
+        self.indexer_kernels = kernel_choice("COLI_INDEXER_KERNELS", INDEXER_KERNELS, INDEXER_VERSIONS)
         self.prefill_int8 = prefill_int8_enabled()            # pf_linear_int8 for int8 weights (opt-in, see above)
         self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
         self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
@@ -695,19 +703,35 @@ class CudaBackend:
         kmax = min(index_topk, T)
         idx = self.rt.empty((S, kmax), np.int32)
         cnt = self.rt.empty((S,), np.int32)
-        f_sc = self._fn("indexer", "indexer_scores")
         f_tk = self._fn("indexer", "topk_select")
-        smem = (ih * (ihd + 1) + ih) * 4
         rows = max(1, INDEXER_CHUNK_BYTES // (4 * T))
         for s0 in range(0, S, rows):
             n = min(rows, S - s0)
             scores = self.empty((n, T))
-            self.rt.launch(f_sc, (-(-T // 64), n), 256, iq.ptr + s0 * ih * ihd * 4, k_idx.ptr,
-                           head_w.ptr + s0 * ih * 4, ih, ihd, start + s0, T, F32(ihd ** -0.5), F32(ih ** -0.5),
-                           index_topk, scores.ptr, smem=smem)
+            self._indexer_scores(iq.ptr + s0 * ih * ihd * 4, k_idx.ptr, head_w.ptr + s0 * ih * 4, n, ih, ihd,
+                                 start + s0, T, index_topk, scores.ptr)
             self.rt.launch(f_tk, (n,), 1024, scores.ptr, T, start + s0, index_topk, kmax,
                            idx.ptr + s0 * kmax * 4, cnt.ptr + s0 * 4)
         return DeviceMask(S, T, start, idx, cnt, kmax)
+
+    def _indexer_scores(self, iq: int, k_idx: int, head_w: int, S: int, ih: int, ihd: int, start: int, T: int,
+                        topk: int, scores: int) -> str:
+        """scores[s, t] of the rows with more than topk visible keys (see cuda/indexer.cu), by indexer_scores_rows
+        for S > 1 where indexer_kernels and the shape allow it, else indexer_scores: the same bits either way (one
+        row, an eager decode step, keeps indexer_scores: a 4-row block would compute 3 rows for nothing). Returns the
+        kernel's name."""
+        qscale, wscale = F32(ihd ** -0.5), F32(ih ** -0.5)
+        if S > 1 and self.indexer_kernels != "v1" and indexer_rows.rows_applies(ih, ihd) is None:
+            fn = self._fn("indexer", "indexer_scores_rows")
+            smem = indexer_rows.smem_bytes(ih, ihd)
+            if self.rt.allow_smem(fn, smem):
+                per_block, grid = indexer_rows.rows_grid(S, T, self.rt.sm_count, start, topk)
+                self.rt.launch(fn, grid, indexer_rows.THREADS, iq, k_idx, head_w, ih, ihd, start, S, T, qscale,
+                               wscale, topk, per_block, scores, smem=smem)
+                return "indexer_scores_rows"
+        self.rt.launch(self._fn("indexer", "indexer_scores"), (-(-T // 64), S), 256, iq, k_idx, head_w, ih, ihd,
+                       start, T, qscale, wscale, topk, scores, smem=(ih * (ihd + 1) + ih) * 4)
+        return "indexer_scores"
 
     def _indexer_select_step(self, iq: DeviceArray, k_idx: DeviceArray, head_w: DeviceArray,
                              index_topk: int) -> DeviceMask:
