@@ -8,7 +8,9 @@ timed apart with CUDA events (needs PyCUDA and a CUDA device).
 The layer is GlmMoeDsaModel's loop body (coli.bench.dense_layer.layer_body) without the routed experts (their copies
 and grouped GEMMs are `coli bench stream`'s MoE rows): the norms, the projections (q_a | kv_a | the indexer's wk and
 weights_proj, q_b | the indexer's wq_b, o_proj), rope, the cache writes, the indexer's scores + top-k, mla_attend's
-q_abs / context / o, the router with its top-k and the shared expert -- the kernels `coli bench stream` runs there.
+q_abs / context / o, the router with its top-k and the shared expert -- the kernels `coli bench stream` runs there
+(the indexer's scores: "indexer_select: indexer_scores_rows" under COLI_INDEXER_KERNELS=auto, the default;
+"indexer_select: indexer_scores" under v1).
 Each row is one labelled part: its kernels' GPU time, each launch replayed in its place in the sequence (the
 recorded launches issued again behind a spin kernel, an event after every launch: bench_kernels.time_launches).
 "eager layer" is the same body run as the runtime runs it (host work, uploads of the attention's mask and the
@@ -183,7 +185,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     cfg = dense_config(PRESETS["glm5"], layers=1)
     res: dict = {"device": gb.rt.name, "prefill_kernels": gb.prefill_kernels, "prefill_int8": gb.prefill_int8,
-                 "layers": {}}
+                 "indexer_kernels": gb.indexer_kernels, "layers": {}}
     for fmt in fmts:
         model = GlmMoeDsaModel(cfg, RandomDense(cfg, fmt), gb)
         out = res["layers"][fmt] = {}
