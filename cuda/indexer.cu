@@ -63,8 +63,8 @@ extern "C" __global__ void indexer_scores_dyn(const float *iq, const float *kidx
 // rows, conflict-free: swizzled) and IDXR_KPW key float4s (the same address on every lane: broadcast) feed
 // 4 * IDXR_ROWS * IDXR_KPW FMAs (indexer_scores: one FMA per two loads).
 // The arithmetic per score is indexer_scores' own: each dot an fmaf chain over k = 0 .. ihd-1 from 0, then
-// tot = fmaf(ws[h], relu(d * qscale), 0) per head (idle lanes h >= ih: +0) and warp_sum over the 32 lanes (every
-// lane ends with the same sum: each butterfly step adds the same two values on both partners).
+// tot = fmaf(ws[h], relu(d * qscale), 0) per head (idle lanes h >= ih: +0) and warp_sum's butterfly tree over the 32
+// lanes, done as a reduce-scatter (the same additions; each sum on one lane, below).
 //   iq [S, ih, ihd], kidx [T, ihd], hw [S, ih], score [S, T]: as indexer_scores; ih <= 32, ihd % 4 == 0 (the host
 //   takes indexer_scores otherwise). Rows with n_vis <= topk and entries t >= n_vis of a row are not written.
 //   grid (ceil(ceil(T / IDXR_TILE) / tiles_per_block), ceil(S / IDXR_ROWS)), block 32 * IDXR_WARPS = 128; block y
@@ -78,6 +78,7 @@ extern "C" __global__ void indexer_scores_dyn(const float *iq, const float *kidx
 #define IDXR_WARPS 4         // warps per block
 #define IDXR_KPW 16          // keys per warp per tile (J)
 #define IDXR_TILE (IDXR_WARPS * IDXR_KPW)   // keys per tile
+static_assert(IDXR_ROWS * IDXR_KPW == 64, "the head sum's reduce-scatter leaves a lane 2 of a thread's 64 scores");
 
 __device__ inline void idxr_cp16(void *dst, const void *src, bool on) {
     const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
@@ -87,6 +88,19 @@ __device__ inline void idxr_cp16(void *dst, const void *src, bool on) {
 __device__ inline void idxr_cp4(void *dst, const void *src, bool on) {
     const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa), "l"(src), "r"(on ? 4 : 0));
+}
+
+// One step of the head sum's reduce-scatter over lane bit O: of v[0 .. 2 HALF), keep the half lane bit O selects, in
+// v[0 .. HALF), plus lane ^ O's copy of it (warp_sum's addition at this step: own + partner's).
+template <int O, int HALF>
+__device__ __forceinline__ void idxr_scatter_step(float *v, int lane) {
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int p = 0; p < HALF; p++) {
+        const float send = up ? v[p] : v[p + HALF];
+        const float keep = up ? v[p + HALF] : v[p];
+        v[p] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(32 * IDXR_WARPS) indexer_scores_rows(
@@ -166,26 +180,28 @@ extern "C" __global__ void __launch_bounds__(32 * IDXR_WARPS) indexer_scores_row
                 }
             }
         }
-        // per (row, key): indexer_scores' head sum; lane j keeps key j's totals and writes them
-        float mine[IDXR_ROWS];
+        // per (row, key): indexer_scores' head sum over the lanes, as a reduce-scatter: at the step over lane bit o,
+        // of the m values a lane still holds, it keeps the half its bit o selects, sends the other half to lane ^ o
+        // and adds what that lane sends -- the pairs warp_sum adds at that step, the same additions in the same tree
+        // (each sum lands on one lane instead of all), 62 shuffles for the 64 values instead of 320. Value x =
+        // r * IDXR_KPW + j ends on lane x / 2 (its bits 1..5 are the lane's bits 0..4, kept in order), in v[x % 2].
+        float v[IDXR_ROWS * IDXR_KPW];
 #pragma unroll
-        for (int r = 0; r < IDXR_ROWS; r++) {
-            mine[r] = 0.f;
+        for (int r = 0; r < IDXR_ROWS; r++)
 #pragma unroll
-            for (int j = 0; j < IDXR_KPW; j++) {
-                float tot = fmaf(wsv[r], fmaxf(__fmul_rn(acc[r][j], qscale), 0.f), 0.f);
-                tot = warp_sum(lane < ih ? tot : 0.f);
-                if (lane == j) mine[r] = tot;
-            }
-        }
-        const int t = t0 + warp * IDXR_KPW + lane;
-        if (lane < IDXR_KPW) {
-#pragma unroll
-            for (int r = 0; r < IDXR_ROWS; r++) {
-                const int s = s0 + r;
-                const int n_vis = min(start + s + 1, T);
-                if (s < S && n_vis > topk && t < n_vis) score[(long long)s * T + t] = mine[r];
-            }
+            for (int j = 0; j < IDXR_KPW; j++)
+                v[r * IDXR_KPW + j] = lane < ih ? fmaf(wsv[r], fmaxf(__fmul_rn(acc[r][j], qscale), 0.f), 0.f) : 0.f;
+        idxr_scatter_step<16, 32>(v, lane);
+        idxr_scatter_step<8, 16>(v, lane);
+        idxr_scatter_step<4, 8>(v, lane);
+        idxr_scatter_step<2, 4>(v, lane);
+        idxr_scatter_step<1, 2>(v, lane);
+        const int r = lane >> 3, s = s0 + r;          // lane's values: x = 2 lane, 2 lane + 1
+        const int n_vis = min(start + s + 1, T);
+        const int t = t0 + warp * IDXR_KPW + 2 * (lane & 7);
+        if (s < S && n_vis > topk) {
+            if (t < n_vis) score[(long long)s * T + t] = v[0];
+            if (t + 1 < n_vis) score[(long long)s * T + t + 1] = v[1];
         }
     }
 }

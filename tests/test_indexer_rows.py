@@ -132,3 +132,42 @@ def test_the_setting_must_name_a_version():
     with pytest.raises(ColiError, match=r"COLI_INDEXER_KERNELS='tiled' is not a kernel version: use one of auto, "
                                         r"rows, v1"):
         kernel_choice("COLI_INDEXER_KERNELS", "tiled", INDEXER_VERSIONS)
+
+
+def _warp_sum(v):
+    """coli_common.cuh warp_sum on [32 lanes, n] fp32 values: the xor butterfly, every lane's own + partner's."""
+    for o in (16, 8, 4, 2, 1):
+        v = (v + v[np.arange(32) ^ o]).astype(np.float32)
+    return v
+
+
+def _reduce_scatter(v):
+    """indexer_scores_rows' head sum (idxr_scatter_step over lane bits 16 .. 1) on [32 lanes, 64] fp32 values: keep
+    the half lane bit o selects, add lane ^ o's copy of it. -> [32 lanes, 2]."""
+    lanes, m = np.arange(32), v.shape[1]
+    for o in (16, 8, 4, 2, 1):
+        half, up = m // 2, ((lanes & o) != 0)[:, None]
+        send = np.where(up, v[:, :half], v[:, half:m])
+        keep = np.where(up, v[:, half:m], v[:, :half])
+        v = np.concatenate([(keep + send[lanes ^ o]).astype(np.float32), v[:, half:]], axis=1)
+        m = half
+    return v[:, :2]
+
+
+def test_the_head_sums_reduce_scatter_adds_warp_sums_pairs():
+    """The kernel's scores are indexer_scores' bits only if its head sum adds the same pairs in the same tree as
+    warp_sum: emulated step by step in fp32 over values of mixed magnitudes, signed zeros and idle lanes' +0, each of
+    a thread's 64 sums equals warp_sum's bit for bit, on lane x / 2 (x = row * IDXR_KPW + key), slot x % 2 -- where
+    the kernel writes it."""
+    rng = np.random.default_rng(3)
+    assert IR.ROWS * IR.KEYS_PER_WARP == 64
+    for _ in range(50):
+        v = (rng.standard_normal((32, 64)) * np.exp2(rng.integers(-30, 30, (32, 64)))).astype(np.float32)
+        v[rng.random((32, 64)) < 0.2] = 0.0
+        v[rng.random((32, 64)) < 0.1] = -0.0
+        v[24:] = 0.0                                         # ih = 24: idle lanes add +0
+        want = _warp_sum(v)
+        assert (want.view(np.uint32) == want[0].view(np.uint32)).all()     # every lane ends with the same sum
+        got = _reduce_scatter(v)
+        x = np.arange(64)
+        assert (got[x // 2, x % 2].view(np.uint32) == want[0].view(np.uint32)).all()
