@@ -31,7 +31,7 @@ def _backend(attn="auto", gemv="v2"):
     gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels, gb.gemv_ks = attn, None, gemv, None
     gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
     gb.prefill_kernels, gb._pf_usable = "mma", True    # S > 1: int4 on the tensor cores (no module to compile here)
-    gb.prefill_int8 = False                             # COLI_PREFILL_INT8's default (pf_linear_int8 opt-in)
+    gb.prefill_int8 = True                              # COLI_PREFILL_INT8's default (pf_linear_int8)
     return gb
 
 

@@ -135,19 +135,19 @@ GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs 
 # "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
 PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
 PREFILL_VERSIONS = ("mma", "v1")
-# pf_linear_int8 (int8 weights on the tensor cores) is opt-in until it has run on a GPU: it was written after the last
-# device run of 2026-12-01 (no device was lent again that session); COLI_PREFILL_INT8=1 takes it,
-# tests/gpu/test_gpu_prefill.py's int8 tests are the check that flips the default. Without it an int8 weight's prefill
-# linear runs on the fp32 tiles, as before.
-PREFILL_INT8_DEFAULT = "0"
+# pf_linear_int8 (int8 weights on the tensor cores) is the default since its GPU tests passed on the H200 (2026-12-01,
+# 20:45 UTC, tests/gpu/test_gpu_prefill.py's int8 tests: every error within its f64 bound) and took the dense part of a
+# 2,048-token prefill layer from 68.4 to 31.4 ms (docs/perf-notes.md, "TTFT"). COLI_PREFILL_INT8=0 keeps an int8
+# weight's prefill linear on the fp32 tiles, as before.
+PREFILL_INT8_DEFAULT = "1"
 
 
 def prefill_int8_enabled(env: dict | None = None) -> bool:
-    """COLI_PREFILL_INT8: "1" int8 weights' prefill linears on the tensor cores (pf_linear_int8), "0" (default, see
-    PREFILL_INT8_DEFAULT) on the fp32 tiles."""
+    """COLI_PREFILL_INT8: "1" (default, see PREFILL_INT8_DEFAULT) int8 weights' prefill linears on the tensor cores
+    (pf_linear_int8), "0" on the fp32 tiles."""
     from coli.gpu.graphs import env_switch
-    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores",
-                      "int8 prefill linears on the fp32 tiles, the default until a GPU run", env)
+    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores, the default",
+                      "int8 prefill linears on the fp32 tiles", env)
 # The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
 # chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).

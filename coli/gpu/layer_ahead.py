@@ -48,20 +48,20 @@ def ahead_fits(n_slots: int, n_experts: int, top_k: int) -> bool:
     return int(n_slots) - staging_slots(n_slots, top_k) >= 2 * int(n_experts)
 
 
-# Off by default until this code has run on a GPU: the bench measured the copies (docs/perf-notes.md, "TTFT"), but the
-# product's path (VramExperts' ahead_layers, the extra FLUSH, the cancellation at the next step) was written after the
-# last device run of 2026-12-01 and no device was lent again that session; tests/gpu/test_gpu_prefill_ahead.py is the
-# check that flips it.
-PREFILL_AHEAD_DEFAULT = "0"
+# On by default since the product's path (VramExperts' ahead_layers, the extra FLUSH, the cancellation at the next step)
+# passed tests/gpu/test_gpu_prefill_ahead.py on the H200 (2026-12-01, 20:45 UTC: tokens equal with and without, equal
+# to the numpy path's) and took 2,048-token TTFT on a pool of two layers from 10.05 to 9.30 s (docs/perf-notes.md,
+# "TTFT"). It changes no result, only when copies are made; COLI_PREFILL_AHEAD=0 turns it off.
+PREFILL_AHEAD_DEFAULT = "1"
 
 
 def prefill_ahead_enabled(env: dict | None = None) -> bool:
-    """COLI_PREFILL_AHEAD: "1" a long prefill copies the next MoE layer's experts ahead where the pool has room
-    (ahead_fits); "0" (default, see PREFILL_AHEAD_DEFAULT) never (each layer's experts are copied on demand only)."""
+    """COLI_PREFILL_AHEAD: "1" (default, see PREFILL_AHEAD_DEFAULT) a long prefill copies the next MoE layer's experts
+    ahead where the pool has room (ahead_fits); "0" never (each layer's experts are copied on demand only)."""
     from coli.gpu.graphs import env_switch
     return env_switch("COLI_PREFILL_AHEAD", PREFILL_AHEAD_DEFAULT,
-                      "long prefills copy the next MoE layer's experts ahead",
-                      "experts copied on demand only, the default until a GPU run", env)
+                      "long prefills copy the next MoE layer's experts ahead, the default",
+                      "experts copied on demand only", env)
 
 
 def ahead_layers_for(moe_layers: list[int], n_experts: int, top_k: int, n_slots: int,
@@ -81,7 +81,7 @@ def describe_ahead(ahead_layers: list[int] | None, n_slots: int, n_experts: int,
     if ahead_layers is not None:
         return "; long prefills copy the next MoE layer's experts ahead"
     if not prefill_ahead_enabled(env):
-        return "; no layer-ahead prefill copies (COLI_PREFILL_AHEAD=0, the default until a GPU run; 1 turns them on)"
+        return "; no layer-ahead prefill copies (COLI_PREFILL_AHEAD=0; 1, the default, turns them on)"
     need = 2 * n_experts + staging_slots(2 * n_experts + top_k, top_k)
     if n_slots < need:
         return f"; no layer-ahead prefill copies (they need {need} slots, two layers' experts and the staging)"

@@ -50,9 +50,9 @@ def _load(d, slots, monkeypatch, switch=None):
 
 def test_coli_run_gets_the_ahead_copies_exactly_where_they_fit_and_the_switch_is_on(tiny, monkeypatch):
     d, _ = tiny
-    # unset: off until this test has run on a GPU (layer_ahead.PREFILL_AHEAD_DEFAULT); the test then flips it
+    # unset: on (layer_ahead.PREFILL_AHEAD_DEFAULT, since this test passed on the H200), where the pool has room
     for slots, switch, on in ((SLOTS, "1", True), (36, "1", True), (35, "1", False), (SLOTS, "0", False),
-                              (SLOTS, None, False)):
+                              (SLOTS, None, True), (35, None, False)):
         model, cfg = _load(d, slots, monkeypatch, switch)
         vx = model.experts
         got = vx.ahead_layers

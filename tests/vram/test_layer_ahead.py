@@ -103,12 +103,12 @@ def test_ahead_fits_is_two_layers_of_experts_beside_the_staging_slack():
 def test_the_product_copies_ahead_when_the_switch_is_on_and_the_pool_has_room():
     moe = [1, 2, 3]
     on = {"COLI_PREFILL_AHEAD": "1"}
-    assert ahead_layers_for(moe, 256, 8, 520, {}) is None                      # default off until a GPU run
+    assert ahead_layers_for(moe, 256, 8, 520, {}) == moe                       # the default: on (since the GPU run)
     assert ahead_layers_for(moe, 256, 8, 520, on) == moe
     assert ahead_layers_for(moe, 256, 8, 520, {"COLI_PREFILL_AHEAD": "0"}) is None        # switched off
     assert ahead_layers_for(moe, 256, 8, 519, on) is None                                 # no room
     assert ahead_layers_for([3], 256, 8, 4000, on) is None                                # no next MoE layer
-    assert prefill_ahead_enabled({}) is False and prefill_ahead_enabled({"COLI_PREFILL_AHEAD": " 1 "}) is True
+    assert prefill_ahead_enabled({}) is True and prefill_ahead_enabled({"COLI_PREFILL_AHEAD": "0"}) is False and prefill_ahead_enabled({"COLI_PREFILL_AHEAD": " 1 "}) is True
 
 
 def test_a_bad_prefill_ahead_switch_is_a_one_line_error_naming_it_even_without_room():
@@ -124,7 +124,7 @@ def test_the_start_up_line_says_whether_and_why_not():
     on = {"COLI_PREFILL_AHEAD": "1"}
     assert "copy the next MoE layer's experts ahead" in describe_ahead([1, 2], 520, 256, 8, on)
     assert "COLI_PREFILL_AHEAD=0" in describe_ahead(None, 520, 256, 8, {"COLI_PREFILL_AHEAD": "0"})
-    assert "COLI_PREFILL_AHEAD=0" in describe_ahead(None, 520, 256, 8, {})          # the default
+    assert "copy the next MoE layer's experts ahead" in describe_ahead([1, 2], 520, 256, 8, {})   # the default
     assert "need 520 slots" in describe_ahead(None, 16, 256, 8, on)
 
 
