@@ -216,6 +216,9 @@ class OraclePilot:
         self.vx, self.routing, self.L = vx, routing, n_layers
         self.prefetched = 0
 
+    def begin_step(self, tokens: int) -> None:
+        self.vx.begin_step(tokens)             # the product's start of a step (a long prefill's first copies)
+
     def stream(self, layer: int, ids: list[int]):
         yield from self.vx.stream(layer, ids)
         r = self.routing

@@ -41,7 +41,7 @@ from coli.container.reader import decode_expert_record
 from coli.errors import ColiError
 from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
-from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of
+from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of, first_ahead
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_record_formats
 from coli.gpu.pool import SlotPool, staging_slots
 from coli.gpu.spec_governor import SpecGovernor
@@ -108,7 +108,8 @@ class VramExperts:
         coli/gpu/spec_governor.py; a number: up to that many, whatever they deliver -- tests of single copies).
         ahead_layers: the model's MoE layers, for layer-ahead prefill copies (coli/gpu/layer_ahead.py): a step that
         asked for >= ahead_fraction of its layer's experts puts every expert of the next MoE layer on the speculative
-        lane, whatever `speculate` says and outside the governor's budget (not guesses: that layer needs them all).
+        lane, whatever `speculate` says and outside the governor's budget (not guesses: that layer needs them all);
+        a forward step whose rows are expected to ask for that share (begin_step) does so for its first MoE layer.
         None (the default here; the product decides in coli/gpu/setup.py): none."""
         check_record_formats(layout)
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -175,6 +176,23 @@ class VramExperts:
                 self._registered.append(addr)
 
     # ---- the expert source ------------------------------------------------------------------------------
+    def begin_step(self, tokens: int) -> None:
+        """A forward step of `tokens` rows begins (coli/model/forward.py, before its first layer). A long prefill from
+        its start (coli/gpu/layer_ahead.py first_ahead: its rows are expected to ask for >= ahead_fraction of a
+        layer's experts) puts every expert of the forward's first MoE layer on the speculative lane now, as
+        `_copy_ahead` does for the next layer, so they cross while the dense layers before it run; that layer's step
+        cancels what is still queued (`_stop_ahead`) and copies the rest on demand, so a short prompt costs nothing."""
+        first = None if self.ahead_layers is None else first_ahead(tokens, self.ahead_layers, self.E, self.K,
+                                                                    self.ahead_fraction)
+        if first is None:
+            return
+        try:
+            self._copy_ahead(*first)
+        except DriverError as e:
+            if e.fatal:
+                raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
+            raise
+
     def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         try:
             yield from self._stream(layer, ids)
@@ -275,7 +293,9 @@ class VramExperts:
         """A long prefill's step is handed out and launched: `ids` of the next MoE layer `layer` (every expert, from
         coli/gpu/layer_ahead.py ahead_of) to the speculative lane, outside the governor's books. After the launch, so
         the probes and acquires (O(slots) each where a copy displaces a key) are not between the step's last copy
-        and its last kernels; the step's keys are unpinned then but still not displaced (used in this step)."""
+        and its last kernels; the step's keys are unpinned then but still not displaced (used in this step).
+        Also the forward's first MoE layer at the step's start (begin_step): the last step's keys, the previous
+        forward's last MoE layer, are the ones kept then."""
         put = self._speculate(layer, ids, budget=self.E, ahead=True)
         if put:
             self.stats["ahead_layers"] += 1
