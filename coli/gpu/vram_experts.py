@@ -155,8 +155,9 @@ class VramExperts:
                       "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0,
                       "spec_handoffs": 0, "spec_handoff_bytes": 0,
                       # layer-ahead prefill copies (also counted in spec_*): layers copied ahead, copies put on the
-                      # lane, and bytes of them that landed (whole copies, and prefixes a demand took over)
-                      "ahead_layers": 0, "ahead_copies": 0, "ahead_bytes": 0}
+                      # lane, and bytes of them that landed (whole copies, and prefixes a demand took over); of the
+                      # layers, those that were a forward's first MoE layer, copied from its step's start
+                      "ahead_layers": 0, "ahead_copies": 0, "ahead_bytes": 0, "ahead_first": 0}
         # per demand copy: its device time, lane start event -> last tile done (the start event fires when the
         # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
         self.delays_us: list[float] = []
@@ -181,13 +182,15 @@ class VramExperts:
         its start (coli/gpu/layer_ahead.py first_ahead: its rows are expected to ask for >= ahead_fraction of a
         layer's experts) puts every expert of the forward's first MoE layer on the speculative lane now, as
         `_copy_ahead` does for the next layer, so they cross while the dense layers before it run; that layer's step
-        cancels what is still queued (`_stop_ahead`) and copies the rest on demand, so a short prompt costs nothing."""
+        cancels what is still queued (`_stop_ahead`) and copies the rest on demand, so a short prompt costs nothing.
+        Counted in ahead_layers / ahead_copies / ahead_bytes as the others, and in ahead_first."""
         first = None if self.ahead_layers is None else first_ahead(tokens, self.ahead_layers, self.E, self.K,
                                                                     self.ahead_fraction)
         if first is None:
             return
         try:
-            self._copy_ahead(*first)
+            if self._copy_ahead(*first):
+                self.stats["ahead_first"] += 1
         except DriverError as e:
             if e.fatal:
                 raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
@@ -289,7 +292,7 @@ class VramExperts:
         if put:
             self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
 
-    def _copy_ahead(self, layer: int, ids: list[int]) -> None:
+    def _copy_ahead(self, layer: int, ids: list[int]) -> int:
         """A long prefill's step is handed out and launched: `ids` of the next MoE layer `layer` (every expert, from
         coli/gpu/layer_ahead.py ahead_of) to the speculative lane, outside the governor's books. After the launch, so
         the probes and acquires (O(slots) each where a copy displaces a key) are not between the step's last copy
@@ -300,6 +303,7 @@ class VramExperts:
         if put:
             self.stats["ahead_layers"] += 1
             self.stats["ahead_copies"] += put
+        return put
 
     def _stop_ahead(self, lo: int, hi: int, ids: set[int]) -> None:
         """A step of the layer with keys [lo, hi) begins: layer-ahead copies still queued for any other key stop (a
