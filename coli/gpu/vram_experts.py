@@ -182,7 +182,8 @@ class VramExperts:
         its start (coli/gpu/layer_ahead.py first_ahead: its rows are expected to ask for >= ahead_fraction of a
         layer's experts) puts every expert of the forward's first MoE layer on the speculative lane now, as
         `_copy_ahead` does for the next layer, so they cross while the dense layers before it run; that layer's step
-        cancels what is still queued (`_stop_ahead`) and copies the rest on demand, so a short prompt costs nothing.
+        cancels what is still queued (`_stop_ahead`) and copies the rest on demand, so a prompt that asks for fewer
+        than expected costs no demand a slot or a wait (a short one copies nothing: first_ahead says no).
         Counted in ahead_layers / ahead_copies / ahead_bytes as the others, and in ahead_first."""
         first = None if self.ahead_layers is None else first_ahead(tokens, self.ahead_layers, self.E, self.K,
                                                                     self.ahead_fraction)
