@@ -21,7 +21,27 @@ copies them on its faster lane; the others: not needed now), so at most the one 
 that step did not ask for.
 
 Decode steps ask for a few experts a layer (top-k per sequence: 8 of 256 for GLM-5; the default batch of 16 at most
-128), below AHEAD_FRACTION: they never copy ahead."""
+128), below AHEAD_FRACTION: they never copy ahead.
+
+The forward's first MoE layer (`first_ahead`). It has no MoE layer before it to trigger the rule above, so without
+more its copies would start at its router, after the dense layers before it (GLM-5: layers 0-2 and layer 3's
+attention) -- a window with an idle bus. So the decision is taken when the forward step begins, from the only thing
+known then, its row count S: a step is a long prefill from its start when the expected share of a layer's experts
+its rows ask for, 1 - (1 - K/E)^S, is >= AHEAD_FRACTION (GLM-5, top-8 of 256: S >= 44 rows). Why that expectation:
+a row picks K distinct experts, so an expert is missed by a row with probability 1 - K/E when every expert is picked
+equally often, and by S independent rows with (1 - K/E)^S. A real router is not uniform: for the same K picks a row
+and independent rows, a skewed marginal (some experts picked more often) covers fewer experts -- the uniform share is
+the largest -- and tokens that route alike cover fewer again; so where routing is skewed this overestimates, and a
+step with S near the threshold may ask fewer than 3/4 of its experts. GLM-5's router is balanced by its correction
+bias, and its coverage measured at or slightly above the uniform figure (docs/runtime.md: 237 of 256 experts within
+75 tokens, uniform 232; the MTP verify step's unions on calibrated routing 15.8/23.5/30.9 for 2/3/4 rows, uniform
+15.8/23.3/30.5): the estimate is fair there, and the prompts it is for (hundreds of tokens and more) ask for every
+expert under any router that is not degenerate. A wrong guess is harmless by construction: these are the same
+speculative copies as above (the lane yields every tile to a demand copy; never the staging slack, a pinned or an
+in-use slot), and when the layer's step begins every one still queued is cancelled (`_stop_ahead`; the asked ones
+are copied by the demand on its faster lane, the one in flight handed over). What a wrong guess costs is the unasked
+experts that landed before the router: idle bus time, and slots that keys of earlier steps gave up (copied again if
+a later step wants them). It never changes a result: a copy only makes the same bytes resident earlier."""
 
 from __future__ import annotations
 
@@ -40,6 +60,24 @@ def ahead_of(layer: int, asked: int, moe_layers: list[int], n_experts: int,
     if not later:
         return None
     return later[0], list(range(n_experts))
+
+
+def expected_share(tokens: int, top_k: int, n_experts: int) -> float:
+    """The expected share of a layer's n_experts that `tokens` rows of top_k distinct experts each ask for, every
+    expert picked equally often and the rows independent: 1 - (1 - top_k/E)^tokens (an upper estimate for a real,
+    skewed router: see the module docstring)."""
+    if tokens <= 0 or n_experts <= 0:
+        return 0.0
+    return 1.0 - (1.0 - min(int(top_k), int(n_experts)) / int(n_experts)) ** int(tokens)
+
+
+def first_ahead(tokens: int, moe_layers: list[int], n_experts: int, top_k: int,
+                fraction: float = AHEAD_FRACTION) -> tuple[int, list[int]] | None:
+    """(the forward's first MoE layer, every expert of it) when a step of `tokens` rows is a long prefill from its
+    start (expected_share >= fraction); None for a short step or a model without MoE layers."""
+    if not moe_layers or expected_share(tokens, top_k, n_experts) < fraction:
+        return None
+    return min(int(m) for m in moe_layers), list(range(n_experts))
 
 
 def ahead_fits(n_slots: int, n_experts: int, top_k: int) -> bool:
