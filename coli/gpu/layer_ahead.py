@@ -48,6 +48,13 @@ from __future__ import annotations
 from coli.gpu.pool import staging_slots
 
 AHEAD_FRACTION = 0.75     # a step that asks for at least this share of a layer's experts is a long prefill
+# The speculative lane's tile for these copies (VramExperts' ahead_tile). Guesses take --stream-tile-kb (1 MiB) so a
+# demand waits behind at most two short tiles; but a long prefill's step is the only step there is (its demands are
+# for its own layer, 90-110 ms of GLM-5 copies), so waiting behind two 4 MiB tiles (~160 us) costs nothing, while 1 MiB
+# tiles run at 48.5 GB/s against 53.5 for 4 MiB and 55.4 for whole records (H200 tile sweep, docs/performance.md),
+# and each tile is a wake-up of the lane's worker thread competing for the GIL with the compute thread's launches:
+# at 512 tokens (a 10 ms window) the ahead rows were 2-5 % slower than without them with 1 MiB tiles (20:45/21:15 UTC).
+AHEAD_TILE_BYTES = 4 << 20
 
 
 def ahead_of(layer: int, asked: int, moe_layers: list[int], n_experts: int,

@@ -41,7 +41,7 @@ from coli.container.reader import decode_expert_record
 from coli.errors import ColiError
 from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
-from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of, first_ahead
+from coli.gpu.layer_ahead import AHEAD_FRACTION, AHEAD_TILE_BYTES, ahead_of, first_ahead
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_record_formats
 from coli.gpu.pool import SlotPool, staging_slots
 from coli.gpu.spec_governor import SpecGovernor
@@ -122,6 +122,7 @@ class VramExperts:
         self.retain, self.sync = bool(retain), bool(sync)
         self.speculate = speculative_copies_default() if speculate is None else bool(speculate)
         self.tile = self.slot_bytes if self.sync else max(4096, int(tile_bytes))
+        self.ahead_tile = max(self.tile, AHEAD_TILE_BYTES)   # layer-ahead copies' tile (coli/gpu/layer_ahead.py)
         self.split = layout.down.offset            # gate/up bytes come first in a record
         self.n_slots = int(n_slots)
         self.pool = SlotPool(self.n_slots, self.slot_bytes, policy, n_keys=n_layers * n_experts,
@@ -337,8 +338,8 @@ class VramExperts:
             s = self.pool.acquire(key, speculative=True)
             if s is None:
                 continue
-            job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
-                          wait_event=self.slot_consumed[s])
+            job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split,
+                          self.ahead_tile if ahead else self.tile, wait_event=self.slot_consumed[s])
             self.slot_job[s], self.slot_src[s] = job, rec
             self._spec_jobs[s] = job
             if ahead:

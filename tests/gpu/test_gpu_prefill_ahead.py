@@ -81,9 +81,12 @@ def test_a_long_prefill_copies_the_next_layer_ahead_with_the_same_tokens_and_no_
     from coli.loader import load_model
     d, prompt = tiny
     out = {}
+    tiles = []
     for ahead in (False, True):
         model, cfg = _load(d, SLOTS, monkeypatch)
         vx = _cold_ram_engine(model, d, ahead)
+        submit = vx.spec.submit
+        vx.spec.submit = lambda job, submit=submit: (tiles.append((ahead, job.tile)), submit(job))[1]
         toks, _ = greedy(model, prompt, NEW, capacity=PROMPT + NEW + 8)
         vx.finish()
         out[ahead] = (toks, vx.snapshot())
@@ -105,6 +108,9 @@ def test_a_long_prefill_copies_the_next_layer_ahead_with_the_same_tokens_and_no_
     # some landed before the next layer's step cancelled the rest (the lane trickles while the router waits)
     assert st["ahead_bytes"] > 0 and st["spec_copies"] + st["spec_handoffs"] > 0
     assert sp["ahead_layers"] == sp["ahead_copies"] == sp["ahead_bytes"] == 0 and sp["spec_copies"] == 0
+    # the ahead copies go in 4 MiB tiles (layer_ahead.AHEAD_TILE_BYTES), not the guesses' --stream-tile-kb
+    from coli.gpu.layer_ahead import AHEAD_TILE_BYTES
+    assert tiles and all(on for on, _ in tiles) and {t for _, t in tiles} == {AHEAD_TILE_BYTES}
 
 
 def test_the_first_moe_layer_copies_from_the_steps_start_and_changes_no_result(tiny, monkeypatch):
