@@ -914,7 +914,7 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
     from tests.gpu_helpers import rel_err
     out = res.setdefault("prefill", {})
     saved = gb.prefill_kernels
-    gb.prefill_int8 = True          # the int8 rows time pf_linear_int8 (opt-in in the product: COLI_PREFILL_INT8)
+    gb.prefill_int8 = True          # the int8 rows time pf_linear_int8 (the product's default; COLI_PREFILL_INT8=0 turns it off)
     add_row = add
 
     def add(*args, **kw):          # every row printed as it lands (a run cut short still shows what it measured)

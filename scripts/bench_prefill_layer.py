@@ -71,8 +71,9 @@ def weight_names(lw) -> dict[int, str]:
 
 def label_launches(launches: list[dict], names: dict[int, str]) -> list[str]:
     """One label per recorded launch: a projection by its weight's name (an x split for the tensor cores by the
-    weight of the op's next launch), mla_attend's first kv_b launch q_abs and its last o (the rest: context),
-    everything else op: kernel."""
+    weight of the op's next launch), mla_attend's kv_b launches q_abs (the NN product: gemm_nn / mla_qabs / gemv_t)
+    or o (the others) -- a long prefill has one of each per block of rows -- the rest context, everything else
+    op: kernel."""
     def weight_of(L):
         return next((names[a] for a in L["args"] if isinstance(a, int) and a in names), None)
     ws = [weight_of(L) for L in launches]
@@ -84,8 +85,8 @@ def label_launches(launches: list[dict], names: dict[int, str]) -> list[str]:
                               None)
             labels.append(f"{op} {w or '?'}: {k}")
         elif op == "mla_attend":
-            kvb = [i for i in range(len(launches)) if launches[i]["op"] == "mla_attend" and ws[i] == "kv_b"]
-            part = "q_abs" if kvb and j == kvb[0] else "o" if kvb and j == kvb[-1] else "context"
+            part = ("context" if ws[j] != "kv_b" else
+                    "q_abs" if k.startswith(("gemm_nn", "mla_qabs", "gemv_t")) else "o")
             labels.append(f"mla_attend {part}: {k}")
         else:
             labels.append(f"{op}: {k}")

@@ -134,21 +134,25 @@ GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs 
 # (default) on the tensor cores (cuda/prefill_mma.cu) where pf_layout_ok / pf_int8_layout_ok / pf_moe_layout_ok and
 # the shared memory allow, else the fp32 tiled GEMMs;
 # "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
+# A prefill's mla_attend runs this many query rows at a time (_mla_attend_blocks): the absorbed queries and the
+# contexts, [rows, nh, Lkv] f32 each (256 KB a row at GLM-5's shape), then take a fixed 134 MB instead of growing
+# with the chunk; 512 rows still give the context kernel 2,048 blocks (4 head groups each) to fill the device with.
+ATTN_PREFILL_ROWS = 512
 PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
 PREFILL_VERSIONS = ("mma", "v1")
-# pf_linear_int8 (int8 weights on the tensor cores) is opt-in until it has run on a GPU: it was written after the last
-# device run of 2026-12-01 (no device was lent again that session); COLI_PREFILL_INT8=1 takes it,
-# tests/gpu/test_gpu_prefill.py's int8 tests are the check that flips the default. Without it an int8 weight's prefill
-# linear runs on the fp32 tiles, as before.
-PREFILL_INT8_DEFAULT = "0"
+# pf_linear_int8 (int8 weights on the tensor cores) is the default since its GPU tests passed on the H200 (2026-12-01,
+# 20:45 UTC, tests/gpu/test_gpu_prefill.py's int8 tests: every error within its f64 bound) and took the dense part of a
+# 2,048-token prefill layer from 68.4 to 31.4 ms (docs/perf-notes.md, "TTFT"). COLI_PREFILL_INT8=0 keeps an int8
+# weight's prefill linear on the fp32 tiles, as before.
+PREFILL_INT8_DEFAULT = "1"
 
 
 def prefill_int8_enabled(env: dict | None = None) -> bool:
-    """COLI_PREFILL_INT8: "1" int8 weights' prefill linears on the tensor cores (pf_linear_int8), "0" (default, see
-    PREFILL_INT8_DEFAULT) on the fp32 tiles."""
+    """COLI_PREFILL_INT8: "1" (default, see PREFILL_INT8_DEFAULT) int8 weights' prefill linears on the tensor cores
+    (pf_linear_int8), "0" on the fp32 tiles."""
     from coli.gpu.graphs import env_switch
-    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores",
-                      "int8 prefill linears on the fp32 tiles, the default until a GPU run", env)
+    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores, the default",
+                      "int8 prefill linears on the fp32 tiles", env)
 # The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
 # chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
@@ -556,6 +560,8 @@ class CudaBackend:
         if Lkv > 512 or dr > 64:
             raise ValueError(f"mla_attend supports kv_lora_rank <= 512 and rope dim <= 64 (got {Lkv}, {dr})")
         mask = self.device_mask(allowed, S, T)
+        if S > ATTN_PREFILL_ROWS and self.step is None:
+            return self._mla_attend_blocks(q, lat, k_pe, w_kb, w_vb, mask, scale)
         decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
@@ -575,8 +581,47 @@ class CudaBackend:
                        o.ptr, nh * dv, dv, nh)
         return o
 
+    def _mla_attend_blocks(self, q: DeviceArray, lat: DeviceArray, k_pe: DeviceArray, w_kb: HeadView,
+                           w_vb: HeadView, mask: DeviceMask, scale: float) -> DeviceArray:
+        """mla_attend of a long prefill, ATTN_PREFILL_ROWS query rows at a time: its absorbed queries and contexts
+        ([rows, nh, Lkv] each, 256 KB a row at GLM-5's shape) are the largest per-row buffers of a prefill step, so
+        they take a fixed block instead of growing with the chunk (coli/gpu/prefill_budget.py counts them so), and
+        the same VRAM fits a longer --prefill-chunk. Every row's result is the bits of the one-pass call: each
+        kernel computes a row from that row alone (the GEMMs' sums run over their K, not over rows), and each
+        block is given the whole call's split (chunk and grid from the whole call's rows and n_max)."""
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        R = ATTN_PREFILL_ROWS
+        n_max = mask.kmax if mask.idx is not None else mask.start + S
+        chunk, _ = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
+        o = self.empty((S, nh * w_vb.rows_per_head))                     # [S, nh * dv] head-major
+        for s0 in range(0, S, R):
+            n = min(R, S - s0)
+            sub = DeviceMask(n, T, mask.start + s0,
+                             None if mask.idx is None else mask.idx.row_view(s0, n),
+                             None if mask.cnt is None else mask.cnt.row_view(s0, n), mask.kmax)
+            self._mla_attend_rows(q.row_view(s0, n), lat, k_pe, w_kb, w_vb, sub, scale, n_max, chunk,
+                                  o.row_view(s0, n))
+        return o
+
+    def _mla_attend_rows(self, q: DeviceArray, lat: DeviceArray, k_pe: DeviceArray, w_kb: HeadView,
+                         w_vb: HeadView, mask: DeviceMask, scale: float, n_max: int, chunk: int,
+                         o: DeviceArray) -> None:
+        """One block of _mla_attend_blocks: mla_attend's prefill path (S > 1) over these rows, the split forced,
+        into o [S, nh * dv] (the block's rows of the call's output)."""
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        dn, dv = w_kb.rows_per_head, w_vb.rows_per_head
+        q_abs = self.empty((S, nh, Lkv))                                  # [S, nh, Lkv]
+        self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
+                   q_abs.ptr, nh * Lkv, Lkv, nh)
+        ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max, chunk=chunk)
+        self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
+                   o.ptr, nh * dv, dv, nh)
+
     def attend_core(self, q_abs: DeviceArray, q: DeviceArray, pe_off: int, lat: DeviceArray, k_pe: DeviceArray,
-                    mask: DeviceMask, scale: float, T_dev: int = 0, n_max: int | None = None) -> DeviceArray:
+                    mask: DeviceMask, scale: float, T_dev: int = 0, n_max: int | None = None,
+                    chunk: int | None = None) -> DeviceArray:
         """ctx [S, nh, Lkv] = softmax over the mask's keys of (q_abs . lat + q_pe . k_pe) * scale, applied to lat;
         q_pe = q[..., pe_off:]. The split-context kernels (cuda/attention.cu, coli/gpu/attention_split.py) where
         they apply, else one block per (head, row). T_dev: device address of the cache length as an int32 (dense
@@ -598,7 +643,8 @@ class CudaBackend:
             return ctx
         if n_max is None:
             n_max = mask.kmax if mask.idx is not None else mask.start + S
-        chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
+        chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count,
+                                                     self.attn_chunk if chunk is None else chunk)
         fn, threads, smem, combine, combine_threads = self._split_kernels(Lkv, dr, nj)
         grid = (nchunk, attention_split.head_groups(nh), S)
         args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from coli.model.backend import cos_sin_table
-from coli.model.forward import GlmMoeDsaModel, checked_ids
+from coli.model.forward import GlmMoeDsaModel, begin_step, checked_ids
 from coli.model.kv_cache import KVCache
 
 
@@ -171,6 +171,7 @@ def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
     c, b = model.config, model.backend
     cos, sin = segment_angles(c, segs)                                  # [S, dr/2] each
 
+    begin_step(model.experts, int(ids.shape[0]))                        # the union of every row's experts
     h = b.embed(model.embed, ids)                                       # [S, H]
     allowed: list = [None] * len(segs)                                  # per row: its last full indexer's mask
     for i, lw in enumerate(model.layers):
