@@ -55,8 +55,8 @@ def test_a_glm5_prefill_takes_the_rows_kernel(version):
     mask = _select(gb, S, T)
     (sc, grid, block, smem, args), (tk, *_) = gb.rt.launches
     assert (sc, tk) == ("indexer_scores_rows", "topk_select")
-    assert grid == (1, 2048) and block == IR.THREADS and smem == IR.smem_bytes(32, 128)
-    assert args[5:8] == (0, S, T) and args[11] == 128            # start, rows, keys; every tile in one block
+    assert grid == (2, 2048) and block == IR.THREADS and smem == IR.smem_bytes(32, 128)
+    assert args[5:8] == (0, S, T) and args[11] == 64             # start, rows, keys; half the tiles a block
     assert (mask.S, mask.T, mask.kmax) == (S, T, 2048)
 
 
@@ -107,16 +107,21 @@ def test_the_grid_covers_every_row_and_tile_once(S, T, sms, topk):
     assert runs * per_block >= tiles > (runs - 1) * per_block       # no run empty, none missing
     first = max(0, topk - start)                                    # rows before it need no scores
     working = max(1, groups - first // IR.ROWS)                   # (none: indexer_select launches nothing)
-    if working < IR.BLOCKS_PER_SM * sms:     # few working rows: the keys split to fill the device (whole tiles: >= half)
-        assert 2 * runs * working >= min(tiles * working, IR.BLOCKS_PER_SM * sms)
-    else:
-        assert runs == 1                     # many rows: a block takes every tile of its rows (q staged once)
+    # the working blocks reach half the wanted count (whole tiles), unless runs would get shorter than MIN_RUN_TILES
+    assert 2 * runs * working >= min(tiles * working, IR.BLOCKS_PER_SM * sms) or per_block >= IR.MIN_RUN_TILES
+    # runs shorter than MIN_RUN_TILES only where longer ones would leave the device under 2 blocks an SM
+    assert per_block >= min(IR.MIN_RUN_TILES, tiles) or working * tiles // IR.MIN_RUN_TILES < 2 * sms
+    if working >= IR.BLOCKS_PER_SM * sms:
+        assert runs == 1                     # rows enough: a block takes every tile of its rows (q staged once)
 
 
 def test_a_prompt_just_past_topk_splits_its_keys():
-    """S = T = 2,560 at top-2,048: 128 of the 640 row groups score; alone they would leave 4 warps an SM."""
+    """S = T = 2,560 at top-2,048: 128 of the 640 row groups score; alone they would leave 4 warps an SM. A chunk of
+    a 30,000-token prompt (2,236 rows): 559 groups alone would be ~2 waves of near-equal blocks, the last one leaving
+    most SMs idle; 4 runs of 118 tiles make ~8."""
     per_block, grid = IR.rows_grid(2560, 2560, 132, 0, 2048)
-    assert grid == (5, 640) and per_block == 8
+    assert grid == (10, 640) and per_block == IR.MIN_RUN_TILES
+    assert IR.rows_grid(2236, 30000, 132, 30000 - 2236, 2048) == (118, (4, 559))
 
 
 def test_scored_pairs_count_the_rows_past_topk():
