@@ -55,6 +55,10 @@ class GenerationStats:
                 **({"mtp": self.mtp} if self.mtp is not None else {})}
 
 
+class GenerationSpent(ColiError):
+    """A Generation that made its own cache is iterated a second time (its cache is back in the pool)."""
+
+
 @dataclass
 class Generation:
     """One generate call. Iterate to get tokens; `stats.finish_reason` is 'stop' (an eos token was
@@ -84,6 +88,11 @@ class Generation:
     def __iter__(self) -> Iterator[int]:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
+        if self.cache is not None and self.cache.released:
+            # the cache this generation made went back to the pool when its first iteration ended: a second one
+            # would write into buffers another sequence may own now
+            raise GenerationSpent("this Generation was iterated already and its KV cache went back to the model's "
+                                  "pool: make a new Generation (keep_cache=True keeps the cache to continue from)")
         if len(self.prompt_ids) == 0 and (self.cache is None or self.cache.length == 0):
             raise ValueError("the prompt is empty: give at least one token")
         held = self.cache.length if self.cache is not None else 0       # a session's reused positions

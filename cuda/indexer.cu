@@ -55,6 +55,157 @@ extern "C" __global__ void indexer_scores_dyn(const float *iq, const float *kidx
     indexer_scores_body(iq, kidx, hw, ih, ihd, posT[0], posT[1], qscale, wscale, topk, score);
 }
 
+// ---- indexer_scores_rows -------------------------------------------------------------------------------
+// indexer_scores for a prefill, bit for bit (hence the same top-k, the same tokens), with each loaded value feeding
+// several FMAs: a block takes IDXR_ROWS consecutive rows and a run of key tiles; a tile of IDXR_TILE keys is staged in
+// shared memory, warp w takes its keys w*IDXR_KPW .. +IDXR_KPW, lane h is index head h (as in indexer_scores) and
+// keeps an IDXR_ROWS x IDXR_KPW register tile of dot products: per 4 columns, IDXR_ROWS q float4s (its head's
+// rows, conflict-free: swizzled) and IDXR_KPW key float4s (the same address on every lane: broadcast) feed
+// 4 * IDXR_ROWS * IDXR_KPW FMAs (indexer_scores: one FMA per two loads).
+// The arithmetic per score is indexer_scores' own: each dot an fmaf chain over k = 0 .. ihd-1 from 0, then
+// tot = fmaf(ws[h], relu(d * qscale), 0) per head (idle lanes h >= ih: +0) and warp_sum's butterfly tree over the 32
+// lanes, done as a reduce-scatter (the same additions; each sum on one lane, below).
+//   iq [S, ih, ihd], kidx [T, ihd], hw [S, ih], score [S, T]: as indexer_scores; ih <= 32, ihd % 4 == 0 (the host
+//   takes indexer_scores otherwise). Rows with n_vis <= topk and entries t >= n_vis of a row are not written.
+//   grid (ceil(ceil(T / IDXR_TILE) / tiles_per_block), ceil(S / IDXR_ROWS)), block 32 * IDXR_WARPS = 128; block y
+//   takes the rows of group gridDim.y-1-y (the longest rows first: they have the most keys), block x the key tiles
+//   x*tiles_per_block .. +tiles_per_block (blocks past the group's last row's n_vis return at once).
+//   dynamic smem = (IDXR_ROWS * ih + IDXR_TILE) * ihd * 4 bytes (96 KiB at GLM-5's ih 32, ihd 128: within sm_86/89's
+//   99 KiB; 2 blocks per SM on sm_90). One key buffer: a block waits for its tile's copy, another block on the SM
+//   computes meanwhile (two tile buffers would not fit 99 KiB). Copies are cp.async (sm_80+): q 4 bytes a piece (any
+//   alignment), keys 16 bytes where kidx is 16-byte aligned, else 4; keys past T zero-filled (computed, never written).
+#define IDXR_ROWS 4          // rows per block (R)
+#define IDXR_WARPS 4         // warps per block
+#define IDXR_KPW 16          // keys per warp per tile (J)
+#define IDXR_TILE (IDXR_WARPS * IDXR_KPW)   // keys per tile
+static_assert(IDXR_ROWS * IDXR_KPW == 64, "the head sum's reduce-scatter leaves a lane 2 of a thread's 64 scores");
+
+__device__ inline void idxr_cp16(void *dst, const void *src, bool on) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sa), "l"(src), "r"(on ? 16 : 0));
+}
+
+__device__ inline void idxr_cp4(void *dst, const void *src, bool on) {
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sa), "l"(src), "r"(on ? 4 : 0));
+}
+
+// One step of the head sum's reduce-scatter over lane bit O: of v[0 .. 2 HALF), keep the half lane bit O selects, in
+// v[0 .. HALF), plus lane ^ O's copy of it (warp_sum's addition at this step: own + partner's).
+template <int O, int HALF>
+__device__ __forceinline__ void idxr_scatter_step(float *v, int lane) {
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int p = 0; p < HALF; p++) {
+        const float send = up ? v[p] : v[p + HALF];
+        const float keep = up ? v[p + HALF] : v[p];
+        v[p] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * IDXR_WARPS) indexer_scores_rows(
+        const float *iq, const float *kidx, const float *hw, int ih, int ihd, int start, int S, int T, float qscale,
+        float wscale, int topk, int tiles_per_block, float *score) {
+    COLI_PDL_ENTRY();
+    extern __shared__ float4 idxr_smem[];
+    const int nc = ihd >> 2;                          // float4s per q / key row
+    const int sw = min(nc & -nc, 8) - 1;              // q's swizzle: float4 c of head h at c ^ (h & sw) (< nc)
+    float4 *qs = idxr_smem;                           // [IDXR_ROWS][ih][nc], swizzled
+    float4 *ks = idxr_smem + IDXR_ROWS * ih * nc;     // [IDXR_TILE][nc]
+    const int s0 = (gridDim.y - 1 - blockIdx.y) * IDXR_ROWS;
+    const int nmax = min(start + min(s0 + IDXR_ROWS, S), T);     // n_vis of the block's last row: the most keys
+    if (nmax <= topk) return;                         // no row of the block needs scores
+    const int t_begin = blockIdx.x * tiles_per_block * IDXR_TILE;
+    const int t_end = min(t_begin + tiles_per_block * IDXR_TILE, nmax);
+    if (t_begin >= t_end) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = min(lane, ih - 1);                  // lanes past ih compute head ih-1's dots and add 0
+
+    // the block's q rows (rows past S: zeros) and this lane's head weights
+    const int qn = ih * ihd;                          // floats of one row's q
+    for (int i = threadIdx.x; i < IDXR_ROWS * qn; i += blockDim.x) {
+        const int r = i / qn, hk = i - r * qn, hh = hk / ihd, k = hk - hh * ihd;
+        const bool on = s0 + r < S;
+        float *dst = reinterpret_cast<float *>(qs + (r * ih + hh) * nc + ((k >> 2) ^ (hh & sw))) + (k & 3);
+        idxr_cp4(dst, on ? iq + (long long)(s0 + r) * qn + hk : iq, on);
+    }
+    float wsv[IDXR_ROWS];
+#pragma unroll
+    for (int r = 0; r < IDXR_ROWS; r++)
+        wsv[r] = s0 + r < S ? __fmul_rn(hw[(long long)(s0 + r) * ih + h], wscale) : 0.f;
+    const bool k16 = (reinterpret_cast<unsigned long long>(kidx) & 15ull) == 0;
+
+    for (int t0 = t_begin; t0 < t_end; t0 += IDXR_TILE) {
+        __syncthreads();                              // every warp is done with the previous tile
+        if (k16) {
+            for (int i = threadIdx.x; i < IDXR_TILE * nc; i += blockDim.x) {
+                const int t = t0 + i / nc;
+                const float *src = t < T ? kidx + ((long long)t0 * nc + i) * 4 : kidx;
+                idxr_cp16(ks + i, src, t < T);
+            }
+        } else {
+            for (int i = threadIdx.x; i < IDXR_TILE * ihd; i += blockDim.x) {
+                const int t = t0 + i / ihd;
+                idxr_cp4(reinterpret_cast<float *>(ks) + i, t < T ? kidx + (long long)t0 * ihd + i : kidx, t < T);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+
+        float acc[IDXR_ROWS][IDXR_KPW];               // [row][key] dots of head h
+#pragma unroll
+        for (int r = 0; r < IDXR_ROWS; r++)
+#pragma unroll
+            for (int j = 0; j < IDXR_KPW; j++) acc[r][j] = 0.f;
+        const float4 *kw = ks + warp * IDXR_KPW * nc;  // this warp's keys
+        const float4 *qh = qs + h * nc;
+        const int hs = h & sw;
+#pragma unroll 2
+        for (int c = 0; c < nc; c++) {                // columns 4c .. 4c+3, in order: each dot a sequential chain
+            float4 qv[IDXR_ROWS];
+#pragma unroll
+            for (int r = 0; r < IDXR_ROWS; r++) qv[r] = qh[r * ih * nc + (c ^ hs)];
+#pragma unroll
+            for (int j = 0; j < IDXR_KPW; j++) {
+                const float4 kv = kw[j * nc + c];
+#pragma unroll
+                for (int r = 0; r < IDXR_ROWS; r++) {
+                    float d = acc[r][j];
+                    d = fmaf(qv[r].x, kv.x, d);
+                    d = fmaf(qv[r].y, kv.y, d);
+                    d = fmaf(qv[r].z, kv.z, d);
+                    d = fmaf(qv[r].w, kv.w, d);
+                    acc[r][j] = d;
+                }
+            }
+        }
+        // per (row, key): indexer_scores' head sum over the lanes, as a reduce-scatter: at the step over lane bit o,
+        // of the m values a lane still holds, it keeps the half its bit o selects, sends the other half to lane ^ o
+        // and adds what that lane sends -- the pairs warp_sum adds at that step, the same additions in the same tree
+        // (each sum lands on one lane instead of all), 62 shuffles for the 64 values instead of 320. Value x =
+        // r * IDXR_KPW + j ends on lane x / 2 (its bits 1..5 are the lane's bits 0..4, kept in order), in v[x % 2].
+        float v[IDXR_ROWS * IDXR_KPW];
+#pragma unroll
+        for (int r = 0; r < IDXR_ROWS; r++)
+#pragma unroll
+            for (int j = 0; j < IDXR_KPW; j++)
+                v[r * IDXR_KPW + j] = lane < ih ? fmaf(wsv[r], fmaxf(__fmul_rn(acc[r][j], qscale), 0.f), 0.f) : 0.f;
+        idxr_scatter_step<16, 32>(v, lane);
+        idxr_scatter_step<8, 16>(v, lane);
+        idxr_scatter_step<4, 8>(v, lane);
+        idxr_scatter_step<2, 4>(v, lane);
+        idxr_scatter_step<1, 2>(v, lane);
+        const int r = lane >> 3, s = s0 + r;          // lane's values: x = 2 lane, 2 lane + 1
+        const int n_vis = min(start + s + 1, T);
+        const int t = t0 + warp * IDXR_KPW + 2 * (lane & 7);
+        if (s < S && n_vis > topk) {
+            if (t < n_vis) score[(long long)s * T + t] = v[0];
+            if (t + 1 < n_vis) score[(long long)s * T + t + 1] = v[1];
+        }
+    }
+}
+
 // ---- topk_select ---------------------------------------------------------------------------------------
 // idx[s, 0 .. k) = the k = min(topk, n_vis) best visible keys of row s in ascending key order (ties at the
 // threshold: the lowest key indices), cnt[s] = k.  idx [S, kmax] int32 (kmax >= k), cnt [S] int32.

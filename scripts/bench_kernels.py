@@ -20,7 +20,10 @@ Measures, in one run:
   4. the whole dense part of a decode layer replayed as one CUDA graph (int8 and int4 cores, T = --layer-T), each
      GEMV version captured twice: ordinary edges and programmatic kernel->kernel edges (PDL, coli/gpu/pdl.py),
      timed interleaved, each replay checked bitwise against the eager step. --dense-layer-only: the copy, the
-     dense GEMVs and these rows.
+     dense GEMVs and these rows;
+  5. the prefill indexer's scores at GLM-5's shape, S = T = 8,192 and 2,560: indexer_scores (v1) against
+     indexer_scores_rows, TFLOP/s of the scored pairs, bits compared (also in --prefill-only). --indexer-only: the
+     copy and these rows.
 Prints a table and, last, one JSON line.
 """
 
@@ -460,6 +463,8 @@ def main() -> int:
     ap.add_argument("--pf-variants", action="store_true",
                     help="with --prefill-only: also the tensor-core MoE prefill rebuilt with other PF_MINB / PF_STAGES")
     ap.add_argument("--attn-only", action="store_true", help="only the copy and the attention rows")
+    ap.add_argument("--indexer-only", action="store_true",
+                    help="only the copy and the prefill indexer rows (indexer_scores v1 against indexer_scores_rows)")
     ap.add_argument("--dense-layer-only", action="store_true",
                     help="only the copy, the dense GEMVs and the whole dense layer replayed as a CUDA graph")
     ap.add_argument("--layer-T", type=int, default=2048, help="cache length of the dense layer row")
@@ -501,6 +506,10 @@ def main() -> int:
     del src, dst
     if a.prefill_only:
         prefill_bench(gb, tm, rng, res, add, variants=a.pf_variants)
+    if a.prefill_only or a.indexer_only:
+        indexer_bench(gb, tm, rng, res, add)
+    if a.indexer_only:
+        return _report(a, res, rows, copy_bw, rt)
 
     if a.dense_layer_only:
         a.dense_only = True
@@ -794,6 +803,7 @@ def main() -> int:
         us = tm.per_call_us(lambda i: gb.rope(qq, cos, sin, dn), a.iters)
         add("rope q 64 heads", us)
         prefill_bench(gb, tm, rng, res, add)
+        indexer_bench(gb, tm, rng, res, add)
 
     return _report(a, res, rows, copy_bw, rt)
 
@@ -908,7 +918,7 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
     from tests.gpu_helpers import rel_err
     out = res.setdefault("prefill", {})
     saved = gb.prefill_kernels
-    gb.prefill_int8 = True          # the int8 rows time pf_linear_int8 (opt-in in the product: COLI_PREFILL_INT8)
+    gb.prefill_int8 = True          # the int8 rows time pf_linear_int8 (the product's default; COLI_PREFILL_INT8=0 turns it off)
     add_row = add
 
     def add(*args, **kw):          # every row printed as it lands (a run cut short still shows what it measured)
@@ -959,6 +969,51 @@ def prefill_bench(gb, tm, rng, res: dict, add, variants: bool = False) -> None:
     gb.prefill_kernels = saved
     print("prefill: " + json.dumps(out), flush=True)
     del pool
+
+
+def indexer_bench(gb, tm, rng, res: dict, add, sizes=(8192, 2560)) -> None:
+    """The prefill indexer's scores at GLM-5's shape (32 index heads x 128, top-2,048) after an empty cache, S = T =
+    8,192 and 2,560 (an agent prompt's chunk): indexer_scores (v1: a warp per key) against indexer_scores_rows (4
+    rows a block, register-tiled), one launch over every row, same run, and the whole indexer_select (scores + the
+    top-k) under each setting. TFLOP/s counts 2 * ih * ihd flops per scored (row, key) pair (rows past topk, their
+    visible keys: coli/gpu/indexer_rows.scored_pairs). The two kernels' scores are compared bit for bit."""
+    from coli.gpu import indexer_rows
+    out = res.setdefault("indexer", {})
+    saved = gb.indexer_kernels
+    ih, ihd, topk = 32, 128, 2048
+    for S in sizes:
+        T = S
+        iq = gb.upload(rng.standard_normal((S, ih, ihd)).astype(F32)).reshape(S, ih, ihd)
+        kid = gb.upload(rng.standard_normal((T, ihd)).astype(F32))
+        hw = gb.upload(rng.standard_normal((S, ih)).astype(F32))
+        flops = 2 * ih * ihd * indexer_rows.scored_pairs(S, 0, T, topk)
+        sc = gb.empty((S, T))
+        bits = {}
+        for ver in ("v1", "rows"):
+            gb.indexer_kernels = ver
+            gb.rt.zero(sc.ptr, sc.nbytes)            # this version's bits below are its own writes
+            name = gb._indexer_scores(iq.ptr, kid.ptr, hw.ptr, S, ih, ihd, 0, T, topk, sc.ptr)
+            us = tm.per_call_us(lambda i: gb._indexer_scores(iq.ptr, kid.ptr, hw.ptr, S, ih, ihd, 0, T, topk, sc.ptr),
+                                3, reps=3, warmup=1, spin_us=40000)
+            tf = flops / us / 1e6
+            r = add(f"indexer scores prefill S=T={S} {ih}x{ihd} [{ver}: {name}]", us, None, f"{tf:.2f} TFLOP/s")
+            print(f"  {r['kernel']}: {us / 1e3:.2f} ms  {tf:.2f} TFLOP/s", flush=True)
+            out[f"scores_S{S}_{ver}_ms"] = round(us / 1e3, 3)
+            out[f"scores_S{S}_{ver}_TFLOPs"] = round(tf, 2)
+            out[f"scores_S{S}_{ver}_kernel"] = name
+            bits[ver] = gb.to_host(sc).view(np.uint32)[topk:].copy()      # rows past topk: every visible key written
+            pos = np.arange(S)
+            us = tm.per_call_us(lambda i: gb.indexer_select(iq, kid, hw, pos, topk), 2, reps=3, warmup=1,
+                                spin_us=60000)
+            add(f"indexer_select prefill S=T={S} (scores + top-{topk}) [{ver}]", us)
+            out[f"select_S{S}_{ver}_ms"] = round(us / 1e3, 3)
+        vis = np.arange(T)[None, :] <= np.arange(topk, S)[:, None]
+        out[f"scores_S{S}_rows_equal_v1_bits"] = bool((bits["rows"][vis] == bits["v1"][vis]).all())
+        if out[f"scores_S{S}_v1_ms"]:
+            out[f"scores_S{S}_speedup"] = round(out[f"scores_S{S}_v1_ms"] / out[f"scores_S{S}_rows_ms"], 2)
+        del iq, kid, hw, sc
+    gb.indexer_kernels = saved
+    print("indexer: " + json.dumps(out), flush=True)
 
 
 def prefill_variants(gb, tm, xs_, ids, wp, recs, flops, out, add) -> None:

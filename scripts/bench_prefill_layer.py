@@ -8,7 +8,9 @@ timed apart with CUDA events (needs PyCUDA and a CUDA device).
 The layer is GlmMoeDsaModel's loop body (coli.bench.dense_layer.layer_body) without the routed experts (their copies
 and grouped GEMMs are `coli bench stream`'s MoE rows): the norms, the projections (q_a | kv_a | the indexer's wk and
 weights_proj, q_b | the indexer's wq_b, o_proj), rope, the cache writes, the indexer's scores + top-k, mla_attend's
-q_abs / context / o, the router with its top-k and the shared expert -- the kernels `coli bench stream` runs there.
+q_abs / context / o, the router with its top-k and the shared expert -- the kernels `coli bench stream` runs there
+(the indexer's scores: "indexer_select: indexer_scores_rows" under COLI_INDEXER_KERNELS=auto, the default;
+"indexer_select: indexer_scores" under v1).
 Each row is one labelled part: its kernels' GPU time, each launch replayed in its place in the sequence (the
 recorded launches issued again behind a spin kernel, an event after every launch: bench_kernels.time_launches).
 "eager layer" is the same body run as the runtime runs it (host work, uploads of the attention's mask and the
@@ -69,8 +71,9 @@ def weight_names(lw) -> dict[int, str]:
 
 def label_launches(launches: list[dict], names: dict[int, str]) -> list[str]:
     """One label per recorded launch: a projection by its weight's name (an x split for the tensor cores by the
-    weight of the op's next launch), mla_attend's first kv_b launch q_abs and its last o (the rest: context),
-    everything else op: kernel."""
+    weight of the op's next launch), mla_attend's kv_b launches q_abs (the NN product: gemm_nn / mla_qabs / gemv_t)
+    or o (the others) -- a long prefill has one of each per block of rows -- the rest context, everything else
+    op: kernel."""
     def weight_of(L):
         return next((names[a] for a in L["args"] if isinstance(a, int) and a in names), None)
     ws = [weight_of(L) for L in launches]
@@ -82,8 +85,8 @@ def label_launches(launches: list[dict], names: dict[int, str]) -> list[str]:
                               None)
             labels.append(f"{op} {w or '?'}: {k}")
         elif op == "mla_attend":
-            kvb = [i for i in range(len(launches)) if launches[i]["op"] == "mla_attend" and ws[i] == "kv_b"]
-            part = "q_abs" if kvb and j == kvb[0] else "o" if kvb and j == kvb[-1] else "context"
+            part = ("context" if ws[j] != "kv_b" else
+                    "q_abs" if k.startswith(("gemm_nn", "mla_qabs", "gemv_t")) else "o")
             labels.append(f"mla_attend {part}: {k}")
         else:
             labels.append(f"{op}: {k}")
@@ -183,7 +186,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     cfg = dense_config(PRESETS["glm5"], layers=1)
     res: dict = {"device": gb.rt.name, "prefill_kernels": gb.prefill_kernels, "prefill_int8": gb.prefill_int8,
-                 "layers": {}}
+                 "indexer_kernels": gb.indexer_kernels, "layers": {}}
     for fmt in fmts:
         model = GlmMoeDsaModel(cfg, RandomDense(cfg, fmt), gb)
         out = res["layers"][fmt] = {}

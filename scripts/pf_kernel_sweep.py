@@ -253,7 +253,7 @@ def main() -> int:
 
     saved = (cb.PF_ROWS, cb.PF_TOKS, cb.PF_STAGES, gb.prefill_kernels)
     gb.prefill_kernels = "mma"
-    gb.prefill_int8 = True          # the int8 GEMM rows are pf_linear_int8's (opt-in in the product: COLI_PREFILL_INT8)
+    gb.prefill_int8 = True          # the int8 GEMM rows are pf_linear_int8's (the product's default; COLI_PREFILL_INT8=0 turns it off)
     shipped_big = gb.to_host(moe_big())          # the module as the backend builds it (PyCUDA): "default" must match
     ref_big = ref_dense = ref_dense8 = None
     try:

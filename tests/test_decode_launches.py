@@ -31,7 +31,7 @@ def _backend(attn="auto", gemv="v2"):
     gb.attn_kernels, gb.attn_chunk, gb.gemv_kernels, gb.gemv_ks = attn, None, gemv, None
     gb.step = None                      # not inside a captured decode step (coli/gpu/graphs.py)
     gb.prefill_kernels, gb._pf_usable = "mma", True    # S > 1: int4 on the tensor cores (no module to compile here)
-    gb.prefill_int8 = False                             # COLI_PREFILL_INT8's default (pf_linear_int8 opt-in)
+    gb.prefill_int8 = True                              # COLI_PREFILL_INT8's default (pf_linear_int8)
     return gb
 
 
@@ -203,3 +203,29 @@ def test_linear_many_checks_every_width():
     with pytest.raises(ValueError, match=r"linear_many: input of width 6144 for a weight of shape \[576, 512\]"):
         gb.linear_many(gb.rt.empty((1, 6144)), [_weight(gb, 2048, 6144, "int8"), _weight(gb, 576, 512, "int8")])
     assert gb.rt.launches == []
+
+
+@pytest.mark.parametrize("masking", ["dense", "topk"])
+def test_a_long_prefills_attention_runs_in_blocks_of_rows_each_with_the_whole_calls_split(masking):
+    """S = 1,100 > ATTN_PREFILL_ROWS: q_abs, the context and o per block of 512 + 512 + 76 rows (grids' row axes),
+    the same context kernel with the same chunk each time; S = 512 is still one pass."""
+    from coli.gpu.cuda_backend import ATTN_PREFILL_ROWS, DeviceMask
+    from coli.gpu.cuda_weights import HeadView
+    assert ATTN_PREFILL_ROWS == 512
+    nh, dn, dr, dv, L = 64, 192, 64, 256, 512
+    for S, blocks in ((1100, [512, 512, 76]), (512, [512])):
+        gb = _backend("auto")
+        T = 3000
+        kvb = _weight(gb, nh * (dn + dv), L, "int8")
+        w_kb, w_vb = HeadView(kvb, 0, dn + dv, dn, nh), HeadView(kvb, dn, dn + dv, dv, nh)
+        q, lat, kpe = gb.rt.empty((S, nh, dn + dr)), gb.rt.empty((T, L)), gb.rt.empty((T, dr))
+        mask = DeviceMask(S, T, T - S)
+        if masking == "topk":
+            mask = DeviceMask(S, T, T - S, gb.rt.empty((S, 2048), np.int32), gb.rt.empty((S,), np.int32), 2048)
+        assert gb.mla_attend(q, lat, kpe, w_kb, w_vb, mask, 0.1).shape == (S, nh * dv)
+        names = [x[0] for x in gb.rt.launches]
+        assert names == ["gemm_nn_int8", "mla_attend_tile3", "gemm_nt_int8"] * len(blocks)
+        ctx = gb.rt.launches[1::3]
+        assert [g[1][2] for g in ctx] == blocks                        # grid (chunks, head groups, rows)
+        assert len({g[1][:2] for g in ctx}) == 1                       # one chunk count for every block
+        assert [g[1][1] for g in gb.rt.launches[0::3]] == [-(-n // 64) for n in blocks]

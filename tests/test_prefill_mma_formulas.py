@@ -267,9 +267,9 @@ def _prefill_backend(version="mma"):
     (6144, 16384, "int4", 128, "mma", ["pf_split_rows", "pf_linear_int4"]),
     (2048, 6144, "int4", 64, "v1", ["gemm_nt_int4"]),
     (576, 6144, "int4", 64, "mma", ["gemm_nt_int4"]),          # rows not whole blocks of 128
-    (2048, 6144, "int8+", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),    # +: COLI_PREFILL_INT8=1
+    (2048, 6144, "int8+", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),    # +: COLI_PREFILL_INT8=1 (the default)
     (576, 6144, "int8+", 64, "mma", ["pf_split_rows", "pf_linear_int8"]),     # kv_a: the last row block partial
-    (2048, 6144, "int8", 64, "mma", ["gemm_nt_int8"]),        # the default until a GPU run: the fp32 tiles
+    (2048, 6144, "int8", 64, "mma", ["gemm_nt_int8"]),        # COLI_PREFILL_INT8=0: the fp32 tiles
     (2048, 6144, "int8+", 64, "v1", ["gemm_nt_int8"]),
     (2048, 6144 + 32, "int8+", 64, "mma", ["gemm_nt_int8"]),  # not whole 64-column blocks
     (2048, 6144, "bf16", 64, "mma", ["gemm_nt_bf16"]),
@@ -486,3 +486,16 @@ def test_pf_int8_layout_ok_and_shared_memory():
     want = 3 * (256 * 64 + 32 * 256 + 32 * 48) + 256 * 16 + 32 * 4
     assert pf_smem(6144, 0, "int8") == pf_smem(16384, 0, "int8") == want
     assert pf_smem(6144, 0, "int8") <= 99 * 1024 and 2 * pf_smem(6144, 0, "int8") <= 227 * 1024
+
+
+def test_the_int8_prefill_switch_defaults_on_and_a_bad_value_is_a_one_line_error_naming_it():
+    from coli.errors import ColiError
+    from coli.gpu.cuda_backend import prefill_int8_enabled
+    assert prefill_int8_enabled({}) is True                      # since its GPU tests passed (2026-12-01)
+    assert prefill_int8_enabled({"COLI_PREFILL_INT8": "0"}) is False
+    assert prefill_int8_enabled({"COLI_PREFILL_INT8": " 1 "}) is True
+    for v in ("2", "on", ""):
+        with pytest.raises(ColiError) as e:
+            prefill_int8_enabled({"COLI_PREFILL_INT8": v})
+        msg = str(e.value)
+        assert "COLI_PREFILL_INT8" in msg and "use 1" in msg and "or 0" in msg and "\n" not in msg

@@ -25,8 +25,9 @@ Beside it, per S:
 `--prefill-ahead` (coli/gpu/layer_ahead.py, measured first): the cold-ram rows also run on engines that put the next
 MoE layer's experts on the speculative lane as soon as a layer's step has asked for its own (rows "cold-ram+ahead",
 the same slots; "cold-ram-2E" and "cold-ram-2E+ahead", two layers' worth of slots, what a card with room for the next
-layer gives), each "+ahead" row set against its plain one (`ahead_figures`: in a forward only the last L - 1 layers
-have a layer before them, GLM-5 74).
+layer gives), each "+ahead" row set against its plain one (`ahead_figures`: the engine copies a forward's first MoE
+layer from the step's start too, as the product does, so every MoE layer has a window before it: the slice's L, GLM-5's
+75; a row without those first-layer copies, `ahead_first` 0, counts the last L - 1 and 74).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def prefill_figures(raw: dict, *, L: int, head_s: float, head_s_full: float, fix
         out["copied_bytes_glm5"] = cb * 75 / L
         out["copies"] = c.get("copies", 0) + (c.get("spec_copies") or 0)
         out["ahead_bytes_slice"] = c.get("spec_bytes") or 0
+        out["ahead_first"] = c.get("ahead_first") or 0       # forwards whose first MoE layer copied from the start
         out["copied_over_all_experts"] = cb / (L * GLM5_EXPERTS * record_bytes) if record_bytes else None
         cs = c.get("demand_copy_s")          # the demand lane's busy time: its own bytes over it (the ahead copies
         out["copy_busy_GBps"] = c.get("copy_bytes", 0) / cs / 1e9 if cs else None   # ran on the other lane)
@@ -136,16 +138,20 @@ def prefill_figures(raw: dict, *, L: int, head_s: float, head_s_full: float, fix
 
 
 def ahead_figures(row: dict, plain: dict, L: int, moe_layers: int = 75) -> dict:
-    """A layer-ahead row against the same engine without it, same S (pure): in one forward only the slice's last
-    L - 1 MoE layers have a layer before them to copy during, so the time saved is per such layer, and GLM-5 has 74
-    of them: ttft_glm5 = the plain row's - 74 x saved."""
-    if L < 2:
+    """A layer-ahead row against the same engine without it, same S (pure). The time saved is per MoE layer that had
+    a window to copy during: where the row's forwards copied their first MoE layer from the step's start
+    (`ahead_first`, VramExperts.begin_step) every one of the slice's L and of GLM-5's 75 had one, the first's being
+    the dense work before it (the slice: its attention; GLM-5: 3 dense layers and layer 3's attention); otherwise
+    only the last L - 1 and 74, each during the layer before it. ttft_glm5 = the plain row's - (75 or 74) x saved."""
+    first = bool(row.get("ahead_first"))
+    n_slice, n_glm5 = (L, moe_layers) if first else (L - 1, moe_layers - 1)
+    if n_slice < 1:
         return {"saved_ms_per_layer": None, "ttft_s_glm5": None, "note": "a 1-layer slice has no layer ahead"}
-    saved = (plain["prefill_ms_slice"] - row["prefill_ms_slice"]) / 1e3 / (L - 1)
-    t = plain["ttft_s_glm5"] - (moe_layers - 1) * saved
+    saved = (plain["prefill_ms_slice"] - row["prefill_ms_slice"]) / 1e3 / n_slice
+    t = plain["ttft_s_glm5"] - n_glm5 * saved
     copy_all = plain.get("copy_all_s_glm5")
     return {"base": plain["scenario"], "saved_ms_per_layer": saved * 1e3, "ttft_s_glm5": t,
-            "ttft_over_copy_all": t / copy_all if copy_all else None}
+            "ttft_over_copy_all": t / copy_all if copy_all else None, "layers_ahead_glm5": n_glm5}
 
 
 def prefill_rows(raws: list[dict], **kw) -> list[dict]:

@@ -216,6 +216,9 @@ class OraclePilot:
         self.vx, self.routing, self.L = vx, routing, n_layers
         self.prefetched = 0
 
+    def begin_step(self, tokens: int) -> None:
+        self.vx.begin_step(tokens)             # the product's start of a step (a long prefill's first copies)
+
     def stream(self, layer: int, ids: list[int]):
         yield from self.vx.stream(layer, ids)
         r = self.routing
@@ -872,7 +875,10 @@ def _ahead_rows(r: "_Runner", prefilled, host, n_cold: int) -> None:
     """--prefill-ahead: the cold-ram prefills again with the next layer's experts copied ahead (coli/gpu/layer_ahead.py:
     the product's copies, VramExperts' `ahead_layers`, made here whatever the slot count, the switch and COLI_SPEC_COPIES
     say), on n_cold slots and on two layers' worth (2E), with the 2E engine's plain rows beside them (no ahead copies,
-    as the plain cold-ram rows)."""
+    as the plain cold-ram rows). The forward announces its rows to the engine installed here as it does in the product
+    (model.experts.begin_step), so each timed prefill also copies its first MoE layer from the step's start (the
+    rows' `ahead_first`, counted in `ahead_bytes_slice`). The no-MoE reference prefills ran earlier, on the warm or
+    plain cold-ram engine, so no ahead copy runs under them."""
     from coli.bench.prefill import forget_resident
     for name, slots, ahead in (("cold-ram+ahead", n_cold, True), ("cold-ram-2E", 2 * r.E, False),
                                ("cold-ram-2E+ahead", 2 * r.E, True)):

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from coli.errors import ColiError
-from coli.gpu import attention_split
+from coli.gpu import attention_split, indexer_rows
 from coli.gpu.cuda_runtime import CudaError, CudaRuntime, DeviceArray, get_runtime
 from coli.gpu.cuda_weights import (
     FLUSH, DeviceRecord, HeadView, HostExpert, QWeight, ResidentExperts, upload_f32, upload_host_expert, upload_weight, vec_ok,
@@ -52,6 +52,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("norm", "add_rmsnorm"): "PPPPPPif", ("norm", "norms3"): "PPPiPPPif" + "PPPPif",
         ("rope", "rope4"): "PPii" + "PPiii" * 4, ("graph", "kv_put3"): "P" + "PqP" * 3,
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
+        ("indexer", "indexer_scores_rows"): "PPPiiiiiffiiP",
         ("router", "route_topk"): "PPiiiiifPP",
         ("gemm", "moe_reduce"): "PiiiPi",
         ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
@@ -137,27 +138,37 @@ GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs 
 # (default) on the tensor cores (cuda/prefill_mma.cu) where pf_layout_ok / pf_int8_layout_ok / pf_moe_layout_ok and
 # the shared memory allow, else the fp32 tiled GEMMs;
 # "v1" always the fp32 tiled GEMMs (cuda/gemm.cu; scripts/bench_kernels.py's old-vs-new, bisecting).
+# A prefill's mla_attend runs this many query rows at a time (_mla_attend_blocks): the absorbed queries and the
+# contexts, [rows, nh, Lkv] f32 each (256 KB a row at GLM-5's shape), then take a fixed 134 MB instead of growing
+# with the chunk; 512 rows still give the context kernel 2,048 blocks (4 head groups each) to fill the device with.
+ATTN_PREFILL_ROWS = 512
 PREFILL_KERNELS = os.environ.get("COLI_PREFILL_KERNELS", "mma")
 PREFILL_VERSIONS = ("mma", "v1")
-# pf_linear_int8 (int8 weights on the tensor cores) is opt-in until it has run on a GPU: it was written after the last
-# device run of 2026-12-01 (no device was lent again that session); COLI_PREFILL_INT8=1 takes it,
-# tests/gpu/test_gpu_prefill.py's int8 tests are the check that flips the default. Without it an int8 weight's prefill
-# linear runs on the fp32 tiles, as before.
-PREFILL_INT8_DEFAULT = "0"
+# pf_linear_int8 (int8 weights on the tensor cores) is the default since its GPU tests passed on the H200 (2026-12-01,
+# 20:45 UTC, tests/gpu/test_gpu_prefill.py's int8 tests: every error within its f64 bound) and took the dense part of a
+# 2,048-token prefill layer from 68.4 to 31.4 ms (docs/perf-notes.md, "TTFT"). COLI_PREFILL_INT8=0 keeps an int8
+# weight's prefill linear on the fp32 tiles, as before.
+PREFILL_INT8_DEFAULT = "1"
 
 
 def prefill_int8_enabled(env: dict | None = None) -> bool:
-    """COLI_PREFILL_INT8: "1" int8 weights' prefill linears on the tensor cores (pf_linear_int8), "0" (default, see
-    PREFILL_INT8_DEFAULT) on the fp32 tiles."""
+    """COLI_PREFILL_INT8: "1" (default, see PREFILL_INT8_DEFAULT) int8 weights' prefill linears on the tensor cores
+    (pf_linear_int8), "0" on the fp32 tiles."""
     from coli.gpu.graphs import env_switch
-    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores",
-                      "int8 prefill linears on the fp32 tiles, the default until a GPU run", env)
+    return env_switch("COLI_PREFILL_INT8", PREFILL_INT8_DEFAULT, "int8 prefill linears on the tensor cores, the default",
+                      "int8 prefill linears on the fp32 tiles", env)
 # The tensor-core MoE prefill's buffers per token ([K, H] partial outputs, split x and h): the prompt goes through in
 # chunks of at most this many bytes. Each chunk sorts its own pairs by expert, so a larger chunk fills the PF_TOKS-pair
 # tiles better (a 2,048-token GLM-5 prompt, ~64 pairs per expert, is one chunk).
 PREFILL_CHUNK_BYTES = 1 << 30
 PF_ROWS, PF_TOKS, PF_STAGES = 256, 32, 3    # prefill_mma.cu: weight rows / activation rows per block, stages
 ATTN_VERSIONS = ("auto", "tile3", "tile2", "tile1", "split2", "split1", "v1")
+# The indexer's scores of a prefill (S > 1; the replayed decode step's indexer_scores_dyn is S = 1 and unchanged):
+# "auto" (default) = "rows", cuda/indexer.cu indexer_scores_rows (4 rows a block, register-tiled: the same bits as
+# indexer_scores) where the shape and the device's shared memory allow it (coli/gpu/indexer_rows.py), else
+# indexer_scores; "v1" always indexer_scores (scripts/bench_kernels.py's old-vs-new, bisecting).
+INDEXER_KERNELS = os.environ.get("COLI_INDEXER_KERNELS", "auto")
+INDEXER_VERSIONS = ("auto", "rows", "v1")
 ATTN_PROJ_VERSIONS = ("auto", "tile3", "tile2", "tile1")   # decode the projections with mla_qabs_<fmt> / mla_o_<fmt>
 MLA_PROJ_THREADS = 256   # mla_qabs_<fmt> / mla_o_<fmt> blocks (cuda/attention.cu)
 ROPE_MANY = 4        # tensors per rope4 launch (cuda/rope.cu)
@@ -224,6 +235,7 @@ class CudaBackend(Backend):
         self.attn_chunk: int | None = None   # keys per block of the split attention (None: attention_split picks)
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
         self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
+        self.indexer_kernels = kernel_choice("COLI_INDEXER_KERNELS", INDEXER_KERNELS, INDEXER_VERSIONS)
         self.prefill_int8 = prefill_int8_enabled()            # pf_linear_int8 for int8 weights (opt-in, see above)
         self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
         self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
@@ -629,6 +641,8 @@ class CudaBackend(Backend):
         if Lkv > 512 or dr > 64:
             raise ValueError(f"mla_attend supports kv_lora_rank <= 512 and rope dim <= 64 (got {Lkv}, {dr})")
         mask = self.device_mask(allowed, S, T)
+        if S > ATTN_PREFILL_ROWS and self.step is None:
+            return self._mla_attend_blocks(q, lat, k_pe, w_kb, w_vb, mask, scale)
         decode = S == 1 and self.attn_kernels != "v1"
         # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
         q_abs = self.empty((S, nh, Lkv))
@@ -648,8 +662,47 @@ class CudaBackend(Backend):
                        o.ptr, nh * dv, dv, nh)
         return o
 
+    def _mla_attend_blocks(self, q: DeviceArray, lat: DeviceArray, k_pe: DeviceArray, w_kb: HeadView,
+                           w_vb: HeadView, mask: DeviceMask, scale: float) -> DeviceArray:
+        """mla_attend of a long prefill, ATTN_PREFILL_ROWS query rows at a time: its absorbed queries and contexts
+        ([rows, nh, Lkv] each, 256 KB a row at GLM-5's shape) are the largest per-row buffers of a prefill step, so
+        they take a fixed block instead of growing with the chunk (coli/gpu/prefill_budget.py counts them so), and
+        the same VRAM fits a longer --prefill-chunk. Every row's result is the bits of the one-pass call: each
+        kernel computes a row from that row alone (the GEMMs' sums run over their K, not over rows), and each
+        block is given the whole call's split (chunk and grid from the whole call's rows and n_max)."""
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        R = ATTN_PREFILL_ROWS
+        n_max = mask.kmax if mask.idx is not None else mask.start + S
+        chunk, _ = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
+        o = self.empty((S, nh * w_vb.rows_per_head))                     # [S, nh * dv] head-major
+        for s0 in range(0, S, R):
+            n = min(R, S - s0)
+            sub = DeviceMask(n, T, mask.start + s0,
+                             None if mask.idx is None else mask.idx.row_view(s0, n),
+                             None if mask.cnt is None else mask.cnt.row_view(s0, n), mask.kmax)
+            self._mla_attend_rows(q.row_view(s0, n), lat, k_pe, w_kb, w_vb, sub, scale, n_max, chunk,
+                                  o.row_view(s0, n))
+        return o
+
+    def _mla_attend_rows(self, q: DeviceArray, lat: DeviceArray, k_pe: DeviceArray, w_kb: HeadView,
+                         w_vb: HeadView, mask: DeviceMask, scale: float, n_max: int, chunk: int,
+                         o: DeviceArray) -> None:
+        """One block of _mla_attend_blocks: mla_attend's prefill path (S > 1) over these rows, the split forced,
+        into o [S, nh * dv] (the block's rows of the call's output)."""
+        S, nh, dq = q.shape
+        T, Lkv = lat.shape
+        dn, dv = w_kb.rows_per_head, w_vb.rows_per_head
+        q_abs = self.empty((S, nh, Lkv))                                  # [S, nh, Lkv]
+        self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
+                   q_abs.ptr, nh * Lkv, Lkv, nh)
+        ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max, chunk=chunk)
+        self._gemm(False, ctx.ptr, nh * Lkv, Lkv, S, w_vb.w, w_vb.row_off, w_vb.head_stride, dv, Lkv,
+                   o.ptr, nh * dv, dv, nh)
+
     def attend_core(self, q_abs: DeviceArray, q: DeviceArray, pe_off: int, lat: DeviceArray, k_pe: DeviceArray,
-                    mask: DeviceMask, scale: float, T_dev: int = 0, n_max: int | None = None) -> DeviceArray:
+                    mask: DeviceMask, scale: float, T_dev: int = 0, n_max: int | None = None,
+                    chunk: int | None = None) -> DeviceArray:
         """ctx [S, nh, Lkv] = softmax over the mask's keys of (q_abs . lat + q_pe . k_pe) * scale, applied to lat;
         q_pe = q[..., pe_off:]. The split-context kernels (cuda/attention.cu, coli/gpu/attention_split.py) where
         they apply, else one block per (head, row). T_dev: device address of the cache length as an int32 (dense
@@ -671,7 +724,8 @@ class CudaBackend(Backend):
             return ctx
         if n_max is None:
             n_max = mask.kmax if mask.idx is not None else mask.start + S
-        chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count, self.attn_chunk)
+        chunk, nchunk = attention_split.split_chunks(n_max, S, nh, Lkv, self.rt.sm_count,
+                                                     self.attn_chunk if chunk is None else chunk)
         fn, threads, smem, combine, combine_threads = self._split_kernels(Lkv, dr, nj)
         grid = (nchunk, attention_split.head_groups(nh), S)
         args = (q_abs.ptr, q.ptr, dq, pe_off, lat.ptr, k_pe.ptr, idx, cnt, mask.kmax, mask.start, T_dev, S, nh, Lkv,
@@ -776,19 +830,35 @@ class CudaBackend(Backend):
         kmax = min(index_topk, T)
         idx = self.rt.empty((S, kmax), np.int32)
         cnt = self.rt.empty((S,), np.int32)
-        f_sc = self._fn("indexer", "indexer_scores")
         f_tk = self._fn("indexer", "topk_select")
-        smem = (ih * (ihd + 1) + ih) * 4
         rows = max(1, INDEXER_CHUNK_BYTES // (4 * T))
         for s0 in range(0, S, rows):
             n = min(rows, S - s0)
             scores = self.empty((n, T))
-            self.rt.launch(f_sc, (-(-T // 64), n), 256, iq.ptr + s0 * ih * ihd * 4, k_idx.ptr,
-                           head_w.ptr + s0 * ih * 4, ih, ihd, start + s0, T, F32(ihd ** -0.5), F32(ih ** -0.5),
-                           index_topk, scores.ptr, smem=smem)
+            self._indexer_scores(iq.ptr + s0 * ih * ihd * 4, k_idx.ptr, head_w.ptr + s0 * ih * 4, n, ih, ihd,
+                                 start + s0, T, index_topk, scores.ptr)
             self.rt.launch(f_tk, (n,), 1024, scores.ptr, T, start + s0, index_topk, kmax,
                            idx.ptr + s0 * kmax * 4, cnt.ptr + s0 * 4)
         return DeviceMask(S, T, start, idx, cnt, kmax)
+
+    def _indexer_scores(self, iq: int, k_idx: int, head_w: int, S: int, ih: int, ihd: int, start: int, T: int,
+                        topk: int, scores: int) -> str:
+        """scores[s, t] of the rows with more than topk visible keys (see cuda/indexer.cu), by indexer_scores_rows
+        for S > 1 where indexer_kernels and the shape allow it, else indexer_scores: the same bits either way (one
+        row, an eager decode step, keeps indexer_scores: a 4-row block would compute 3 rows for nothing). Returns the
+        kernel's name."""
+        qscale, wscale = F32(ihd ** -0.5), F32(ih ** -0.5)
+        if S > 1 and self.indexer_kernels != "v1" and indexer_rows.rows_applies(ih, ihd) is None:
+            fn = self._fn("indexer", "indexer_scores_rows")
+            smem = indexer_rows.smem_bytes(ih, ihd)
+            if self.rt.allow_smem(fn, smem):
+                per_block, grid = indexer_rows.rows_grid(S, T, self.rt.sm_count, start, topk)
+                self.rt.launch(fn, grid, indexer_rows.THREADS, iq, k_idx, head_w, ih, ihd, start, S, T, qscale,
+                               wscale, topk, per_block, scores, smem=smem)
+                return "indexer_scores_rows"
+        self.rt.launch(self._fn("indexer", "indexer_scores"), (-(-T // 64), S), 256, iq, k_idx, head_w, ih, ihd,
+                       start, T, qscale, wscale, topk, scores, smem=(ih * (ihd + 1) + ih) * 4)
+        return "indexer_scores"
 
     def _indexer_select_step(self, iq: DeviceArray, k_idx: DeviceArray, head_w: DeviceArray,
                              index_topk: int) -> DeviceMask:

@@ -7,9 +7,10 @@ copy of every expert; a 2,048-token prompt fed in 128-token chunks copies the mo
 
 What a step's rows cost on the CUDA backend, per row (f32 unless said; the memory pool reuses a layer's buffers at
 the next layer, so one layer's set is the peak):
-- attention: q_lora [q_lora_rank], q [nh * dq], the new latent and rope key [Lkv + dr], the absorbed query and the
-  context [nh, Lkv] each, o [nh * dv]; the indexer's query [ih * id] and head weights [ih]; the top-k mask's indices
-  [index_topk] int32. The split attention's partials are capped (attention_split.PARTIAL_CAP_BYTES) and the
+- attention: q_lora [q_lora_rank], q [nh * dq], the new latent and rope key [Lkv + dr], o [nh * dv]; the indexer's
+  query [ih * id] and head weights [ih]; the top-k mask's indices [index_topk] int32. The absorbed query and the
+  context ([nh, Lkv] each, 256 KB a row at GLM-5's shape, the largest per-row buffers) are made ATTN_PREFILL_ROWS rows
+  at a time (cuda_backend._mla_attend_blocks): at most that many rows' worth, whatever the chunk. The split attention's partials are capped (attention_split.PARTIAL_CAP_BYTES) and the
   indexer's [S, T] scores are chunked (cuda_backend.INDEXER_CHUNK_BYTES): both are in the fixed workspace.
 - the residual stream, the normed input and the block outputs: ~6 x [H]; the dense MLP's gate and up [I] (the
   first layers), the shared expert's [Im * n_shared], the router's scores [E] and top-k [K] (ids and weights).
@@ -25,6 +26,7 @@ from coli.config import ModelConfig
 AUTO_SHARE = 8          # auto: the chunk's rows may take at most 1/AUTO_SHARE of the VRAM budget
 AUTO_CAP = 8192         # ... and at most this many tokens (the largest `coli bench stream --prefill` measures)
 PREFILL_CHUNK_BYTES = 1 << 30     # cuda_backend.PREFILL_CHUNK_BYTES (not imported: this module stays pure)
+ATTN_PREFILL_ROWS = 512           # cuda_backend.ATTN_PREFILL_ROWS (the same)
 
 
 def row_bytes(cfg: ModelConfig) -> int:
@@ -32,7 +34,7 @@ def row_bytes(cfg: ModelConfig) -> int:
     nh, H = cfg.num_attention_heads, cfg.hidden_size
     dq = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     Lkv, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    attn = cfg.q_lora_rank + nh * dq + Lkv + dr + 2 * nh * Lkv + nh * cfg.v_head_dim
+    attn = cfg.q_lora_rank + nh * dq + Lkv + dr + nh * cfg.v_head_dim
     indexer = cfg.index_n_heads * cfg.index_head_dim + cfg.index_n_heads + cfg.index_topk
     mlp = 6 * H + 2 * cfg.intermediate_size + 2 * cfg.moe_intermediate_size * max(1, cfg.n_shared_experts)
     router = cfg.n_routed_experts + 2 * cfg.num_experts_per_tok
@@ -45,9 +47,17 @@ def moe_token_bytes(cfg: ModelConfig) -> int:
     return K * H * 4 + K * Im * 19 // 4 + H * 19 // 4
 
 
+def attention_block_bytes(cfg: ModelConfig, rows: int) -> int:
+    """The absorbed queries and contexts of one block of a prefill's attention: min(rows, ATTN_PREFILL_ROWS) x
+    2 x [nh, Lkv] f32."""
+    return min(int(rows), ATTN_PREFILL_ROWS) * 2 * cfg.num_attention_heads * cfg.kv_lora_rank * 4
+
+
 def prefill_workspace_bytes(cfg: ModelConfig, rows: int) -> int:
-    """GPU bytes a step of `rows` tokens takes beyond the fixed workspace: its activations and MoE buffers."""
-    return rows * row_bytes(cfg) + min(rows * moe_token_bytes(cfg), PREFILL_CHUNK_BYTES)
+    """GPU bytes a step of `rows` tokens takes beyond the fixed workspace: its activations, its attention's block
+    and its MoE buffers."""
+    return (rows * row_bytes(cfg) + attention_block_bytes(cfg, rows)
+            + min(rows * moe_token_bytes(cfg), PREFILL_CHUNK_BYTES))
 
 
 def auto_prefill_chunk(cfg: ModelConfig, budget_bytes: int, max_context: int, step_tokens: int) -> int:

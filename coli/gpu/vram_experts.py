@@ -41,7 +41,7 @@ from coli.container.reader import decode_expert_record
 from coli.errors import ColiError
 from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
-from coli.gpu.layer_ahead import AHEAD_FRACTION, ahead_of
+from coli.gpu.layer_ahead import AHEAD_FRACTION, AHEAD_TILE_BYTES, ahead_of, first_ahead
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_record_formats
 from coli.gpu.pool import SlotPool, staging_slots
 from coli.gpu.spec_governor import SpecGovernor
@@ -108,7 +108,8 @@ class VramExperts:
         coli/gpu/spec_governor.py; a number: up to that many, whatever they deliver -- tests of single copies).
         ahead_layers: the model's MoE layers, for layer-ahead prefill copies (coli/gpu/layer_ahead.py): a step that
         asked for >= ahead_fraction of its layer's experts puts every expert of the next MoE layer on the speculative
-        lane, whatever `speculate` says and outside the governor's budget (not guesses: that layer needs them all).
+        lane, whatever `speculate` says and outside the governor's budget (not guesses: that layer needs them all);
+        a forward step whose rows are expected to ask for that share (begin_step) does so for its first MoE layer.
         None (the default here; the product decides in coli/gpu/setup.py): none."""
         check_record_formats(layout)
         self.b, self.rt, self.host, self.layout = backend, backend.rt, host, layout
@@ -121,6 +122,7 @@ class VramExperts:
         self.retain, self.sync = bool(retain), bool(sync)
         self.speculate = speculative_copies_default() if speculate is None else bool(speculate)
         self.tile = self.slot_bytes if self.sync else max(4096, int(tile_bytes))
+        self.ahead_tile = max(self.tile, AHEAD_TILE_BYTES)   # layer-ahead copies' tile (coli/gpu/layer_ahead.py)
         self.split = layout.down.offset            # gate/up bytes come first in a record
         self.n_slots = int(n_slots)
         self.pool = SlotPool(self.n_slots, self.slot_bytes, policy, n_keys=n_layers * n_experts,
@@ -154,8 +156,9 @@ class VramExperts:
                       "spec_copy_s": 0.0, "spec_cancelled": 0, "stale_copies": 0, "eviction_races": 0, "steps": 0,
                       "spec_handoffs": 0, "spec_handoff_bytes": 0,
                       # layer-ahead prefill copies (also counted in spec_*): layers copied ahead, copies put on the
-                      # lane, and bytes of them that landed (whole copies, and prefixes a demand took over)
-                      "ahead_layers": 0, "ahead_copies": 0, "ahead_bytes": 0}
+                      # lane, and bytes of them that landed (whole copies, and prefixes a demand took over); of the
+                      # layers, those that were a forward's first MoE layer, copied from its step's start
+                      "ahead_layers": 0, "ahead_copies": 0, "ahead_bytes": 0, "ahead_first": 0}
         # per demand copy: its device time, lane start event -> last tile done (the start event fires when the
         # demand stream reaches the job, after the slot's previous readers), and its bytes (same index)
         self.delays_us: list[float] = []
@@ -175,6 +178,26 @@ class VramExperts:
                 self._registered.append(addr)
 
     # ---- the expert source ------------------------------------------------------------------------------
+    def begin_step(self, tokens: int) -> None:
+        """A forward step of `tokens` rows begins (coli/model/forward.py, before its first layer). A long prefill from
+        its start (coli/gpu/layer_ahead.py first_ahead: its rows are expected to ask for >= ahead_fraction of a
+        layer's experts) puts every expert of the forward's first MoE layer on the speculative lane now, as
+        `_copy_ahead` does for the next layer, so they cross while the dense layers before it run; that layer's step
+        cancels what is still queued (`_stop_ahead`) and copies the rest on demand, so a prompt that asks for fewer
+        than expected costs no demand a slot or a wait (a short one copies nothing: first_ahead says no).
+        Counted in ahead_layers / ahead_copies / ahead_bytes as the others, and in ahead_first."""
+        first = None if self.ahead_layers is None else first_ahead(tokens, self.ahead_layers, self.E, self.K,
+                                                                    self.ahead_fraction)
+        if first is None:
+            return
+        try:
+            if self._copy_ahead(*first):
+                self.stats["ahead_first"] += 1
+        except DriverError as e:
+            if e.fatal:
+                raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
+            raise
+
     def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         try:
             yield from self._stream(layer, ids)
@@ -271,15 +294,18 @@ class VramExperts:
         if put:
             self._spec_layers[layer] = self._spec_layers.get(layer, 0) + put
 
-    def _copy_ahead(self, layer: int, ids: list[int]) -> None:
+    def _copy_ahead(self, layer: int, ids: list[int]) -> int:
         """A long prefill's step is handed out and launched: `ids` of the next MoE layer `layer` (every expert, from
         coli/gpu/layer_ahead.py ahead_of) to the speculative lane, outside the governor's books. After the launch, so
         the probes and acquires (O(slots) each where a copy displaces a key) are not between the step's last copy
-        and its last kernels; the step's keys are unpinned then but still not displaced (used in this step)."""
+        and its last kernels; the step's keys are unpinned then but still not displaced (used in this step).
+        Also the forward's first MoE layer at the step's start (begin_step): the last step's keys, the previous
+        forward's last MoE layer, are the ones kept then."""
         put = self._speculate(layer, ids, budget=self.E, ahead=True)
         if put:
             self.stats["ahead_layers"] += 1
             self.stats["ahead_copies"] += put
+        return put
 
     def _stop_ahead(self, lo: int, hi: int, ids: set[int]) -> None:
         """A step of the layer with keys [lo, hi) begins: layer-ahead copies still queued for any other key stop (a
@@ -312,8 +338,8 @@ class VramExperts:
             s = self.pool.acquire(key, speculative=True)
             if s is None:
                 continue
-            job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
-                          wait_event=self.slot_consumed[s])
+            job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split,
+                          self.ahead_tile if ahead else self.tile, wait_event=self.slot_consumed[s])
             self.slot_job[s], self.slot_src[s] = job, rec
             self._spec_jobs[s] = job
             if ahead:

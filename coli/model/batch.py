@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from coli.model.backend import cos_sin_table
-from coli.model.forward import GlmMoeDsaModel, checked_ids
+from coli.model.forward import GlmMoeDsaModel, begin_step, checked_ids
 from coli.model.kv_cache import KVCache
 
 
@@ -172,6 +172,7 @@ def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
     cos, sin = segment_angles(c, segs)                                  # [S, dr/2] each
 
     eps, layers = c.rms_norm_eps, model.layers
+    begin_step(model.experts, int(ids.shape[0]))                        # the union of every row's experts
     h = b.embed(model.embed, ids)                                       # [S, H]
     allowed: list = [None] * len(segs)                                  # per row: its last full indexer's mask
     # each residual add with the RMSNorm that reads its sum as one op (add_rms_norm), as in GlmMoeDsaModel.forward

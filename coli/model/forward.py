@@ -32,6 +32,17 @@ class ExpertSource(Protocol):
 
     def stream(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]: ...
 
+    # Optional: `begin_step(tokens)`, called when a forward step of `tokens` rows begins, before its first layer
+    # (begin_step below). The VRAM cache (coli/gpu/vram_experts.py) starts a long prefill's first MoE layer's copies
+    # there; a source without it has nothing to start, and a wrapper around one must pass it on.
+
+
+def begin_step(experts, tokens: int) -> None:
+    """Tell the expert source that a step of `tokens` rows begins, where it has the hook (ExpertSource's note)."""
+    hook = getattr(experts, "begin_step", None)
+    if hook is not None:
+        hook(int(tokens))
+
 
 class WeightExperts:
     """ExpertSource over a WeightSource that holds every expert (a checkpoint or a container)."""
@@ -260,6 +271,7 @@ class GlmMoeDsaModel:
         cos, sin = cos_sin_table(positions, c.qk_rope_head_dim, c.rope_theta)  # [S, dr/2]
 
         eps, layers = c.rms_norm_eps, self.layers
+        begin_step(self.experts, S)                                    # a long prefill's first copies start here
         h = b.embed(self.embed, ids)                                   # [S, H]
         allowed = None                                                  # [S, T] from the last full indexer
         # every residual add runs with the RMSNorm that reads its sum as one op (add_rms_norm: one launch on the GPU,

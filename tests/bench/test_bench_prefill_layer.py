@@ -45,6 +45,11 @@ def test_labels_name_weights_splits_and_attention_parts():
         "mla_attend q_abs: gemm_nn_int8", "mla_attend context: attn_split", "mla_attend o: gemm_nt_int8",
         "swiglu shared_gate: pf_linear_int8", "swiglu: silu_mul", "swiglu shared_gate: pf_split_rows",
         "swiglu shared_gate: pf_linear_int8"]
+    # a long prefill's attention in blocks of rows: each block's kv_b products are its q_abs and its o
+    blocks = [L("mla_attend", "gemm_nn_int8", 2000), L("mla_attend", "attn_split", 9),
+              L("mla_attend", "gemm_nt_int8", 2000)] * 2
+    assert bpl.label_launches(blocks, names) == ["mla_attend q_abs: gemm_nn_int8", "mla_attend context: attn_split",
+                                                 "mla_attend o: gemm_nt_int8"] * 2
 
 
 def test_the_benchmarked_layer_is_the_forwards_without_its_routed_experts():

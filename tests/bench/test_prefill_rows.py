@@ -122,6 +122,22 @@ def test_a_layer_ahead_row_is_set_against_its_plain_engine_per_layer_that_has_on
     assert cells[0][-1] == "-" and cells[1][-1] == f"{a['ttft_s_glm5']:.2f} (60.0)"
 
 
+def test_a_row_whose_forwards_copied_their_first_layer_ahead_credits_every_moe_layer():
+    # the engine copied each forward's first MoE layer from the step's start (VramExperts.begin_step): both slice
+    # layers had a window, and so do all 75 of GLM-5 -- the same as the row's own split
+    raw = _raw("cold-ram-2E+ahead", t=0.460)
+    raw["counters"]["ahead_first"] = 1
+    rows = pf.prefill_rows([_raw("cold-ram-2E", t=0.520), raw], **KW)
+    plain, row = rows
+    a = row["ahead"]
+    assert row["ahead_first"] == 1 and a["layers_ahead_glm5"] == 75
+    assert a["saved_ms_per_layer"] == pytest.approx(30.0)                       # 60 ms over the slice's 2 layers
+    assert a["ttft_s_glm5"] == pytest.approx(plain["ttft_s_glm5"] - 75 * 0.030)
+    assert a["ttft_s_glm5"] == pytest.approx(row["ttft_s_glm5"])                # the row's own split agrees now
+    one = pf.ahead_figures(dict(row), plain, L=1)                              # a 1-layer slice has a window too
+    assert one["saved_ms_per_layer"] == pytest.approx(60.0)
+
+
 def test_copied_bytes_count_the_layer_ahead_copies_too():
     raw = _raw("cold-ram+ahead", copied=300 * MB)
     raw["counters"].update(spec_bytes=212 * MB, spec_copies=212, copies=300)

@@ -269,3 +269,33 @@ def test_topk_select_ties_take_the_lowest_keys(gb, rng):
         order = np.lexsort((np.arange(n), -row))[:topk]      # by score desc, then index asc
         assert got_cnt[s] == topk
         assert got_idx[s].tolist() == sorted(order.tolist())
+
+
+@pytest.mark.parametrize("nh,dn,dr,dv,Lkv,T,S", [(64, 192, 64, 256, 512, 700, 300), (4, 32, 16, 32, 32, 350, 300)])
+@pytest.mark.parametrize("masking", ["dense", "topk"])
+@pytest.mark.parametrize("kernels", ["auto", "v1"])
+def test_a_long_prefill_attends_in_row_blocks_with_the_bits_of_one_pass(gb, rng, monkeypatch, nh, dn, dr, dv, Lkv,
+                                                                        T, S, masking, kernels):
+    """_mla_attend_blocks (S > ATTN_PREFILL_ROWS: queries and contexts a block of rows at a time, so a prefill's
+    buffers stop growing with the chunk) gives exactly the one-pass call's output, blocks of 128 + 128 + 44 rows."""
+    from coli.gpu import cuda_backend
+    from coli.gpu.cuda_weights import HeadView
+    buf, lay, _ = stored_matrix(nh * (dn + dv), Lkv, "int8", rng, group=32)
+    w = qweight(gb, buf, lay)
+    w_kb, w_vb = HeadView(w, 0, dn + dv, dn, nh), HeadView(w, dn, dn + dv, dv, nh)
+    q, lat, kpe = rand(rng, S, nh, dn + dr), rand(rng, T, Lkv), rand(rng, T, dr)
+    start = T - S
+    if masking == "topk":
+        allowed = np.arange(T)[None, :] <= (start + np.arange(S))[:, None]
+        keep = rng.random((S, T)) < 0.6
+        keep[np.arange(S), start + np.arange(S)] = True
+        mask = gb.device_mask(allowed & keep, S, T)
+    else:
+        mask = cuda_backend.DeviceMask(S, T, start)
+    monkeypatch.setattr(gb, "attn_kernels", kernels)
+    dq, dlat, dkpe = gb.upload(q).reshape(S, nh, dn + dr), gb.upload(lat), gb.upload(kpe)
+    outs = []
+    for rows in (10**9, 128):
+        monkeypatch.setattr(cuda_backend, "ATTN_PREFILL_ROWS", rows)
+        outs.append(gb.to_host(gb.mla_attend(dq, dlat, dkpe, w_kb, w_vb, mask, (dn + dr) ** -0.5)))
+    assert np.isfinite(outs[0]).all() and np.array_equal(outs[0], outs[1])

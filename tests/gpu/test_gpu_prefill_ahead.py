@@ -1,7 +1,8 @@
 """Layer-ahead prefill copies on the GPU (coli/gpu/layer_ahead.py, VramExperts' `ahead_layers`): a prefill of a few
 hundred tokens through a VRAM pool with room for two layers' experts copies every expert of the next MoE layer on the
-speculative lane, gives the tokens it gives without them, and computes nothing on the CPU; `coli run`'s loader and the
-stage runtime's executor get the copies exactly where the pool has room and COLI_PREFILL_AHEAD is on.
+speculative lane (and its first MoE layer's from the step's start), gives the tokens it gives without them, and
+computes nothing on the CPU; `coli run`'s loader and the stage runtime's executor get the copies exactly where the
+pool has room and COLI_PREFILL_AHEAD is on.
 
 The tiny oracle (transformers-built, a seed no other test uses) has 3 MoE layers of 16 experts, top-4: a 300-token
 prompt routes to all 16 in every layer (>= AHEAD_FRACTION), a decode step to 4 (never). Two layers beside the
@@ -50,9 +51,9 @@ def _load(d, slots, monkeypatch, switch=None):
 
 def test_coli_run_gets_the_ahead_copies_exactly_where_they_fit_and_the_switch_is_on(tiny, monkeypatch):
     d, _ = tiny
-    # unset: off until this test has run on a GPU (layer_ahead.PREFILL_AHEAD_DEFAULT); the test then flips it
+    # unset: on (layer_ahead.PREFILL_AHEAD_DEFAULT, since this test passed on the H200), where the pool has room
     for slots, switch, on in ((SLOTS, "1", True), (36, "1", True), (35, "1", False), (SLOTS, "0", False),
-                              (SLOTS, None, False)):
+                              (SLOTS, None, True), (35, None, False)):
         model, cfg = _load(d, slots, monkeypatch, switch)
         vx = model.experts
         got = vx.ahead_layers
@@ -80,9 +81,12 @@ def test_a_long_prefill_copies_the_next_layer_ahead_with_the_same_tokens_and_no_
     from coli.loader import load_model
     d, prompt = tiny
     out = {}
+    tiles = []
     for ahead in (False, True):
         model, cfg = _load(d, SLOTS, monkeypatch)
         vx = _cold_ram_engine(model, d, ahead)
+        submit = vx.spec.submit
+        vx.spec.submit = lambda job, submit=submit: (tiles.append((ahead, job.tile)), submit(job))[1]
         toks, _ = greedy(model, prompt, NEW, capacity=PROMPT + NEW + 8)
         vx.finish()
         out[ahead] = (toks, vx.snapshot())
@@ -96,13 +100,74 @@ def test_a_long_prefill_copies_the_next_layer_ahead_with_the_same_tokens_and_no_
            ahead={k: st.get(k) for k in keys}, plain={k: sp.get(k) for k in keys})
     assert toks == plain                                  # the copies change when bytes cross, never what is computed
     assert st["cpu_fallbacks"] == 0 and sp["cpu_fallbacks"] == 0
-    # the prefill copied ahead from every MoE layer but the last, all 16 experts (the pool was empty); the decode
-    # steps (4 experts a layer) never
-    assert st["ahead_layers"] == len(cfg.moe_layers) - 1
+    # the prefill copied every MoE layer ahead, all 16 experts each (the pool was empty): the first from the step's
+    # start (300 rows of top-4 of 16 expect every expert), each later one from the layer before it; the decode steps
+    # (4 experts a layer) never
+    assert st["ahead_layers"] == len(cfg.moe_layers) and st["ahead_first"] == 1
     assert st["ahead_copies"] == st["ahead_layers"] * cfg.n_routed_experts
     # some landed before the next layer's step cancelled the rest (the lane trickles while the router waits)
     assert st["ahead_bytes"] > 0 and st["spec_copies"] + st["spec_handoffs"] > 0
     assert sp["ahead_layers"] == sp["ahead_copies"] == sp["ahead_bytes"] == 0 and sp["spec_copies"] == 0
+    # the ahead copies go in 4 MiB tiles (layer_ahead.AHEAD_TILE_BYTES), not the guesses' --stream-tile-kb
+    from coli.gpu.layer_ahead import AHEAD_TILE_BYTES
+    assert tiles and all(on for on, _ in tiles) and {t for _, t in tiles} == {AHEAD_TILE_BYTES}
+
+
+def test_the_first_moe_layer_copies_from_the_steps_start_and_changes_no_result(tiny, monkeypatch):
+    """One prefill forward, then the decode, on the cold-ram engine with and without the ahead copies: the prefill's
+    logits as close as the GPU path is to the numpy path (the copies only move which experts are resident when a
+    layer's step begins, hence how its experts split into launch batches: a different order of the same float32
+    sums, never different terms), the same tokens; the stats after the prefill show the first MoE layer copied from
+    the step's start (before its router) and ahead copies landed."""
+    from coli.loader import load_model
+    d, prompt = tiny
+    out = {}
+    for ahead in (False, True):
+        model, cfg = _load(d, SLOTS, monkeypatch)
+        vx = _cold_ram_engine(model, d, ahead)
+        cache = model.new_cache(PROMPT + NEW + 8)
+        logits = model.forward(prompt, cache)                          # [1, V], the prompt's last row
+        vx.finish()
+        after_prefill = vx.snapshot()
+        toks, _ = greedy(model, [int(np.argmax(logits[-1]))], NEW - 1, cache=cache)
+        vx.finish()
+        out[ahead] = (logits, [int(np.argmax(logits[-1]))] + toks, after_prefill, vx.snapshot())
+        vx.close()
+    cpu, _ = load_model(d, "cpu")
+    ref = cpu.forward(prompt, cpu.new_cache(PROMPT + 8))
+    (l_off, t_off, p_off, s_off), (l_on, t_on, p_on, s_on) = out[False], out[True]
+    gpu_vs_numpy = float(np.abs(l_off - ref).max())
+    on_vs_off = float(np.abs(l_on - l_off).max())
+    keys = ("ahead_first", "ahead_layers", "ahead_copies", "ahead_bytes", "spec_copies", "spec_handoffs",
+            "spec_cancelled", "hits", "misses", "copies", "cpu_fallbacks")
+    report("prefill_ahead_first", prompt=PROMPT, slots=SLOTS, on_vs_off=on_vs_off, gpu_vs_numpy=gpu_vs_numpy,
+           tokens_equal=t_on == t_off, prefill_on={k: p_on.get(k) for k in keys},
+           prefill_off={k: p_off.get(k) for k in keys})
+    assert t_on == t_off
+    assert on_vs_off <= gpu_vs_numpy, (on_vs_off, gpu_vs_numpy)
+    assert s_on["cpu_fallbacks"] == 0 and s_off["cpu_fallbacks"] == 0
+    E, moe = cfg.n_routed_experts, list(cfg.moe_layers)
+    assert p_on["ahead_first"] == 1 and p_on["ahead_layers"] == len(moe) and p_on["ahead_copies"] == len(moe) * E
+    # some landed before the steps that wanted them (whole: found resident; or a prefix the demand took over)
+    assert p_on["ahead_bytes"] > 0 and p_on["spec_copies"] + p_on["spec_handoffs"] > 0
+    assert s_on["ahead_first"] == 1                               # the decode steps (one row) never
+    assert p_off["ahead_first"] == p_off["ahead_copies"] == 0
+
+
+def test_a_short_prompt_copies_nothing_from_the_steps_start(tiny, monkeypatch):
+    """A prompt of 2 rows (top-4 of 16 expects 7 of 16 experts, below 3/4; at most 8 asked, so no later layer copies
+    ahead either): no first-layer copies; its tokens as without the ahead copies."""
+    d, prompt = tiny
+    out = {}
+    for ahead in (False, True):
+        model, _ = _load(d, SLOTS, monkeypatch)
+        vx = _cold_ram_engine(model, d, ahead)
+        toks, _ = greedy(model, prompt[:2], NEW, capacity=NEW + 16)
+        vx.finish()
+        out[ahead] = (toks, vx.snapshot())
+        vx.close()
+    assert out[True][0] == out[False][0]
+    assert out[True][1]["ahead_first"] == 0 and out[True][1]["ahead_copies"] == 0
 
 
 def test_the_stage_runtime_copies_ahead_on_a_long_prompt(tmp_path, tiny, monkeypatch):

@@ -41,8 +41,9 @@ def test_gpu_bench_stream_prefill_rows(tmp_path):
 
 
 def test_gpu_bench_stream_prefill_ahead_rows(tmp_path):
-    """--prefill-ahead: the layer-ahead engines run, the 2E one copies experts ahead on the speculative lane, every
-    expert of the prompt's union still arrives (demand or ahead) and nothing falls back to the CPU."""
+    """--prefill-ahead: the layer-ahead engines run, the 2E one copies experts ahead on the speculative lane (the first
+    MoE layer's from the step's start too), every expert of the prompt's union still arrives (demand or ahead) and
+    nothing falls back to the CPU."""
     from coli.bench.slice import SliceOptions, make_slice
     from coli.bench.stream import run_scenarios
     from coli.bench.trace_router import TRACE_NAME
@@ -61,3 +62,7 @@ def test_gpu_bench_stream_prefill_ahead_rows(tmp_path):
         assert r.get("run", True) and r["cpu_fallbacks"] == 0 and r["copies"] >= union, (name, r)
     assert rows["cold-ram-2E+ahead"]["ahead_bytes_slice"] > 0, rows["cold-ram-2E+ahead"]
     assert rows["cold-ram-2E+ahead"]["ahead"]["base"] == "cold-ram-2E"
+    # the product's path: the timed forward copied its first MoE layer from the step's start (100 rows of top-4 of
+    # 16), so every MoE layer is credited, the slice's 2 and GLM-5's 75
+    assert rows["cold-ram-2E+ahead"]["ahead_first"] == 1 and rows["cold-ram-2E"]["ahead_first"] == 0
+    assert rows["cold-ram-2E+ahead"]["ahead"]["layers_ahead_glm5"] == 75

@@ -279,3 +279,17 @@ def test_a_cache_that_grows_is_never_doubled_past_the_model_s_context(model):
     d = KVCache.empty(cfg, model.backend, 4000, pool=CachePool())
     d.reserve(4100)                                 # past the context (nothing above refused it): doubling as before
     assert d.capacity == 8000
+
+
+def test_iterating_a_spent_generation_again_is_a_clear_error_not_a_released_cache_deep_inside(oracle, model):
+    from coli.generate import GenerationSpent
+    _, o, _ = oracle
+    p = o["prompt_ids"]
+    gen = Generation(model, p, 4, ignore_eos=True)
+    first = list(gen)
+    with pytest.raises(GenerationSpent, match="iterated already.*make a new Generation"):
+        list(gen)
+    assert list(Generation(model, p, 4, ignore_eos=True)) == first     # the model and its pool are unharmed
+    kept = Generation(model, p, 4, ignore_eos=True, keep_cache=True)   # a kept cache is not released: no error
+    list(kept)
+    assert not kept.cache.released

@@ -6,8 +6,8 @@ import pytest
 from coli.config import ModelConfig
 from coli.errors import ColiError
 from coli.gpu import cuda_backend
-from coli.gpu.prefill_budget import (AUTO_SHARE, PREFILL_CHUNK_BYTES, auto_prefill_chunk, moe_token_bytes,
-                                     prefill_workspace_bytes, row_bytes)
+from coli.gpu.prefill_budget import (ATTN_PREFILL_ROWS, AUTO_SHARE, PREFILL_CHUNK_BYTES, attention_block_bytes,
+                                     auto_prefill_chunk, moe_token_bytes, prefill_workspace_bytes, row_bytes)
 from coli.gpu.setup import WORKSPACE_BYTES, plan_slots
 
 GLM5 = ModelConfig()
@@ -18,12 +18,21 @@ def test_the_moe_buffers_follow_the_backends_chunk_bound():
     assert PREFILL_CHUNK_BYTES == cuda_backend.PREFILL_CHUNK_BYTES
     # below the bound the MoE buffers grow with the rows; past it they stay one chunk
     small = prefill_workspace_bytes(GLM5, 128)
-    assert small == 128 * (row_bytes(GLM5) + moe_token_bytes(GLM5))
+    assert small == 128 * (row_bytes(GLM5) + moe_token_bytes(GLM5)) + attention_block_bytes(GLM5, 128)
     big = prefill_workspace_bytes(GLM5, 8192)
-    assert big == 8192 * row_bytes(GLM5) + PREFILL_CHUNK_BYTES
+    assert big == 8192 * row_bytes(GLM5) + attention_block_bytes(GLM5, 8192) + PREFILL_CHUNK_BYTES
 
 
-@pytest.mark.parametrize("budget_gb,chunk", [(16, 1024), (24, 2048), (48, 4096), (80, 8192), (141, 8192)])
+def test_the_attentions_queries_and_contexts_take_one_block_of_rows_whatever_the_chunk():
+    assert ATTN_PREFILL_ROWS == cuda_backend.ATTN_PREFILL_ROWS
+    per_row = 2 * GLM5.num_attention_heads * GLM5.kv_lora_rank * 4          # q_abs + ctx, [nh, Lkv] f32 each
+    assert per_row == 262144
+    assert attention_block_bytes(GLM5, 100) == 100 * per_row
+    assert attention_block_bytes(GLM5, 8192) == attention_block_bytes(GLM5, ATTN_PREFILL_ROWS) == 512 * per_row
+
+
+# (the attention's [rows, nh, Lkv] buffers in blocks doubled the 16, 24 and 48 GB chunks: 1,024 / 2,048 / 4,096 before)
+@pytest.mark.parametrize("budget_gb,chunk", [(16, 2048), (24, 4096), (32, 4096), (48, 8192), (80, 8192), (141, 8192)])
 def test_auto_takes_the_largest_power_of_two_within_an_eighth_of_the_budget(budget_gb, chunk):
     got = auto_prefill_chunk(GLM5, budget_gb * GB, max_context=202752, step_tokens=128)
     assert got == chunk
