@@ -46,8 +46,7 @@ def dense_layer(model, h, positions, cos, sin, cache):
     c, b, lw = model.config, model.backend, model.layers[0]
     x = b.rms_norm(h, lw.input_norm, c.rms_norm_eps)                                      # [S, H]
     a, _ = model._attention(0, lw.attn, x, positions, cos, sin, cache, 0, None)
-    h = b.add(h, a)
-    x2 = b.rms_norm(h, lw.post_norm, c.rms_norm_eps)                                      # [S, H]
+    h, x2 = b.add_rms_norm(h, a, lw.post_norm, c.rms_norm_eps)                            # [S, H] each, one op
     b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
             c.routed_scaling_factor)                                                      # [S, K] ids, weights
     return b.add(h, b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down))
