@@ -342,3 +342,47 @@ def test_stage_runtime_faults_and_gpu_lost_demotion(tmp_path, root, oracles):
     assert out["tokens"] == o["greedy_tokens"]
     assert "gpu_lost_demoting_to_cpu" in log, log[-3000:]
     assert "cpu_fallback" in log
+
+
+def test_a_step_missing_more_experts_than_slots_launches_half_a_pool_at_a_time(root, oracles):
+    """A prefill step asks for every expert of a layer with 6 slots: its records go to the kernels half the staging
+    slots at a time (pool.batch_slots), each batch launched while the next copies, a miss waiting only for the oldest copies; the
+    tokens stay the numpy path's and no expert falls back to the CPU. A decode step (top-k <= 6 misses) is
+    unchanged."""
+    from coli.gpu.cuda_weights import FLUSH
+    from coli.gpu.pool import batch_slots
+    from coli.loader import load_model
+    src, _ = oracles["vram-default"]
+    o = load_oracle(src)
+    d = container(root, src, "vram-default-int4", experts="int4", dense="int8", group=64)
+    model, cfg = streaming_model(d, 6)
+    assert cfg.n_routed_experts > 6 >= cfg.num_experts_per_tok     # prefill steps miss more than the pool holds
+    vx = model.experts
+    batch = batch_slots(vx.pool.staging)
+    runs = []                                    # per stream() call: (misses asked, records between FLUSHes)
+    stream = vx.stream
+
+    def counting(layer, ids, stream=stream):
+        held, groups = 0, []
+        for item in stream(layer, ids):
+            if item is FLUSH:
+                groups.append(held)
+                held = 0
+            else:
+                held += 1
+            yield item
+        runs.append((len(ids), groups + [held]))
+    vx.stream = counting
+    prompt = (list(o["prompt_ids"]) * 4)[:48]    # 48 rows: (nearly) every expert of every layer
+    g, _ = greedy(model, prompt, 8)
+    vx.finish()
+    st = vx.snapshot()
+    vx.close()
+    cpu, _ = load_model(d, "cpu")
+    c, _ = greedy(cpu, prompt, 8)
+    assert g == c and st["cpu_fallbacks"] == 0
+    long = [gr for n, gr in runs if n > 6]
+    assert long and all(max(gr) <= batch for gr in long)       # never more than half the staging slots a launch
+    assert all(sum(1 for x in gr if x) >= n // batch for n, gr in runs if n > 6)
+    short = [gr for n, gr in runs if n <= 6]      # a decode step: its hits, then its misses -- no batches of its own
+    assert short and all(sum(1 for x in gr if x) <= 2 for gr in short)

@@ -744,3 +744,51 @@ def test_a_revoked_key_not_acquired_again_keeps_its_next_steps_uses():
     p.loaded(s2)
     p.release(s2)
     p.check()
+
+
+@pytest.mark.parametrize("policy", ["freq", "lru", "rdf"])
+def test_a_long_steps_half_pool_batches_reuse_the_slots_of_the_batch_before_the_last(policy):
+    """VramExperts' long step (more misses than slots) as the real pool sees it: records launched half the staging
+    slots at a time (batch_slots), a miss without a slot waiting for the oldest copies one at a time. Every slot handed out
+    again belongs to a batch launched two or more batches before: its kernels ran while the last batch copied, so
+    the copy into it never waits for kernels on the device. No miss falls back, step after step."""
+    from coli.gpu.pool import batch_slots, staging_slots
+    n, E, K = 16, 256, 8
+    pool = SlotPool(n, 1, policy, n_keys=2 * E, staging=staging_slots(n, K))
+    assert batch_slots(pool.staging) == 4
+    for step in range(3):
+        layer = step % 2
+        pool.begin_step()
+        loading: list[int] = []                      # slots whose copies have not been reaped, oldest first
+        batch_of: dict[int, int] = {}
+        held: list[int] = []
+        launched = 0                                 # batches launched so far this step
+
+        def launch():
+            nonlocal held, launched
+            for s in held:
+                pool.release(s)
+            held, launched = [], launched + 1
+        for e in range(E):
+            key = layer * E + e
+            s = pool.lookup(key)
+            assert s is None                        # every expert of the layer is a miss (nothing kept fits)
+            s = pool.acquire(key)
+            if s is None:
+                if held:
+                    launch()
+                s = pool.acquire(key, retry=True)
+                while s is None and loading:
+                    pool.loaded(loading.pop(0))
+                    s = pool.acquire(key, retry=True)
+            assert s is not None, (policy, step, e)
+            if s in batch_of:
+                assert batch_of[s] <= launched - 2, (policy, step, e, batch_of[s], launched)
+            loading = [x for x in loading if x != s] + [s]
+            batch_of[s] = launched
+            held.append(s)
+            if len(held) >= batch_slots(pool.staging):
+                launch()
+        launch()
+        for s in loading:
+            pool.loaded(s)
