@@ -516,15 +516,6 @@ class SlotPool:
         return k
 
 
-def batch_slots(staging: int) -> int:
-    """The records a step that misses more experts than the pool has slots (a long prefill) hands out between two
-    launches (VramExperts._stream): half the staging slack. Such a step's keys do not displace each other (each is
-    used this step, none outranks the rest), so once the mapped slots are taken only the staging slots (transient
-    installs) turn over; in halves, one half's kernels run while the other half copies, and a copy into a slot
-    follows the kernels of the batch before the last, done by then (tests/vram/test_pool.py)."""
-    return max(1, int(staging) // 2)
-
-
 def staging_slots(n_slots: int, top_k: int) -> int:
     """The slack the GPU executor's pool keeps beside its capacity (VramExperts): room for one step's top-k misses,
     at most half the pool."""

@@ -43,7 +43,7 @@ from coli.gpu.driver import DriverError, EventPool, get_driver, handle_of
 from coli.gpu.lanes import DEFAULT_TILE_BYTES, CopyJob, CopyLane
 from coli.gpu.layer_ahead import AHEAD_FRACTION, AHEAD_TILE_BYTES, ahead_of, first_ahead
 from coli.gpu.cuda_weights import FLUSH, DeviceRecord, HostExpert, check_record_formats
-from coli.gpu.pool import SlotPool, batch_slots, staging_slots
+from coli.gpu.pool import SlotPool, staging_slots
 from coli.gpu.spec_governor import SpecGovernor
 from coli.weights import ExpertWeights
 
@@ -258,15 +258,6 @@ class VramExperts:
                 return
             if hits and not self.sync:
                 yield FLUSH
-            # A step that misses more experts than the pool has slots (a long prefill) hands its records out in
-            # batches of half the staging slots (pool.batch_slots), the slots that turn over in such a step: each
-            # batch's kernels run while the next one copies, and a copy's slot is the batch before the last's, whose
-            # readers are done by then. Launched only when no slot was left, a batch took every staging slot, so each
-            # slot's next copy waited on the device for the kernels of the batch just launched: the copy lane idled
-            # ~0.4 ms each time (16 slots: 32 times, ~14 ms of a 2,048-token GLM-5 layer's ~111). Decode steps
-            # (misses <= slots) are unchanged.
-            batch = batch_slots(self.pool.staging) if len(misses) > self.n_slots and not self.sync else 0
-            held = 0
             for rec in self.host.grants(layer, misses):
                 if rec is None:                  # a disk read is on its way: time to reap meanwhile
                     if older:
@@ -279,16 +270,10 @@ class VramExperts:
                 h = self._load(layer, rec) if ho is None else self._resume(layer, rec, *ho)
                 if h is FLUSH:                       # no free slot until the held records are launched
                     yield FLUSH
-                    held = 0
                     h = self._load(layer, rec, retry=True)
                 yield rec.expert, h
                 if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
                     self.host.release(rec)
-                else:
-                    held += 1
-                    if batch and held >= batch:      # a batch of a long step: launched while the next one copies
-                        yield FLUSH
-                        held = 0
         finally:
             for s, job in handoff.values():      # never granted (the step stopped early): drop them
                 self._drop_handoff(s, job)
@@ -475,7 +460,9 @@ class VramExperts:
             self._fallback_note("oversize", f"layer {layer} expert {rec.expert}: record of {rec.nbytes} bytes, "
                                             f"slots of {self.slot_bytes}")
             return self._host_expert(rec, "oversize")
-        s = self._acquire_after_flush(key) if retry else self.pool.acquire(key)
+        if retry:
+            self._reap(wait=True)                # slots whose copies are still loading cannot be handed out
+        s = self.pool.acquire(key, retry=retry)
         if s is None:
             if not retry:
                 return FLUSH
@@ -485,19 +472,6 @@ class VramExperts:
         job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split, self.tile,
                       wait_event=self.slot_consumed[s], inject_error=inject)
         return self._issue(layer, rec, s, job)
-
-    def _acquire_after_flush(self, key: int) -> int | None:
-        """A demand miss found no slot and every held record is launched (a FLUSH): slots whose copies are still
-        loading cannot be handed out, so finish copies -- the oldest first, one at a time, each landed one reaped --
-        until the pool gives a slot. Waiting for every pending copy instead held the host until the last one landed,
-        and the copy lane idle until the host issued the next (a long prefill: once per pool of experts)."""
-        self._reap(wait=False)
-        s = self.pool.acquire(key, retry=True)
-        while s is None and self._pending:
-            self.drv.event_sync(self._pending[0][0].ev_done)
-            self._reap(wait=False)
-            s = self.pool.acquire(key, retry=True)   # each retry takes back the rejection the last one counted
-        return s
 
     def _issue(self, layer: int, rec: HostRecord, s: int, job: CopyJob) -> Any:
         """Put a demand copy into slot s (pinned, loading) on the demand lane: its DeviceRecord, or on a copy
