@@ -84,13 +84,15 @@ class Generation:
     # keep it (`cache` and `mtp_carry` after the turn, to continue the conversation). A cache given in is the
     # caller's: never released here.
     keep_cache: bool = False
+    _made_cache: bool = field(default=False, init=False, repr=False)   # `cache` is the one the first iteration made
 
     def __iter__(self) -> Iterator[int]:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
-        if self.cache is not None and self.cache.released:
+        if self._made_cache and self.cache.released:
             # the cache this generation made went back to the pool when its first iteration ended: a second one
-            # would write into buffers another sequence may own now
+            # would write into buffers another sequence may own now (a released cache the caller gave in is the
+            # caller's error: CacheReleased, at its first use below)
             raise GenerationSpent("this Generation was iterated already and its KV cache went back to the model's "
                                   "pool: make a new Generation (keep_cache=True keeps the cache to continue from)")
         if len(self.prompt_ids) == 0 and (self.cache is None or self.cache.length == 0):
@@ -103,6 +105,7 @@ class Generation:
         owned = self.cache is None and not self.keep_cache
         if self.cache is None:
             self.cache = self.model.new_cache(max(16, len(self.prompt_ids) + self.max_tokens))
+            self._made_cache = True
         try:
             yield from self._generate()
         finally:

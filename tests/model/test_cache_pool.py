@@ -293,3 +293,15 @@ def test_iterating_a_spent_generation_again_is_a_clear_error_not_a_released_cach
     kept = Generation(model, p, 4, ignore_eos=True, keep_cache=True)   # a kept cache is not released: no error
     list(kept)
     assert not kept.cache.released
+
+
+def test_a_released_cache_given_in_is_the_caller_s_error_not_a_spent_generation(oracle, model):
+    """GenerationSpent says "make a new Generation": true only for a cache the generation made itself. A cache the
+    caller gave in and released is the caller's bug, and a new Generation with it would fail the same: that one is
+    CacheReleased (the cache's own message), as before GenerationSpent existed."""
+    _, o, _ = oracle
+    p = o["prompt_ids"]
+    cache = model.new_cache(len(p) + 8)
+    cache.release()
+    with pytest.raises(CacheReleased, match="was released"):
+        list(Generation(model, p, 4, ignore_eos=True, cache=cache))
