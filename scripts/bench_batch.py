@@ -38,6 +38,10 @@ class AskedExperts:
         self.calls += 1
         return self.inner.stream(layer, ids)
 
+    def begin_step(self, tokens):       # passed on: the VRAM cache starts a long prefill's first copies there
+        from coli.model.forward import begin_step
+        begin_step(self.inner, tokens)
+
 
 def sync(model) -> None:
     rt = getattr(model.backend, "rt", None)
