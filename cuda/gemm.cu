@@ -222,3 +222,22 @@ extern "C" __global__ void moe_reduce(const float *Y, int S, int K, int H, float
         out[i] = a;
     }
 }
+
+// moe_reduce_mask: the same sum over the slots whose mask[s, k] is set only (uint8 [S, K]): a batch of a step's
+// experts wrote those rows of Y, the others are never read (moe_reduce needed them zeroed: the same bits, a skipped
+// slot being a zero added). grid-stride over S * H, block 256.
+extern "C" __global__ void moe_reduce_mask(const float *Y, const unsigned char *mask, int S, int K, int H, float *out,
+                                           int accumulate) {
+    COLI_PDL_ENTRY();
+    const long long total = (long long)S * H;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long s = i / H, n = i - s * H;
+        const float *y = Y + s * K * H + n;
+        const unsigned char *m = mask + s * K;
+        float a = accumulate ? out[i] : 0.f;
+        for (int k = 0; k < K; k++)
+            if (m[k]) a = __fadd_rn(a, y[(long long)k * H]);
+        out[i] = a;
+    }
+}

@@ -297,7 +297,8 @@ def test_prefill_linear_launches(rows, cols, fmt, group, version, want):
 
 def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
     """A 300-token prefill over 40 GLM-5 experts: x split once, one gate/up and one down launch over every expert's
-    32-pair tiles, then the slot sum; an f32 record (a host expert) in the same batch takes the fp32 GEMMs after."""
+    32-pair tiles, then the slot sum over the pairs they cover (the f32 record's slots are not theirs: the masked
+    sum, no zeroed partials); that f32 record (a host expert) in the same batch takes the fp32 GEMMs after."""
     from coli.container.format import RecordLayout
     from coli.gpu.cuda_weights import DeviceRecord
     gb = _prefill_backend()
@@ -310,13 +311,39 @@ def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
     recs = [(e, DeviceRecord(gb.rt.empty((16,), np.uint8).ptr, lay32 if e == 7 else lay)) for e in range(E)]
     gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(recs))
     names = [x[0] for x in gb.rt.launches]
-    assert names[:5] == ["pf_split_rows", "zero", "pf_gateup_int4", "pf_down_int4", "moe_reduce"]
-    assert names[5:] == ["zero", "moe_gateup_gemm_f32", "moe_down_gemm_f32", "moe_reduce"]
+    assert names[:4] == ["pf_split_rows", "pf_gateup_int4", "pf_down_int4", "moe_reduce_mask"]
+    assert names[4:] == ["zero", "moe_gateup_gemm_f32", "moe_down_gemm_f32", "moe_reduce"]
     pairs = np.isin(idx, [e for e in range(E) if e != 7])
     counts = np.bincount(idx[pairs], minlength=E)
     tiles = int(sum(-(-c // 32) for c in counts))
-    assert gb.rt.launches[2][1] == (2048 // 128, tiles)
-    assert gb.rt.launches[3][1] == (6144 // 256, tiles)
+    assert gb.rt.launches[1][1] == (2048 // 128, tiles)
+    assert gb.rt.launches[2][1] == (6144 // 256, tiles)
+
+
+def test_a_prefill_in_batches_splits_x_once_and_sums_each_batchs_own_pairs():
+    """The same prefill with its experts in three batches (FLUSH between them, as a pool smaller than the layer
+    gives them): x is split by the first batch only, every batch sums just its own (token, slot) pairs (no zeroed
+    [rows, K, H] partials), and the batches' sums add into the step's output; with every expert in one batch the
+    plain slot sum runs, unmasked."""
+    from coli.container.format import RecordLayout
+    from coli.gpu.cuda_weights import FLUSH, DeviceRecord
+    gb = _prefill_backend()
+    lay = RecordLayout.make(6144, 2048, "int4", 64, 512)
+    E, K, S = 24, 8, 300
+    rng = np.random.default_rng(1)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int64)
+    w = rng.uniform(0.1, 1, (S, K)).astype(F32)
+    recs = [(e, DeviceRecord(gb.rt.empty((16,), np.uint8).ptr, lay)) for e in range(E)]
+    items = recs[:8] + [FLUSH] + recs[8:16] + [FLUSH] + recs[16:]
+    gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(items))
+    names = [x[0] for x in gb.rt.launches]
+    assert names.count("pf_split_rows") == 1 and "zero" not in names and "moe_reduce" not in names
+    assert names.count("moe_reduce_mask") == 3 and names.count("pf_gateup_int4") == 3
+    assert names.count("add") == 2                        # batch 2's and 3's sums onto the step's output
+    gb = _prefill_backend()
+    gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(recs))
+    names = [x[0] for x in gb.rt.launches]
+    assert names == ["pf_split_rows", "pf_gateup_int4", "pf_down_int4", "moe_reduce"]
 
 
 def _pair_tiles_loop(idx, members, tile):

@@ -54,7 +54,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
         ("indexer", "indexer_scores_rows"): "PPPiiiiiffiiP",
         ("router", "route_topk"): "PPiiiiifPP",
-        ("gemm", "moe_reduce"): "PiiiPi",
+        ("gemm", "moe_reduce"): "PiiiPi", ("gemm", "moe_reduce_mask"): "PPiiiPi",
         ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
         # a decode step replayed from a CUDA graph (coli/gpu/graphs.py): per-token values read from device memory
         ("graph", "kv_put"): "PqPP", ("graph", "expert_table"): "PiPP",
@@ -1022,7 +1022,7 @@ class CudaBackend(Backend):
                         self._wait(r.ready_down)
                     if self.busy is not None:
                         self.busy.mark("moe_start")
-                    self._moe_prefill(st.x, st.idx, st.weights, recs, groups, out)
+                    self._moe_prefill(st.x, st.idx, st.weights, recs, groups, out, splits=st.splits)
                 st.out = out if st.out is None else self.add(st.out, out)
                 if self.busy is not None:
                     self.busy.mark("moe_end")
@@ -1208,7 +1208,8 @@ class CudaBackend(Backend):
                        lay.rows_per_tile, lay.tile_bytes, K, wts, h, y, accumulate, smem=smem)
         return True
 
-    def _moe_prefill(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
+    def _moe_prefill(self, x, idx, weights, recs, groups, out, accumulate: bool = False,
+                     splits: dict | None = None) -> None:
         S, H = x.shape
         K = idx.shape[1]
         # record layouts the tensor-core kernels take run there; the rest (other formats, host experts uploaded as
@@ -1216,7 +1217,7 @@ class CudaBackend(Backend):
         mma = {lay: m for lay, m in groups.items() if pf_moe_layout_ok(lay)
                and self._pf_ok(max(pf_smem(lay.gate.cols, lay.gate.group), pf_smem(lay.down.cols, lay.down.group)))}
         if mma:
-            self._moe_prefill_mma(x, idx, weights, recs, mma, out, accumulate)
+            self._moe_prefill_mma(x, idx, weights, recs, mma, out, accumulate, splits)
             accumulate = True
             groups = {lay: m for lay, m in groups.items() if lay not in mma}
             if not groups:
@@ -1240,9 +1241,17 @@ class CudaBackend(Backend):
                 self._moe_prefill_group(xi, ii, wi, recs, lay, members, Y)
             self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
-    def _moe_prefill_mma(self, x, idx, weights, recs, groups, out, accumulate: bool = False) -> None:
+    def _moe_prefill_mma(self, x, idx, weights, recs, groups, out, accumulate: bool = False,
+                         splits: dict | None = None) -> None:
         """The grouped MoE prefill on the tensor cores: x split once per chunk, then per record layout one gate/up
-        launch and one down launch over every expert's pair tiles, the (token, slot) rows summed in slot order."""
+        launch and one down launch over every expert's pair tiles, the (token, slot) rows summed in slot order.
+
+        A step whose experts arrive in several batches (a pool smaller than the layer's experts) calls this once a
+        batch; what does not depend on the batch is not redone for each: x's split is kept in `splits` (the
+        step's, keyed by chunk), and a batch that covers only some of a chunk's (token, slot) pairs sums just
+        those (moe_reduce_mask) instead of zeroing and summing the whole [rows, K, H] partials -- the same bits,
+        since the skipped slots were zeros added. Before, each batch did both over every row of the step: ~1 ms a
+        batch at 8,192 rows, 32 batches a layer on 16 slots (docs/perf-notes.md, "A long step on a small pool")."""
         S, H = x.shape
         K = idx.shape[1]
         Im = max(lay.gate.rows for lay in groups)
@@ -1254,10 +1263,17 @@ class CudaBackend(Backend):
             n = min(chunk, S - s0)
             ii = idx[s0:s0 + n]
             wi = np.asarray(weights[s0:s0 + n], F32)
-            xq, xm = self._pf_split(x.ptr + s0 * H * 4, n, H)
+            xs = None if splits is None else splits.get((s0, n))
+            if xs is None:
+                xs = self._pf_split(x.ptr + s0 * H * 4, n, H)
+                if splits is not None:
+                    splits[(s0, n)] = xs
+            xq, xm = xs
             Y = self.empty((n, K, H))
-            if (ii < 0).any() or not set(ii[ii >= 0].tolist()) <= handled:
-                self.rt.zero(Y.ptr, Y.nbytes)      # pruned slots, another batch's or layout's experts: rows stay zero
+            # pruned slots, another batch's or layout's experts: their rows of Y are never written, and the reduce
+            # below skips them
+            mine = np.isin(ii, np.fromiter(handled, np.int64, len(handled)))        # [n, K] bool
+            mask = None if mine.all() else self.rt.to_device_async(mine.astype(np.uint8))
             for lay, members in groups.items():
                 pairs = self._moe_pairs(ii, wi, recs, members, PF_TOKS)
                 if pairs is None:
@@ -1278,7 +1294,12 @@ class CudaBackend(Backend):
                 self.rt.launch(f_dn, (d.rows // PF_ROWS, n_tiles), pf_threads(), table.ptr, d.offset, d.rows, d.cols,
                                d.group, d.rows_per_tile, d.tile_bytes, tiles_d.ptr, tok_d.ptr, slot_d.ptr, pw_d.ptr,
                                hq.ptr, hm.ptr, K, Y.ptr, smem=smem)
-            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
+            if mask is None:
+                self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4,
+                               int(accumulate))
+            else:
+                self.rt.launch(self._fn("gemm", "moe_reduce_mask"), (self._grid1d(n * H),), 256, Y.ptr, mask.ptr,
+                               n, K, H, out.ptr + s0 * H * 4, int(accumulate))
 
     def _moe_pairs(self, idx, weights, recs, members, tile: int = 64):
         """The (token, slot) pairs routed to `members`, sorted by expert (stable: token order inside an expert), on
@@ -1351,10 +1372,12 @@ class _MoeStep:
     out: DeviceArray | None = None      # [S, H] once a batch ran
     x_host: np.ndarray | None = None    # [S, H], fetched for the first CPU expert
     host_sum: np.ndarray | None = None  # [S, H] the CPU experts' weighted sum
+    splits: dict = None                 # (first row, rows) -> x's int8 split for the tensor-core prefill, made once
 
     def __post_init__(self):
         self.pending = {} if self.pending is None else self.pending
         self.seen = set() if self.seen is None else self.seen
+        self.splits = {} if self.splits is None else self.splits
 
 
 @dataclass

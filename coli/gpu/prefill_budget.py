@@ -15,7 +15,8 @@ the next layer, so one layer's set is the peak):
 - the residual stream, the normed input and the block outputs: ~6 x [H]; the dense MLP's gate and up [I] (the
   first layers), the shared expert's [Im * n_shared], the router's scores [E] and top-k [K] (ids and weights).
 - the grouped MoE prefill's [K, H] partial outputs plus the split activations (cuda_backend._moe_prefill_mma's
-  per_token), chunked at cuda_backend.PREFILL_CHUNK_BYTES: min(rows x per_token, that).
+  per_token), chunked at cuda_backend.PREFILL_CHUNK_BYTES: min(rows x per_token, that); plus x's split of the other
+  chunks, which the step keeps for its later batches of experts (H x 19/4 bytes a row past the first chunk).
 The numpy backend's bound is its attention's [nh, S, T] scores (coli/model/numpy_backend.py mla_attend): there auto
 keeps step_tokens (its step's cost is its arithmetic, which grows with the tokens)."""
 
@@ -53,11 +54,18 @@ def attention_block_bytes(cfg: ModelConfig, rows: int) -> int:
     return min(int(rows), ATTN_PREFILL_ROWS) * 2 * cfg.num_attention_heads * cfg.kv_lora_rank * 4
 
 
+def moe_workspace_bytes(cfg: ModelConfig, rows: int) -> int:
+    """The grouped MoE prefill's buffers for a step of `rows` tokens: one chunk's (rows capped so a chunk stays
+    within PREFILL_CHUNK_BYTES, as the backend cuts it) and x's split of every other chunk (kept for the step)."""
+    per = moe_token_bytes(cfg)
+    chunk = max(1, PREFILL_CHUNK_BYTES // per)
+    return min(rows, chunk) * per + max(0, rows - chunk) * (cfg.hidden_size * 19 // 4)
+
+
 def prefill_workspace_bytes(cfg: ModelConfig, rows: int) -> int:
     """GPU bytes a step of `rows` tokens takes beyond the fixed workspace: its activations, its attention's block
     and its MoE buffers."""
-    return (rows * row_bytes(cfg) + attention_block_bytes(cfg, rows)
-            + min(rows * moe_token_bytes(cfg), PREFILL_CHUNK_BYTES))
+    return rows * row_bytes(cfg) + attention_block_bytes(cfg, rows) + moe_workspace_bytes(cfg, rows)
 
 
 def auto_prefill_chunk(cfg: ModelConfig, budget_bytes: int, max_context: int, step_tokens: int) -> int:

@@ -20,7 +20,12 @@ def test_the_moe_buffers_follow_the_backends_chunk_bound():
     small = prefill_workspace_bytes(GLM5, 128)
     assert small == 128 * (row_bytes(GLM5) + moe_token_bytes(GLM5)) + attention_block_bytes(GLM5, 128)
     big = prefill_workspace_bytes(GLM5, 8192)
-    assert big == 8192 * row_bytes(GLM5) + attention_block_bytes(GLM5, 8192) + PREFILL_CHUNK_BYTES
+    chunk = PREFILL_CHUNK_BYTES // moe_token_bytes(GLM5)           # rows of one chunk: 3,536 at GLM-5's shapes
+    split_x = GLM5.hidden_size * 19 // 4                            # x's split of a row, kept for later batches
+    assert chunk == 3536
+    assert big == (8192 * row_bytes(GLM5) + attention_block_bytes(GLM5, 8192) + chunk * moe_token_bytes(GLM5)
+                   + (8192 - chunk) * split_x)
+    assert big <= 8192 * row_bytes(GLM5) + attention_block_bytes(GLM5, 8192) + PREFILL_CHUNK_BYTES + 8192 * split_x
 
 
 def test_the_attentions_queries_and_contexts_take_one_block_of_rows_whatever_the_chunk():
