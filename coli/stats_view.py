@@ -54,7 +54,9 @@ def rows(snap: dict[str, dict[str, Any]], prev: dict[str, dict[str, Any]] | None
                     ("", "evictions", f"{e.get('evictions', 0)}"),
                     ("speculative lane", "busy", _pct(e.get("spec_busy", 0.0)))]
             if "ahead_layers" in e:   # long prefills' copies of the next MoE layer (coli/gpu/layer_ahead.py)
-                out += [("", "layers copied ahead", f"{e['ahead_layers']} ({e.get('ahead_bytes', 0) / 1e9:.3f} GB)")]
+                first = f"; {e['ahead_first']} from a step's start" if "ahead_first" in e else ""
+                out += [("", "layers copied ahead",
+                         f"{e['ahead_layers']} ({e.get('ahead_bytes', 0) / 1e9:.3f} GB{first})")]
         if _on_gpu(e, device):
             out += [("PCIe copy lanes", "busy", _pct(e.get("copy_busy", 0.0))),
                     ("SMs", "busy", _pct(e.get("sm_busy", 0.0))),

@@ -83,6 +83,8 @@ def test_the_vram_cache_shows_the_layers_a_long_prefill_copied_ahead():
     now = {"executor": {"t": 1.0, "vram_slots": 520, "vram_resident": 300, "copy_busy": 0.5,
                         "ahead_layers": 74, "ahead_copies": 18944, "ahead_bytes": 3_500_000_000}}
     t = table(now, device="cuda")
-    assert t[("", "layers copied ahead")] == "74 (3.500 GB)"
+    assert t[("", "layers copied ahead")] == "74 (3.500 GB)"          # stats from before ahead_first: as they were
+    now["executor"]["ahead_first"] = 1                   # the forward's first MoE layer, copied from the step's start
+    assert table(now, device="cuda")[("", "layers copied ahead")] == "74 (3.500 GB; 1 from a step's start)"
     del now["executor"]["ahead_layers"]                 # an engine without the counters (older stats): no row
     assert ("", "layers copied ahead") not in table(now, device="cuda")
