@@ -209,35 +209,21 @@ __device__ void moe_down_gemm_body(const u8 *const *table, long long down_off, i
 COLI_FOR_FORMATS(MOE_GEMM_KERNELS)
 
 // ---- moe_reduce ---------------------------------------------------------------------------------------
-// out[s, n] (+)= sum_{k < K} Y[s, k, n], slots summed in order.   grid-stride over S * H, block 256.
-extern "C" __global__ void moe_reduce(const float *Y, int S, int K, int H, float *out, int accumulate) {
+// out[s, n] (+)= sum_{k < K} Y[s, k, n], slots summed in order; with a mask (uint8 [S, K], non-null) only the slots
+// whose mask[s, k] is set: a batch of a prefill's experts wrote those rows of Y and the others are never read (without
+// a mask they had to be zeroed: the same bits, a skipped slot being a zero added).  grid-stride over S * H, block 256.
+extern "C" __global__ void moe_reduce(const float *Y, const unsigned char *mask, int S, int K, int H, float *out,
+                                      int accumulate) {
     COLI_PDL_ENTRY();
     const long long total = (long long)S * H;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         long long s = i / H, n = i - s * H;
         const float *y = Y + s * K * H + n;
-        float a = accumulate ? out[i] : 0.f;
-        for (int k = 0; k < K; k++) a = __fadd_rn(a, y[(long long)k * H]);
-        out[i] = a;
-    }
-}
-
-// moe_reduce_mask: the same sum over the slots whose mask[s, k] is set only (uint8 [S, K]): a batch of a step's
-// experts wrote those rows of Y, the others are never read (moe_reduce needed them zeroed: the same bits, a skipped
-// slot being a zero added). grid-stride over S * H, block 256.
-extern "C" __global__ void moe_reduce_mask(const float *Y, const unsigned char *mask, int S, int K, int H, float *out,
-                                           int accumulate) {
-    COLI_PDL_ENTRY();
-    const long long total = (long long)S * H;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        long long s = i / H, n = i - s * H;
-        const float *y = Y + s * K * H + n;
-        const unsigned char *m = mask + s * K;
+        const unsigned char *m = mask ? mask + s * K : nullptr;
         float a = accumulate ? out[i] : 0.f;
         for (int k = 0; k < K; k++)
-            if (m[k]) a = __fadd_rn(a, y[(long long)k * H]);
+            if (!m || m[k]) a = __fadd_rn(a, y[(long long)k * H]);
         out[i] = a;
     }
 }

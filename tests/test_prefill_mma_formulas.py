@@ -249,11 +249,20 @@ def _prefill_backend(version="mma"):
     from test_decode_launches import _RecordingRuntime, _backend
 
     class Rt(_RecordingRuntime):
+        def __init__(self):
+            super().__init__()
+            self.reduce_masks: list[int] = []          # each moe_reduce's mask argument: 0 = every slot
+
         def to_device_async(self, host, dtype=None):
             return self.empty(np.asarray(host).shape, np.asarray(host).dtype)
 
         def zero(self, dst, nbytes):
             self.launches.append(("zero", (), 0, 0))
+
+        def record(self, name, argtypes, grid, block, args, smem):
+            super().record(name, argtypes, grid, block, args, smem)
+            if name == "moe_reduce":
+                self.reduce_masks.append(args[1])
 
     gb = _backend()
     gb.rt = Rt()
@@ -311,8 +320,10 @@ def test_prefill_moe_launches_one_gateup_and_one_down_for_every_expert():
     recs = [(e, DeviceRecord(gb.rt.empty((16,), np.uint8).ptr, lay32 if e == 7 else lay)) for e in range(E)]
     gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(recs))
     names = [x[0] for x in gb.rt.launches]
-    assert names[:4] == ["pf_split_rows", "pf_gateup_int4", "pf_down_int4", "moe_reduce_mask"]
+    assert names[:4] == ["pf_split_rows", "pf_gateup_int4", "pf_down_int4", "moe_reduce"]
     assert names[4:] == ["zero", "moe_gateup_gemm_f32", "moe_down_gemm_f32", "moe_reduce"]
+    masks = gb.rt.reduce_masks
+    assert masks[0] != 0 and masks[1] == 0        # the tensor cores' sum is masked; the fp32 path zeroes and sums all
     pairs = np.isin(idx, [e for e in range(E) if e != 7])
     counts = np.bincount(idx[pairs], minlength=E)
     tiles = int(sum(-(-c // 32) for c in counts))
@@ -337,13 +348,15 @@ def test_a_prefill_in_batches_splits_x_once_and_sums_each_batchs_own_pairs():
     items = recs[:8] + [FLUSH] + recs[8:16] + [FLUSH] + recs[16:]
     gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(items))
     names = [x[0] for x in gb.rt.launches]
-    assert names.count("pf_split_rows") == 1 and "zero" not in names and "moe_reduce" not in names
-    assert names.count("moe_reduce_mask") == 3 and names.count("pf_gateup_int4") == 3
+    assert names.count("pf_split_rows") == 1 and "zero" not in names
+    assert names.count("moe_reduce") == 3 and names.count("pf_gateup_int4") == 3
+    assert all(m != 0 for m in gb.rt.reduce_masks)                   # each batch sums only its own pairs
     assert names.count("add") == 2                        # batch 2's and 3's sums onto the step's output
     gb = _prefill_backend()
     gb.moe(gb.rt.empty((S, 6144)), idx, w, iter(recs))
     names = [x[0] for x in gb.rt.launches]
     assert names == ["pf_split_rows", "pf_gateup_int4", "pf_down_int4", "moe_reduce"]
+    assert gb.rt.reduce_masks == [0]                                   # every slot its own: no mask
 
 
 def _pair_tiles_loop(idx, members, tile):

@@ -54,7 +54,7 @@ def _signatures() -> dict[tuple[str, str], str]:
         ("indexer", "indexer_scores"): "PPPiiiiffiP", ("indexer", "topk_select"): "PiiiiPP",
         ("indexer", "indexer_scores_rows"): "PPPiiiiiffiiP",
         ("router", "route_topk"): "PPiiiiifPP",
-        ("gemm", "moe_reduce"): "PiiiPi", ("gemm", "moe_reduce_mask"): "PPiiiPi",
+        ("gemm", "moe_reduce"): "PPiiiPi",
         ("argmax", "argmax_partial"): "PiPP", ("argmax", "argmax_final"): "PPiP",
         # a decode step replayed from a CUDA graph (coli/gpu/graphs.py): per-token values read from device memory
         ("graph", "kv_put"): "PqPP", ("graph", "expert_table"): "PiPP",
@@ -236,7 +236,7 @@ class CudaBackend(Backend):
         self.gemv_kernels = kernel_choice("COLI_GEMV_KERNELS", GEMV_KERNELS, GEMV_VERSIONS)   # see GEMV_KERNELS
         self.prefill_kernels = kernel_choice("COLI_PREFILL_KERNELS", PREFILL_KERNELS, PREFILL_VERSIONS)
         self.indexer_kernels = kernel_choice("COLI_INDEXER_KERNELS", INDEXER_KERNELS, INDEXER_VERSIONS)
-        self.prefill_int8 = prefill_int8_enabled()            # pf_linear_int8 for int8 weights (opt-in, see above)
+        self.prefill_int8 = prefill_int8_enabled()            # pf_linear_int8 for int8 weights (COLI_PREFILL_INT8)
         self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
         self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
@@ -1239,7 +1239,8 @@ class CudaBackend(Backend):
                 self.rt.zero(Y.ptr, Y.nbytes)
             for lay, members in groups.items():
                 self._moe_prefill_group(xi, ii, wi, recs, lay, members, Y)
-            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4, int(accumulate))
+            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, 0, n, K, H, out.ptr + s0 * H * 4,
+                           int(accumulate))
 
     def _moe_prefill_mma(self, x, idx, weights, recs, groups, out, accumulate: bool = False,
                          splits: dict | None = None) -> None:
@@ -1249,7 +1250,7 @@ class CudaBackend(Backend):
         A step whose experts arrive in several batches (a pool smaller than the layer's experts) calls this once a
         batch; what does not depend on the batch is not redone for each: x's split is kept in `splits` (the
         step's, keyed by chunk), and a batch that covers only some of a chunk's (token, slot) pairs sums just
-        those (moe_reduce_mask) instead of zeroing and summing the whole [rows, K, H] partials -- the same bits,
+        those (moe_reduce with a mask) instead of zeroing and summing the whole [rows, K, H] partials -- the same bits,
         since the skipped slots were zeros added. Before, each batch did both over every row of the step: ~1 ms a
         batch at 8,192 rows, 32 batches a layer on 16 slots (docs/perf-notes.md, "A long step on a small pool")."""
         S, H = x.shape
@@ -1294,12 +1295,8 @@ class CudaBackend(Backend):
                 self.rt.launch(f_dn, (d.rows // PF_ROWS, n_tiles), pf_threads(), table.ptr, d.offset, d.rows, d.cols,
                                d.group, d.rows_per_tile, d.tile_bytes, tiles_d.ptr, tok_d.ptr, slot_d.ptr, pw_d.ptr,
                                hq.ptr, hm.ptr, K, Y.ptr, smem=smem)
-            if mask is None:
-                self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, n, K, H, out.ptr + s0 * H * 4,
-                               int(accumulate))
-            else:
-                self.rt.launch(self._fn("gemm", "moe_reduce_mask"), (self._grid1d(n * H),), 256, Y.ptr, mask.ptr,
-                               n, K, H, out.ptr + s0 * H * 4, int(accumulate))
+            self.rt.launch(f_red, (self._grid1d(n * H),), 256, Y.ptr, 0 if mask is None else mask.ptr, n, K, H,
+                           out.ptr + s0 * H * 4, int(accumulate))
 
     def _moe_pairs(self, idx, weights, recs, members, tile: int = 64):
         """The (token, slot) pairs routed to `members`, sorted by expert (stable: token order inside an expert), on

@@ -219,9 +219,9 @@ def test_moe_kernel_choice(gb, rng):
 
 @pytest.mark.parametrize("S,K,H,accumulate", [(300, 8, 6144, 0), (37, 4, 128, 1)])
 def test_the_masked_slot_sum_gives_the_zeroed_sums_bits(gb, rng, S, K, H, accumulate):
-    """moe_reduce_mask (a batch of a prefill's experts sums the (token, slot) rows it wrote) against moe_reduce over
-    the same Y with every other row zeroed (what the batch did before): the same bits, whatever the unwritten rows
-    hold (here NaN)."""
+    """moe_reduce with a mask (a batch of a prefill's experts sums the (token, slot) rows it wrote) against it without
+    one over the same Y with every other row zeroed (what the batch did before): the same bits, whatever the
+    unwritten rows hold (here NaN)."""
     Y = rand(rng, S, K, H)
     mask = rng.random((S, K)) < 0.3
     mask[0] = False                                  # a token none of whose slots is in the batch
@@ -230,11 +230,11 @@ def test_the_masked_slot_sum_gives_the_zeroed_sums_bits(gb, rng, S, K, H, accumu
     zeroed = Y.copy()
     zeroed[~mask] = 0.0
     base = rand(rng, S, H)
-    f_red, f_mask = gb._fn("gemm", "moe_reduce"), gb._fn("gemm", "moe_reduce_mask")
+    f_red = gb._fn("gemm", "moe_reduce")
+    mask_d = gb.rt.to_device_async(mask.astype(np.uint8))
     outs = []
-    for f, y, extra in ((f_red, zeroed, ()), (f_mask, garbage, (gb.rt.to_device_async(mask.astype(np.uint8)),))):
+    for y, m in ((zeroed, 0), (garbage, mask_d.ptr)):
         dy, out = gb.upload(y), gb.upload(base)
-        args = (dy.ptr, *(m.ptr for m in extra), S, K, H, out.ptr, accumulate)
-        gb.rt.launch(f, (gb._grid1d(S * H),), 256, *args)
+        gb.rt.launch(f_red, (gb._grid1d(S * H),), 256, dy.ptr, m, S, K, H, out.ptr, accumulate)
         outs.append(gb.to_host(out))
     assert np.isfinite(outs[1]).all() and np.array_equal(outs[0], outs[1])
