@@ -42,10 +42,15 @@ def row_bytes(cfg: ModelConfig) -> int:
     return 4 * (attn + indexer + mlp + router)
 
 
+def split_bytes(values: int) -> int:
+    """Bytes of the tensor cores' int8 split of `values` fp32 values: four parts and their metadata, 19/4 a value."""
+    return values * 19 // 4
+
+
 def moe_token_bytes(cfg: ModelConfig) -> int:
-    """cuda_backend._moe_prefill_mma's per_token: Y [K, H] f32 + split h [K, Im] + split x [H] (19/4 bytes a value)."""
+    """cuda_backend._moe_prefill_mma's per_token: Y [K, H] f32 + split h [K, Im] + split x [H]."""
     K, H, Im = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    return K * H * 4 + K * Im * 19 // 4 + H * 19 // 4
+    return K * H * 4 + split_bytes(K * Im) + split_bytes(H)
 
 
 def attention_block_bytes(cfg: ModelConfig, rows: int) -> int:
@@ -59,7 +64,7 @@ def moe_workspace_bytes(cfg: ModelConfig, rows: int) -> int:
     within PREFILL_CHUNK_BYTES, as the backend cuts it) and x's split of every other chunk (kept for the step)."""
     per = moe_token_bytes(cfg)
     chunk = max(1, PREFILL_CHUNK_BYTES // per)
-    return min(rows, chunk) * per + max(0, rows - chunk) * (cfg.hidden_size * 19 // 4)
+    return min(rows, chunk) * per + max(0, rows - chunk) * split_bytes(cfg.hidden_size)
 
 
 def prefill_workspace_bytes(cfg: ModelConfig, rows: int) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
@@ -53,6 +54,17 @@ FALLBACK_KINDS = ("oversize", "no_slot", "copy_error", "kernel_error")
 
 class GpuLost(ColiError):
     """The CUDA context is gone (a fatal driver error): the run must continue on the CPU."""
+
+
+@contextmanager
+def fatal_is_gpu_lost():
+    """A fatal driver error inside (a lost context) becomes GpuLost, which demotes the run to the CPU; others pass."""
+    try:
+        yield
+    except DriverError as e:
+        if e.fatal:
+            raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
+        raise
 
 
 @dataclass(eq=False)
@@ -190,16 +202,12 @@ class VramExperts:
                                                                     self.ahead_fraction)
         if first is None:
             return
-        try:
+        with fatal_is_gpu_lost():
             if self._copy_ahead(*first):
                 self.stats["ahead_first"] += 1
-        except DriverError as e:
-            if e.fatal:
-                raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
-            raise
 
     def stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
-        try:
+        with fatal_is_gpu_lost():
             yield from self._stream(layer, ids)
             nxt = None if self.ahead_layers is None else ahead_of(layer, len(ids), self.ahead_layers, self.E,
                                                                    self.ahead_fraction)
@@ -207,10 +215,6 @@ class VramExperts:
                 if not self.sync:                # the held batch launched first (the same batch the backend
                     yield FLUSH                  # launches after the last item), then the next layer's copies
                 self._copy_ahead(*nxt)
-        except DriverError as e:
-            if e.fatal:
-                raise GpuLost(f"the GPU failed fatally ({e}); continuing on the CPU") from None
-            raise
 
     def _stream(self, layer: int, ids: list[int]) -> Iterator[Any]:
         if self.faults is not None and self.faults.hit("gpu_lost"):

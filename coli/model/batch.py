@@ -181,11 +181,8 @@ def _layers(model: GlmMoeDsaModel, segs: list[_Segment], ids: np.ndarray):
         p = model._attention_inputs(i, lw.attn, x, cos, sin)            # every projection once over all rows
         o = attention_rows(model, i, lw.attn, p, segs, allowed)         # [S, nh*dv]
         h, x2 = b.add_rms_norm(h, b.linear(o, lw.attn.o), lw.post_norm, eps)   # [S, H] each
-        mlp, mlp2 = model._mlp(i, lw, x2, h)                            # one router, one stream() of the union
-        if i + 1 < len(layers):
-            h, x = b.add_rms_norm(h, mlp, layers[i + 1].input_norm, eps, mlp2)
-        else:
-            h = b.add(h, mlp if mlp2 is None else b.add(mlp, mlp2))
+        nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+        h, x = model._add_mlp(h, *model._mlp(i, lw, x2, h), nxt)         # one router, one stream() of the union
     return h
 
 

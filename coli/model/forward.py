@@ -292,14 +292,18 @@ class GlmMoeDsaModel:
         """Decoder layer i on the residual stream h [S, H] and its normed input x [S, H] -> (h, x_next, allowed):
         h += Attention(x); h += MLP(RMSNorm(h)); x_next = RMSNorm(h) with next_norm's weight, from the residual add's
         own op (add_rms_norm; None without a next_norm)."""
-        b, eps = self.backend, self.config.rms_norm_eps
         a, allowed = self._attention(i, lw.attn, x, positions, cos, sin, cache, start, allowed)
-        h, x2 = b.add_rms_norm(h, a, lw.post_norm, eps)                 # [S, H] each
-        mlp, mlp2 = self._mlp(i, lw, x2, h)                             # the MLP's output is mlp (+ mlp2)
-        if next_norm is None:
-            return b.add(h, mlp if mlp2 is None else b.add(mlp, mlp2)), None, allowed
-        h, x = b.add_rms_norm(h, mlp, next_norm, eps, mlp2)
+        h, x2 = self.backend.add_rms_norm(h, a, lw.post_norm, self.config.rms_norm_eps)   # [S, H] each
+        h, x = self._add_mlp(h, *self._mlp(i, lw, x2, h), next_norm)
         return h, x, allowed
+
+    def _add_mlp(self, h, mlp, mlp2, next_norm):
+        """The layer's last residual add, h + mlp (+ mlp2: a MoE layer's routed and shared sums, added first), and
+        the next RMSNorm of it in the same op where next_norm is given -> (h, x_next or None)."""
+        b = self.backend
+        if next_norm is None:
+            return b.add(h, mlp if mlp2 is None else b.add(mlp, mlp2)), None
+        return b.add_rms_norm(h, mlp, next_norm, self.config.rms_norm_eps, mlp2)
 
     # ------------------------------------------------------------------------------------------
     def _attention(self, i, w: AttentionWeights, x, positions, cos, sin, cache: KVCache, start, prev_allowed):
