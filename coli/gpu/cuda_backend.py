@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -228,6 +228,9 @@ class CudaBackend(Backend):
         self.faults = None                   # coli.stages.faults.Faults: injects kernel_error (tests, drills)
         self.on_kernel_error = None          # called with (error, expert ids) when a MoE batch falls back
         self.busy = None                     # coli.gpu.busy.BusyClock: marks on the compute stream (SM busy)
+        # called right before the host blocks for a router's top-k (or a step's token): the expert source finishes
+        # its landed copies' bookkeeping there, while the GPU computes, not between the router and the next copy
+        self.before_host_wait: Callable[[], None] | None = None
         self.moe_kernels = MOE_KERNELS       # "auto", "mma", "v2" or "v1" (see MOE_KERNELS)
         self._mma_usable: bool | None = None  # moe_mma.cu compiled here (see _mma_fits)
         self._scratch: dict[tuple, MoeScratch] = {}   # fused-decode buffers by (layout, K, version asked)
@@ -909,6 +912,8 @@ class CudaBackend(Backend):
             return DeviceRoute(idx_d, w_d, top_k), None
         if self.busy is not None:
             self.busy.mark("route")
+        if self.before_host_wait is not None:
+            self.before_host_wait()
         idx = self.rt.to_host(idx_d).astype(np.int64)
         w = self.rt.to_host(w_d)
         if topp is not None:          # approximate expert top-p pruning, on the host like the numpy backend

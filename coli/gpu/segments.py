@@ -209,6 +209,7 @@ class SegmentProxy:
                                f"{len(self.tape.graphs)}")
         self._launch_ahead()
         self.k += 1
+        self._host_wait()
         self.rt.synchronize()           # the one host wake-up of the segment
 
     def _launch(self, g, mark: str) -> None:
@@ -217,7 +218,16 @@ class SegmentProxy:
         g.launch(self.rt)
         if self.busy is not None:
             self.busy.mark(mark)
+        self._host_wait()
         self.rt.synchronize()            # the one host wake-up of the segment: its top-k (or token) is in pinned memory
+
+    def _host_wait(self) -> None:
+        """The host is about to block until the segment's graph is done: the expert source's bookkeeping of the copies
+        that land before it (the previous MoE layer's) runs now, while the GPU computes, instead of on the path from
+        this router to the next layer's first copy (CudaBackend.before_host_wait)."""
+        hook = getattr(self.inner, "before_host_wait", None)
+        if hook is not None:
+            hook()
 
     def finish(self) -> None:
         """After the forward: the whole tape was used (a replay that stopped short would leave work undone)."""

@@ -29,6 +29,7 @@ Keys: key = layer * E + expert. Slot s lives at base + s * slot_bytes.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from contextlib import contextmanager
@@ -180,6 +181,7 @@ class VramExperts:
         self.t0 = time.perf_counter()
         host.reclaim_hook(lambda: self._reap(wait=True))
         backend.on_kernel_error = self._on_kernel_error
+        backend.before_host_wait = self._land_pending
         from coli.gpu.busy import BusyClock
         self.busy = BusyClock(self.drv, handle_of(self.rt.stream))
         backend.busy = self.busy
@@ -260,9 +262,20 @@ class VramExperts:
         try:
             if not misses:
                 return
+            grants: Iterator[HostRecord | None] = iter(self.host.grants(layer, misses))
+            early: tuple[HostRecord, Any] | None = None
             if hits and not self.sync:
+                # the first miss's copy goes on the bus before the hits' kernels are launched at the FLUSH (the
+                # backend's Python, tens of µs a batch, that the link would otherwise idle through); its handle is
+                # yielded after the FLUSH, where it was, so the batches and their order stay the same
+                first = next(grants, None)
+                if first is not None:
+                    early = (first, self._miss(layer, first, handoff))
+                    grants = itertools.chain([first], grants)
+                else:                            # a disk read on its way first: as before
+                    grants = itertools.chain([None], grants)
                 yield FLUSH
-            for rec in self.host.grants(layer, misses):
+            for rec in grants:
                 if rec is None:                  # a disk read is on its way: time to reap meanwhile
                     if older:
                         self._reap(wait=not self.retain, only=older)
@@ -270,8 +283,10 @@ class VramExperts:
                     if not self.sync:
                         yield FLUSH
                     continue
-                ho = handoff.pop(rec.expert, None)
-                h = self._load(layer, rec) if ho is None else self._resume(layer, rec, *ho)
+                if early is not None and rec is early[0]:
+                    h, early = early[1], None
+                else:
+                    h = self._miss(layer, rec, handoff)
                 if h is FLUSH:                       # no free slot until the held records are launched
                     yield FLUSH
                     h = self._load(layer, rec, retry=True)
@@ -285,6 +300,23 @@ class VramExperts:
                 self.governor.demanded(self._spec_used)
             if older:                            # this step's copies are issued: now the older ones (landed
                 self._reap(wait=not self.retain, only=older)   # before this router ran: no real wait)
+
+    def _miss(self, layer: int, rec: HostRecord, handoff: dict) -> Any:
+        """A granted miss's handle: its copy issued (or the rest of a speculative copy cut short), a CPU fallback, or
+        FLUSH when no slot is free until the held records are launched."""
+        ho = handoff.pop(rec.expert, None)
+        return self._load(layer, rec) if ho is None else self._resume(layer, rec, *ho)
+
+    def _land_pending(self) -> None:
+        """The backend's host is about to block for a router's top-k (or a step's token), which the GPU computes after
+        every demand copy issued so far has landed (the MoE kernels that read them come first on the compute stream):
+        finish those copies now, each as it lands, so that the next step's `_stream` finds nothing to reap between
+        its router and its first copy. The same bookkeeping the step would do there (`_reap` of every landed copy),
+        so the same slots are READY at its lookups and the pool decides the same; only earlier. A speculative copy
+        is not waited for (it may still trickle after the router): finished ones are reaped, the others stay."""
+        if self._pending or self._spec_jobs:
+            with fatal_is_gpu_lost():
+                self._reap(wait=True)
 
     def _can_defer_reap(self, ids: list[int]) -> bool:
         return bool(self._pending) and not self.sync and self.pool.n_free >= len(ids)
@@ -635,6 +667,8 @@ class VramExperts:
 
     def close(self) -> None:
         self.b.busy = None
+        if getattr(self.b, "before_host_wait", None) == self._land_pending:
+            self.b.before_host_wait = None
         try:
             self._reap(wait=True)
         except DriverError:

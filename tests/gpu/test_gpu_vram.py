@@ -272,6 +272,80 @@ def test_speculative_copies_are_off_by_default(root, oracles):
     assert st["spec_loads"] == 0 and st["spec_copies"] == 0 and st["copies"] == len(ids)
 
 
+def test_the_first_miss_is_on_the_bus_before_the_hits_are_launched(root, oracles):
+    """A step with VRAM hits and misses: the hits are yielded, then the FLUSH that makes the backend launch their
+    kernels -- and by then the first miss's copy is already issued on the demand lane (the link does not idle
+    through the launch). The items and their order are what they were: hits, FLUSH, misses; the sum is right."""
+    from coli.gpu.cuda_weights import FLUSH
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, _ = _vram(d, 6, policy="lru")
+    layer = r.config.moe_layers[0]
+    _run_step(vx, b, layer, [0, 1])                      # 0 and 1 resident now
+    vx.finish()
+    items, pending_at_flush = [], None
+    for item in vx.stream(layer, [0, 2, 3]):
+        if item is FLUSH:
+            if pending_at_flush is None:
+                pending_at_flush = [job.key for job, _rec, _s in vx._pending]
+            items.append("FLUSH")
+        else:
+            items.append(item[0])
+            item[1].on_consumed(None)                    # as the backend does once the kernels are queued
+    assert items == [0, "FLUSH", 2, 3]
+    assert pending_at_flush == [layer * vx.E + 2]        # expert 2's copy was issued before the FLUSH
+    vx.finish()
+    got, x = _run_step(vx, b, layer, [1, 4, 5])          # a hit and two misses through the backend: right sum
+    want = _cpu_step(r, layer, [1, 4, 5], x)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    vx.finish()
+    for e in (0, 1, 2, 3, 4, 5):
+        if vx.pool.slot_of(layer * vx.E + e) is not None:
+            assert _slot_bytes_equal(vx, b, r, layer, e)
+    vx.close()
+
+
+def test_landed_copies_are_finished_while_the_host_waits_for_the_router(root, oracles):
+    """The backend calls the expert source's before_host_wait right before it blocks for a router's top-k (eager
+    route, and each replayed segment's wait): the copies issued so far are finished there (slots READY, host
+    leases back), so the next step has nothing to reap between its router and its first copy. Uninstalled by
+    close(). Through a streaming model with graphs (segments) the hook runs at every router and the tokens are
+    transformers'."""
+    src, _ = oracles["vram-default"]
+    o = load_oracle(src)
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 6, policy="lru")
+    assert b.before_host_wait == vx._land_pending
+    layer = r.config.moe_layers[0]
+    _run_step(vx, b, layer, [0, 1, 2])
+    assert vx._pending and host.leases > 0               # the copies are issued, their leases held
+    b.before_host_wait()
+    assert vx._pending == [] and host.leases == 0
+    for e in (0, 1, 2):
+        assert vx.pool.state(vx.pool.slot_of(layer * vx.E + e)) == "ready"
+    vx.close()
+    assert b.before_host_wait is None
+
+    model, _ = streaming_model(d, 4, tile_kb=16)
+    mx = model.experts
+    calls = []
+    inner = model.backend.before_host_wait
+    assert inner == mx._land_pending
+
+    def counted():
+        calls.append(len(mx._pending))
+        inner()
+    model.backend.before_host_wait = counted
+    n = len(o["greedy_tokens"])
+    toks, _ = greedy(model, o["prompt_ids"], n)
+    mx.finish()
+    st = mx.snapshot()
+    mx.close()
+    assert toks == o["greedy_tokens"]
+    assert len(calls) >= n * len(model.config.moe_layers)   # every router of every token waited through it
+    assert sum(1 for c in calls if c) > 0 and st["copies"] > 0
+
+
 def test_injected_faults_keep_tokens_and_move_counters(root, oracles):
     from coli.stages.faults import Faults
     src, _ = oracles["vram-groups"]
