@@ -93,6 +93,9 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 #endif
 // 1: warps and quads of 4 activation rows past the block's last present row (a partial tile: an expert's last
 // pairs, the prompt's last tokens) skip their MMAs and flushes -- the other block on the SM gets those issue slots
+// 2: the same, and a warp with all 16 rows present runs its four quads without the per-quad tests (one basic block:
+// scripts/pf_sass_counts.py shows a branch between quads keeps ptxas from overlapping one quad's flush with the next
+// quad's B loads and MMAs)
 #ifndef PF_SKIP
 #define PF_SKIP 1                      // the default since the H200 sweep
 #endif
@@ -116,6 +119,11 @@ struct PfFmt {
     static constexpr int STAGE = W_BYTES + PF_X_BYTES + PF_M_BYTES;
 };
 static_assert(PfFmt<FMT_INT4>::STAGE == PF_STAGE_BYTES, "int4's stage is the macros'");
+
+template <bool B>
+struct PfBool {                        // a compile-time flag for the main loop's generic lambda
+    static constexpr bool value = B;
+};
 
 #define PF_LINEAR 0
 #define PF_GATEUP 1
@@ -338,67 +346,80 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
                 sc[i][1] = __half2float(scs[(row + 8) * ng + (G >> gsh)]);
             }
         }
+        // the warp's four quads; FULL: all four present, no per-quad test (PF_SKIP 2 runs those warps here)
+        auto quads = [&](auto full) {
+            constexpr bool FULL = decltype(full)::value;
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            if (PF_SKIP && 16 * wt + 4 * q >= nact) continue;   // 4 absent rows: the MMAs would multiply zeros
-            const int tb = 16 * wt + 4 * q + (g >> 1), td = 16 * wt + 4 * q + t;
-            const float fe = __int_as_float(ms[td * 12 + 8]);
+            for (int q = 0; q < 4; q++) {
+                // 4 absent rows: the MMAs would multiply zeros
+                if (!FULL && PF_SKIP && 16 * wt + 4 * q >= nact) continue;
+                const int tb = 16 * wt + 4 * q + (g >> 1), td = 16 * wt + 4 * q + t;
+                const float fe = __int_as_float(ms[td * 12 + 8]);
 #if PF_EPI == 2
-            const float fe7 = fe * 0.0078125f, nm = -PF_MAGIC1_F * fe;   // exact: fe a power of two
+                const float fe7 = fe * 0.0078125f, nm = -PF_MAGIC1_F * fe;   // exact: fe a power of two
 #endif
-            uint4 b[2];
-            int4 ci[2];
-#pragma unroll
-            for (int ab = 0; ab < 2; ab++) {
-                b[ab] = *reinterpret_cast<const uint4 *>(xs + tb * 256 + (2 * ab + (g & 1)) * 64 + 16 * t);
-                // int8: signed weights need no offset, the accumulators start at MAGIC itself
-                ci[ab] = I8 ? make_int4(PF_MAGIC, PF_MAGIC, PF_MAGIC, PF_MAGIC)
-                            : *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int d[2][4];
+                uint4 b[2];
+                int4 ci[2];
 #pragma unroll
                 for (int ab = 0; ab < 2; ab++) {
-                    if (I8) {
-                        pf_mma_ss_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
-                        pf_mma_ss(d[ab], a[i][1], b[ab].z, b[ab].w);
-                    } else {
-                        pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
-                        pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
-                    }
+                    b[ab] = *reinterpret_cast<const uint4 *>(xs + tb * 256 + (2 * ab + (g & 1)) * 64 + 16 * t);
+                    // int8: signed weights need no offset, the accumulators start at MAGIC itself
+                    ci[ab] = I8 ? make_int4(PF_MAGIC, PF_MAGIC, PF_MAGIC, PF_MAGIC)
+                                : *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
                 }
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
+                for (int i = 0; i < 4; i++) {
+                    int d[2][4];
+#pragma unroll
+                    for (int ab = 0; ab < 2; ab++) {
+                        if (I8) {
+                            pf_mma_ss_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
+                            pf_mma_ss(d[ab], a[i][1], b[ab].z, b[ab].w);
+                        } else {
+                            pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
+                            pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
+                        }
+                    }
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
 #if PF_DIAG
-                    acc[i][q][r] = fmaf(__int_as_float(d[0][2 * r] + d[0][2 * r + 1] + d[1][2 * r] + d[1][2 * r + 1]),
-                                        sc[i][r], acc[i][q][r]);
+                        acc[i][q][r] = fmaf(__int_as_float(d[0][2 * r] + d[0][2 * r + 1] + d[1][2 * r] +
+                                                            d[1][2 * r + 1]),
+                                            sc[i][r], acc[i][q][r]);
 #elif PF_EPI == 2
-                    // (parts 0 + 1) fe and (2 + 3) fe exactly, then the one rounding of the block (h fe)
-                    const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), fe7,
-                                           fmaf(__int_as_float(d[0][2 * r]), fe, nm));
-                    const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), fe7,
-                                           fmaf(__int_as_float(d[1][2 * r]), fe, nm));
-                    acc[i][q][r] = fmaf(sc[i][r], fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
+                        // (parts 0 + 1) fe and (2 + 3) fe exactly, then the one rounding of the block (h fe)
+                        const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), fe7,
+                                               fmaf(__int_as_float(d[0][2 * r]), fe, nm));
+                        const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), fe7,
+                                               fmaf(__int_as_float(d[1][2 * r]), fe, nm));
+                        acc[i][q][r] = fmaf(sc[i][r], fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
 #elif PF_EPI == 1
-                    // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
-                    const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), 0.0078125f,
-                                           __int_as_float(d[0][2 * r]) - PF_MAGIC1_F);
-                    const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), 0.0078125f,
-                                           __int_as_float(d[1][2 * r]) - PF_MAGIC1_F);
-                    acc[i][q][r] = fmaf(sc[i][r] * fe, fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
+                        // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
+                        const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), 0.0078125f,
+                                               __int_as_float(d[0][2 * r]) - PF_MAGIC1_F);
+                        const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), 0.0078125f,
+                                               __int_as_float(d[1][2 * r]) - PF_MAGIC1_F);
+                        acc[i][q][r] = fmaf(sc[i][r] * fe, fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
 #else
-                    const float f0 = __int_as_float(d[0][2 * r]) - PF_MAGIC_F;
-                    const float f1 = __int_as_float(d[0][2 * r + 1]) - PF_MAGIC_F;
-                    const float f2 = __int_as_float(d[1][2 * r]) - PF_MAGIC_F;
-                    const float f3 = __int_as_float(d[1][2 * r + 1]) - PF_MAGIC_F;
-                    // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
-                    const float h = fmaf(fmaf(f3, 0.0078125f, f2), 6.103515625e-05f, fmaf(f1, 0.0078125f, f0));
-                    acc[i][q][r] = fmaf(sc[i][r] * fe, h, acc[i][q][r]);
+                        const float f0 = __int_as_float(d[0][2 * r]) - PF_MAGIC_F;
+                        const float f1 = __int_as_float(d[0][2 * r + 1]) - PF_MAGIC_F;
+                        const float f2 = __int_as_float(d[1][2 * r]) - PF_MAGIC_F;
+                        const float f3 = __int_as_float(d[1][2 * r + 1]) - PF_MAGIC_F;
+                        // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
+                        const float h = fmaf(fmaf(f3, 0.0078125f, f2), 6.103515625e-05f, fmaf(f1, 0.0078125f, f0));
+                        acc[i][q][r] = fmaf(sc[i][r] * fe, h, acc[i][q][r]);
 #endif
+                    }
                 }
             }
-        }
+        };
+        // PF_SKIP 2: a warp whose 16 activation rows are all present (most of them) runs its quads as one
+        // straight-line body, so the scheduler may start quad q + 1's loads and MMAs under quad q's flush; only the
+        // warp holding the tile's last pair takes the per-quad tests
+        if (PF_SKIP == 2 && 16 * wt + 16 <= nact)
+            quads(PfBool<true>{});
+        else
+            quads(PfBool<false>{});
     }
     pf_wait<0>();
     __syncthreads();
