@@ -69,6 +69,10 @@ VARIANTS = {
     # under quad q's flush (SASS: docs/perf-notes.md, "the main loop's SASS per IMMA")
     "skip2": _v(PF_SKIP=2),
     "epi1-skip2": _v(PF_EPI=1, PF_SKIP=2),
+    # + copies from one pointer per kind (a split-x row per thread), stage offsets by adds: ~-70 SASS a step
+    "skip2-hoist2": _v(PF_SKIP=2, PF_HOIST=2),
+    "epi1-skip2-hoist2": _v(PF_EPI=1, PF_SKIP=2, PF_HOIST=2),
+    "epi1-skip-hoist2": _v(PF_EPI=1, PF_SKIP=1, PF_HOIST=2),
     "epi2-skip-128x32-minb3": _v(PF_EPI=2, PF_SKIP=1, PF_ROWS=128, PF_TOKS=32, PF_MINB=3),
     "epi2-minb1": _v(PF_EPI=2, PF_MINB=1),                  # no register cap: no spills, 2 warps per scheduler
     "epi2-hoist": _v(PF_EPI=2, PF_HOIST=1),                 # copy sources found once per block
