@@ -88,11 +88,20 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 #define PF_EPI 0                       // EPI 1 / 2: measured apart, not yet with SKIP (scripts/pf_kernel_sweep.py)
 #endif
 // 1: each thread's copy sources (weight rows, split-x rows, metadata) found once per block, not at every stage
+// 2: the same in fewer registers and instructions: a thread copies its split-x pieces from ONE activation row (16 / XK
+//    lanes a row, each copy instruction reading contiguous bytes of it), so one pointer where 1 had XK and their
+//    sizes; an absent row (past the first nact) copies the last present row instead of zeros -- any valid bytes
+//    do, since an MMA column (a token's part) never mixes with another's and no caller writes an absent row's
+//    outputs; and the stages' offsets advance by an add instead of G % PF_STAGES (int8's four weight pieces a row
+//    keep the table loads: four pointers would not fit its registers)
 #ifndef PF_HOIST
 #define PF_HOIST 0
 #endif
 // 1: warps and quads of 4 activation rows past the block's last present row (a partial tile: an expert's last
 // pairs, the prompt's last tokens) skip their MMAs and flushes -- the other block on the SM gets those issue slots
+// 2: the same, and a warp with all 16 rows present runs its four quads without the per-quad tests (one basic block:
+// scripts/pf_sass_counts.py shows a branch between quads keeps ptxas from overlapping one quad's flush with the next
+// quad's B loads and MMAs)
 #ifndef PF_SKIP
 #define PF_SKIP 1                      // the default since the H200 sweep
 #endif
@@ -116,6 +125,11 @@ struct PfFmt {
     static constexpr int STAGE = W_BYTES + PF_X_BYTES + PF_M_BYTES;
 };
 static_assert(PfFmt<FMT_INT4>::STAGE == PF_STAGE_BYTES, "int4's stage is the macros'");
+
+template <bool B>
+struct PfBool {                        // a compile-time flag for the main loop's generic lambda
+    static constexpr bool value = B;
+};
 
 #define PF_LINEAR 0
 #define PF_GATEUP 1
@@ -229,7 +243,7 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 
     constexpr int WK = PF_ROWS * WP / PF_THREADS, XK = PF_TOKS * 16 / PF_THREADS;    // copies per thread per stage
     static_assert(PF_ROWS * WP % PF_THREADS == 0 && (1 << WPS) == WP, "whole weight copy rounds per stage");
-#if PF_HOIST
+#if PF_HOIST == 1
     // this thread's sources at G = 0 (an absent activation row: xq / xm with 0 bytes, zeros), advanced per stage
     const u8 *wsrc[WK], *xsrc[XK];
     int xn[XK];
@@ -247,22 +261,50 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
     const int ma = tid / 3, mr = tid < 3 * PF_TOKS ? act[ma] : -1;
     const int *msrc = mr >= 0 ? xm + (long long)mr * nG * 12 + 4 * (tid - 3 * ma) : xm;
 #endif
-    auto issue = [&](int G) {
+#if PF_HOIST == 2
+    constexpr int XPR = 16 / XK;             // lanes per activation row; this thread's pieces xp + XPR j of row xa
+    static_assert(16 % XK == 0, "whole activation rows per copy round");
+    const int xa = tid / XPR, xp = tid % XPR, ma = tid / 3;
+    const u8 *xsrc = xq + (long long)act[min(xa, nact - 1)] * nG * 256 + 16 * xp;
+    const int *msrc = xm + (long long)act[min(ma, nact - 1)] * nG * 12 + 4 * (tid - 3 * ma);   // tid < 3 PF_TOKS
+    const u8 *wsrc[I8 ? 1 : WK];
+    if constexpr (!I8) {
+#pragma unroll
+        for (int k = 0; k < WK; k++) {
+            const int idx = tid + PF_THREADS * k;
+            wsrc[k] = rowd[idx >> WPS] + 16 * (idx & (WP - 1));
+        }
+    }
+#endif
+    // G: the 64-column block to copy; so: its stage's byte offset (= (G % PF_STAGES) * STAGE)
+    auto issue = [&](int G, int so) {
         if (G < nG) {
-            u8 *st = smem + (G % PF_STAGES) * STAGE;
+            u8 *st = smem + (PF_HOIST == 2 ? so : (G % PF_STAGES) * STAGE);
 #pragma unroll
             for (int k = 0; k < WK; k++) {   // weights: WP pieces per row (int4 2, int8 4)
                 const int idx = tid + PF_THREADS * k, row = idx >> WPS, pc = idx & (WP - 1);
-#if PF_HOIST
+#if PF_HOIST == 2
+                if constexpr (!I8)
+                    pf_cp16(st + row * WB + 16 * pc, wsrc[k] + WB * G, 16);
+                else
+                    pf_cp16(st + row * WB + 16 * pc, rowd[row] + WB * G + 16 * pc, 16);
+#elif PF_HOIST == 1
                 pf_cp16(st + row * WB + 16 * pc, wsrc[k] + WB * G, 16);
 #else
                 pf_cp16(st + row * WB + 16 * pc, rowd[row] + WB * G + 16 * pc, 16);
 #endif
             }
+#if PF_HOIST == 2
+#pragma unroll
+            for (int j = 0; j < XK; j++)    // split x: this thread's pieces of its one row
+                pf_cp16(st + W_BYTES + xa * 256 + 16 * (xp + XPR * j), xsrc + 256 * G + 16 * XPR * j, 16);
+            if (tid < 3 * PF_TOKS)          // metadata: 3 pieces per activation row
+                pf_cp16(st + W_BYTES + PF_X_BYTES + ma * 48 + 16 * (tid - 3 * ma), msrc + 12 * G, 16);
+#else
 #pragma unroll
             for (int k = 0; k < XK; k++) {  // split x: 16 pieces per activation row
                 const int idx = tid + PF_THREADS * k, a = idx >> 4, pc = idx & 15;
-#if PF_HOIST
+#if PF_HOIST == 1
                 pf_cp16(st + W_BYTES + a * 256 + 16 * pc, xsrc[k] + (xn[k] ? G * 256 : 0), xn[k]);
 #else
                 const int r = act[a];
@@ -272,7 +314,7 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
             }
             if (tid < 3 * PF_TOKS) {        // metadata: 3 pieces per activation row
                 const int a = tid / 3, pc = tid - 3 * a;
-#if PF_HOIST
+#if PF_HOIST == 1
                 pf_cp16(st + W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, msrc + (mr >= 0 ? G * 12 : 0),
                         mr >= 0 ? 16 : 0);
 #else
@@ -281,12 +323,13 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
                 pf_cp16(st + W_BYTES + PF_X_BYTES + a * 48 + 16 * pc, src, r >= 0 ? 16 : 0);
 #endif
             }
+#endif
         }
         pf_commit();                         // an empty group past the end keeps the wait counts uniform
     };
 
 #pragma unroll
-    for (int s = 0; s < PF_STAGES - 1; s++) issue(s);
+    for (int s = 0; s < PF_STAGES - 1; s++) issue(s, s * STAGE);
     if constexpr (!I8)
         for (int i = tid; i < PF_ROWS * ng; i += PF_THREADS)   // the group scales, once (plain loads)
             scs[i] = __ushort_as_half(__ldg(reinterpret_cast<const unsigned short *>(rowm[i / ng]) + i % ng));
@@ -295,12 +338,16 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
 #pragma unroll
         for (int q = 0; q < 4; q++) acc[i][q][0] = acc[i][q][1] = 0.f;
 
+    int cso = 0, iso = (PF_STAGES - 1) * STAGE;     // PF_HOIST 2: stage G's offset, stage G + PF_STAGES - 1's
     for (int G = 0; G < nG; G++) {
         pf_wait<PF_STAGES - 2>();
         __syncthreads();                     // stage G landed for every thread; stage G - 1 is free again
-        issue(G + PF_STAGES - 1);
+        issue(G + PF_STAGES - 1, iso);
+        const int so = cso;
+        iso = cso;                           // the next step refills this step's stage
+        cso = cso + STAGE == PF_STAGES * STAGE ? 0 : cso + STAGE;
         if (PF_SKIP && 16 * wt >= nact) continue;   // a warp whose 16 activation rows are all absent (warp-uniform)
-        const u8 *st = smem + (G % PF_STAGES) * STAGE;
+        const u8 *st = smem + (PF_HOIST == 2 ? so : (G % PF_STAGES) * STAGE);
         const u8 *xs = st + W_BYTES;
         const int *ms = reinterpret_cast<const int *>(st + W_BYTES + PF_X_BYTES);
         uint32_t a[4][2][4];
@@ -338,67 +385,80 @@ __device__ inline void pf_mainloop(u8 *smem, const u8 *const *rowd, const u8 *co
                 sc[i][1] = __half2float(scs[(row + 8) * ng + (G >> gsh)]);
             }
         }
+        // the warp's four quads; FULL: all four present, no per-quad test (PF_SKIP 2 runs those warps here)
+        auto quads = [&](auto full) {
+            constexpr bool FULL = decltype(full)::value;
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            if (PF_SKIP && 16 * wt + 4 * q >= nact) continue;   // 4 absent rows: the MMAs would multiply zeros
-            const int tb = 16 * wt + 4 * q + (g >> 1), td = 16 * wt + 4 * q + t;
-            const float fe = __int_as_float(ms[td * 12 + 8]);
+            for (int q = 0; q < 4; q++) {
+                // 4 absent rows: the MMAs would multiply zeros
+                if (!FULL && PF_SKIP && 16 * wt + 4 * q >= nact) continue;
+                const int tb = 16 * wt + 4 * q + (g >> 1), td = 16 * wt + 4 * q + t;
+                const float fe = __int_as_float(ms[td * 12 + 8]);
 #if PF_EPI == 2
-            const float fe7 = fe * 0.0078125f, nm = -PF_MAGIC1_F * fe;   // exact: fe a power of two
+                const float fe7 = fe * 0.0078125f, nm = -PF_MAGIC1_F * fe;   // exact: fe a power of two
 #endif
-            uint4 b[2];
-            int4 ci[2];
-#pragma unroll
-            for (int ab = 0; ab < 2; ab++) {
-                b[ab] = *reinterpret_cast<const uint4 *>(xs + tb * 256 + (2 * ab + (g & 1)) * 64 + 16 * t);
-                // int8: signed weights need no offset, the accumulators start at MAGIC itself
-                ci[ab] = I8 ? make_int4(PF_MAGIC, PF_MAGIC, PF_MAGIC, PF_MAGIC)
-                            : *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int d[2][4];
+                uint4 b[2];
+                int4 ci[2];
 #pragma unroll
                 for (int ab = 0; ab < 2; ab++) {
-                    if (I8) {
-                        pf_mma_ss_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
-                        pf_mma_ss(d[ab], a[i][1], b[ab].z, b[ab].w);
-                    } else {
-                        pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
-                        pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
-                    }
+                    b[ab] = *reinterpret_cast<const uint4 *>(xs + tb * 256 + (2 * ab + (g & 1)) * 64 + 16 * t);
+                    // int8: signed weights need no offset, the accumulators start at MAGIC itself
+                    ci[ab] = I8 ? make_int4(PF_MAGIC, PF_MAGIC, PF_MAGIC, PF_MAGIC)
+                                : *reinterpret_cast<const int4 *>(ms + td * 12 + 4 * ab);
                 }
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
+                for (int i = 0; i < 4; i++) {
+                    int d[2][4];
+#pragma unroll
+                    for (int ab = 0; ab < 2; ab++) {
+                        if (I8) {
+                            pf_mma_ss_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
+                            pf_mma_ss(d[ab], a[i][1], b[ab].z, b[ab].w);
+                        } else {
+                            pf_mma_c(d[ab], a[i][0], b[ab].x, b[ab].y, ci[ab]);
+                            pf_mma(d[ab], a[i][1], b[ab].z, b[ab].w);
+                        }
+                    }
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
 #if PF_DIAG
-                    acc[i][q][r] = fmaf(__int_as_float(d[0][2 * r] + d[0][2 * r + 1] + d[1][2 * r] + d[1][2 * r + 1]),
-                                        sc[i][r], acc[i][q][r]);
+                        acc[i][q][r] = fmaf(__int_as_float(d[0][2 * r] + d[0][2 * r + 1] + d[1][2 * r] +
+                                                            d[1][2 * r + 1]),
+                                            sc[i][r], acc[i][q][r]);
 #elif PF_EPI == 2
-                    // (parts 0 + 1) fe and (2 + 3) fe exactly, then the one rounding of the block (h fe)
-                    const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), fe7,
-                                           fmaf(__int_as_float(d[0][2 * r]), fe, nm));
-                    const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), fe7,
-                                           fmaf(__int_as_float(d[1][2 * r]), fe, nm));
-                    acc[i][q][r] = fmaf(sc[i][r], fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
+                        // (parts 0 + 1) fe and (2 + 3) fe exactly, then the one rounding of the block (h fe)
+                        const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), fe7,
+                                               fmaf(__int_as_float(d[0][2 * r]), fe, nm));
+                        const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), fe7,
+                                               fmaf(__int_as_float(d[1][2 * r]), fe, nm));
+                        acc[i][q][r] = fmaf(sc[i][r], fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
 #elif PF_EPI == 1
-                    // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
-                    const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), 0.0078125f,
-                                           __int_as_float(d[0][2 * r]) - PF_MAGIC1_F);
-                    const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), 0.0078125f,
-                                           __int_as_float(d[1][2 * r]) - PF_MAGIC1_F);
-                    acc[i][q][r] = fmaf(sc[i][r] * fe, fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
+                        // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
+                        const float p01 = fmaf(__int_as_float(d[0][2 * r + 1]), 0.0078125f,
+                                               __int_as_float(d[0][2 * r]) - PF_MAGIC1_F);
+                        const float p23 = fmaf(__int_as_float(d[1][2 * r + 1]), 0.0078125f,
+                                               __int_as_float(d[1][2 * r]) - PF_MAGIC1_F);
+                        acc[i][q][r] = fmaf(sc[i][r] * fe, fmaf(p23, 6.103515625e-05f, p01), acc[i][q][r]);
 #else
-                    const float f0 = __int_as_float(d[0][2 * r]) - PF_MAGIC_F;
-                    const float f1 = __int_as_float(d[0][2 * r + 1]) - PF_MAGIC_F;
-                    const float f2 = __int_as_float(d[1][2 * r]) - PF_MAGIC_F;
-                    const float f3 = __int_as_float(d[1][2 * r + 1]) - PF_MAGIC_F;
-                    // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
-                    const float h = fmaf(fmaf(f3, 0.0078125f, f2), 6.103515625e-05f, fmaf(f1, 0.0078125f, f0));
-                    acc[i][q][r] = fmaf(sc[i][r] * fe, h, acc[i][q][r]);
+                        const float f0 = __int_as_float(d[0][2 * r]) - PF_MAGIC_F;
+                        const float f1 = __int_as_float(d[0][2 * r + 1]) - PF_MAGIC_F;
+                        const float f2 = __int_as_float(d[1][2 * r]) - PF_MAGIC_F;
+                        const float f3 = __int_as_float(d[1][2 * r + 1]) - PF_MAGIC_F;
+                        // parts 0 + 1 and 2 + 3 exactly (23 bits each), then the one rounding of the block
+                        const float h = fmaf(fmaf(f3, 0.0078125f, f2), 6.103515625e-05f, fmaf(f1, 0.0078125f, f0));
+                        acc[i][q][r] = fmaf(sc[i][r] * fe, h, acc[i][q][r]);
 #endif
+                    }
                 }
             }
-        }
+        };
+        // PF_SKIP 2: a warp whose 16 activation rows are all present (most of them) runs its quads as one
+        // straight-line body, so the scheduler may start quad q + 1's loads and MMAs under quad q's flush; only the
+        // warp holding the tile's last pair takes the per-quad tests
+        if (PF_SKIP == 2 && 16 * wt + 16 <= nact)
+            quads(PfBool<true>{});
+        else
+            quads(PfBool<false>{});
     }
     pf_wait<0>();
     __syncthreads();

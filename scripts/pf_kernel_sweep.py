@@ -65,6 +65,14 @@ VARIANTS = {
     "epi2-skip": _v(PF_EPI=2, PF_SKIP=1),                   # both (and no spills at 128 registers)
     "epi1-skip": _v(PF_EPI=1, PF_SKIP=1),                   # the same without EPI 2's range note (exact anywhere)
     "epi2-skip-hoist": _v(PF_EPI=2, PF_SKIP=1, PF_HOIST=1),
+    # full warps (all 16 rows present) run their 4 quads as one basic block: quad q + 1's B loads and MMAs may go
+    # under quad q's flush (SASS: docs/perf-notes.md, "the main loop's SASS per IMMA")
+    "skip2": _v(PF_SKIP=2),
+    "epi1-skip2": _v(PF_EPI=1, PF_SKIP=2),
+    # + copies from one pointer per kind (a split-x row per thread), stage offsets by adds: ~-70 SASS a step
+    "skip2-hoist2": _v(PF_SKIP=2, PF_HOIST=2),
+    "epi1-skip2-hoist2": _v(PF_EPI=1, PF_SKIP=2, PF_HOIST=2),
+    "epi1-skip-hoist2": _v(PF_EPI=1, PF_SKIP=1, PF_HOIST=2),
     "epi2-skip-128x32-minb3": _v(PF_EPI=2, PF_SKIP=1, PF_ROWS=128, PF_TOKS=32, PF_MINB=3),
     "epi2-minb1": _v(PF_EPI=2, PF_MINB=1),                  # no register cap: no spills, 2 warps per scheduler
     "epi2-hoist": _v(PF_EPI=2, PF_HOIST=1),                 # copy sources found once per block
@@ -77,6 +85,7 @@ VARIANTS = {
     # diagnostics: the same loads and MMAs, a flush of ~1 op per output (what the epilogue costs); wrong by design
     "diag": _v(PF_DIAG=1),
     "diag-minb1": _v(PF_DIAG=1, PF_MINB=1),
+    "diag-skip": _v(PF_DIAG=1, PF_SKIP=1),                  # against skip / epi2-skip: "diag" above has no SKIP
 }
 
 

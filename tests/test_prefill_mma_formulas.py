@@ -539,3 +539,77 @@ def test_the_int8_prefill_switch_defaults_on_and_a_bad_value_is_a_one_line_error
             prefill_int8_enabled({"COLI_PREFILL_INT8": v})
         msg = str(e.value)
         assert "COLI_PREFILL_INT8" in msg and "use 1" in msg and "or 0" in msg and "\n" not in msg
+
+
+# ---- the split-x and metadata copies of one stage (pf_mainloop's issue()), PF_HOIST 0 and 2 ------------------------
+def _stage_x_copies(hoist: int, act: list[int], nact: int, nG: int, G: int, xq: np.ndarray, xm: np.ndarray,
+                    threads: int, toks: int):
+    """issue()'s split-x and metadata cp.async for block G, transliterated thread by thread: (xs [toks, 256] bytes,
+    ms [toks, 12] words as staged, how often each staged byte / word was written, per copy round j the source byte
+    offsets of each warp). xq: [R * nG * 256] bytes, xm: [R * nG * 12] words; act[a] < 0: an absent row."""
+    XK = toks * 16 // threads
+    xs, ms = np.zeros((toks, 256), np.int64), np.zeros((toks, 12), np.int64)
+    nx, nm = np.zeros((toks, 256), np.int64), np.zeros((toks, 12), np.int64)
+    srcs: dict[tuple[int, int], list[int]] = {}
+
+    def cp_x(a, pc, src, n):                       # pf_cp16 into the x area: n = 0 fills zeros
+        xs[a, 16 * pc:16 * pc + 16] = xq[src:src + 16] if n else 0
+        nx[a, 16 * pc:16 * pc + 16] += 1
+
+    def cp_m(a, pc, src, n):
+        ms[a, 4 * pc:4 * pc + 4] = xm[src:src + 4] if n else 0
+        nm[a, 4 * pc:4 * pc + 4] += 1
+    for tid in range(threads):
+        if hoist == 2:
+            XPR = 16 // XK
+            xa, xp, ma = tid // XPR, tid % XPR, tid // 3
+            xsrc = act[min(xa, nact - 1)] * nG * 256 + 16 * xp
+            msrc = act[min(ma, nact - 1)] * nG * 12 + 4 * (tid - 3 * ma)
+            for j in range(XK):
+                src = xsrc + 256 * G + 16 * XPR * j
+                cp_x(xa, xp + XPR * j, src, 16)
+                srcs.setdefault((tid // 32, j), []).append(src)
+            if tid < 3 * toks:
+                cp_m(ma, tid - 3 * ma, msrc + 12 * G, 16)
+        else:
+            for k in range(XK):
+                idx = tid + threads * k
+                a, pc = idx >> 4, idx & 15
+                r = act[a]
+                src = (r * nG + G) * 256 + 16 * pc if r >= 0 else 0
+                cp_x(a, pc, src, 16 if r >= 0 else 0)
+                srcs.setdefault((tid // 32, k), []).append(src)
+            if tid < 3 * toks:
+                a = tid // 3
+                pc, r = tid - 3 * a, act[a]
+                cp_m(a, pc, (r * nG + G) * 12 + 4 * pc if r >= 0 else 0, 16 if r >= 0 else 0)
+    return xs, ms, nx, nm, srcs
+
+
+@pytest.mark.parametrize("threads,toks", [(256, 32), (128, 32), (512, 64), (256, 64)])   # the sweep's block shapes
+@pytest.mark.parametrize("nact", [1, 5, 17, 32])
+def test_hoist2_copies_stage_the_defaults_rows_from_one_pointer_each(threads, toks, nact):
+    """PF_HOIST 2 stages every present row's split x and metadata exactly as the default does, writes every staged
+    byte once, fills an absent row with a present row's bytes (valid data, never zeros from nowhere), and each copy
+    round of a warp reads whole 16 x (16 / XK)-byte runs of a row (the contiguous reads it was built for)."""
+    rng = np.random.default_rng(threads + toks + nact)
+    nact = min(nact, toks)
+    R, nG = 70, 3
+    xq = rng.integers(0, 256, R * nG * 256)
+    xm = rng.integers(-2 ** 31, 2 ** 31, R * nG * 12)
+    rows = rng.choice(R, nact, replace=False).tolist()
+    act = rows + [-1] * (toks - nact)
+    for G in range(nG):
+        want = _stage_x_copies(0, act, nact, nG, G, xq, xm, threads, toks)
+        got = _stage_x_copies(2, act, nact, nG, G, xq, xm, threads, toks)
+        np.testing.assert_array_equal(got[0][:nact], want[0][:nact])
+        np.testing.assert_array_equal(got[1][:nact], want[1][:nact])
+        assert (got[2] == 1).all() and (got[3] == 1).all()           # every staged byte / word written once
+        assert (want[2] == 1).all() and (want[3] == 1).all()
+        last = _stage_x_copies(0, [act[nact - 1]] * toks, toks, nG, G, xq, xm, threads, toks)
+        np.testing.assert_array_equal(got[0][nact:], last[0][nact:])    # absent rows: the last present row
+        np.testing.assert_array_equal(got[1][nact:], last[1][nact:])
+        XPR = 16 // (toks * 16 // threads)
+        for src in got[4].values():
+            runs = np.array(src).reshape(-1, XPR)                      # lanes of one row, in lane order
+            assert (np.diff(runs, axis=1) == 16).all()                  # contiguous 16-byte pieces

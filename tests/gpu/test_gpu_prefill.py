@@ -197,7 +197,8 @@ def test_moe_prefill_in_chunks(gb, rng, monkeypatch):
 # variants of prefill_mma.cu (scripts/pf_kernel_sweep.py): each flush, the skip, the hoisted copies, the 4- and
 # 16-warp blocks; each computes every output's integer sums and fp32 flush in the default's order, so each must
 # give the default's bits (partial tiles and a partial token tile included)
-PF_VARIANTS = ["epi1", "epi2-skip", "epi2-skip-hoist", "epi2-skip-128x32-minb3", "epi2-256x64-minb1"]
+PF_VARIANTS = ["epi1", "epi2-skip", "epi2-skip-hoist", "epi2-skip-128x32-minb3", "epi2-256x64-minb1", "epi1-skip2",
+               "skip2-hoist2", "epi1-skip-hoist2"]
 
 
 @pytest.mark.parametrize("name", PF_VARIANTS)
