@@ -85,7 +85,7 @@ static_assert(PF_ROWS * 2 % PF_THREADS == 0 && PF_TOKS * 16 % PF_THREADS == 0, "
 //      then fe (D0 + D1 / 2^7), h fe rounded once as h was, acc = fma(sc, h fe, acc): 6 FFMA. The same bits while
 //      fe M and the products stay normal floats: a block's largest |x| in [2^-98, 2^100] (outside: float range ends)
 #ifndef PF_EPI
-#define PF_EPI 0                       // EPI 1 / 2: measured apart, not yet with SKIP (scripts/pf_kernel_sweep.py)
+#define PF_EPI 1                       // the default since the 2026-12-02 sweep: epi1-skip 101.8 vs 98.7 TFLOP/s
 #endif
 // 1: each thread's copy sources (weight rows, split-x rows, metadata) found once per block, not at every stage
 // 2: the same in fewer registers and instructions: a thread copies its split-x pieces from ONE activation row (16 / XK

@@ -26,7 +26,7 @@ needs_tools = pytest.mark.skipif(NVCC is None or CUOBJDUMP is None,
 
 @needs_tools
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,fp_per_output", [("default", 9), ("epi2-skip", 6)])
+@pytest.mark.parametrize("name,fp_per_output", [("default", 7), ("epi2-skip", 6), ("skip", 9)])
 def test_the_main_loop_step_has_64_immas_and_the_flush_of_its_epi(name, fp_per_output):
     row = sc.analyse(name, VARIANTS[name], "90", NVCC, CUOBJDUMP)
     for k, r in row["kernels"].items():
