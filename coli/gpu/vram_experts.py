@@ -259,11 +259,11 @@ class VramExperts:
                     # again by another copy) before the kernels' waits are queued, so that copy is reaped later
                     older.discard(id(self.slot_job[s]))
                 yield e, self._device_record(layer, e, s)
+        early: tuple[HostRecord, Any] | None = None     # the first miss, loaded before the hits' FLUSH (below)
         try:
             if not misses:
                 return
             grants: Iterator[HostRecord | None] = iter(self.host.grants(layer, misses))
-            early: tuple[HostRecord, Any] | None = None
             if hits and not self.sync:
                 # the first miss's copy goes on the bus before the hits' kernels are launched at the FLUSH (the
                 # backend's Python, tens of µs a batch, that the link would otherwise idle through); its handle is
@@ -294,6 +294,8 @@ class VramExperts:
                 if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
                     self.host.release(rec)
         finally:
+            if early is not None:                # loaded before the FLUSH, never handed out: the step stopped there
+                self._drop_early(*early)
             for s, job in handoff.values():      # never granted (the step stopped early): drop them
                 self._drop_handoff(s, job)
             if speculated and self.governor is not None:
@@ -306,6 +308,16 @@ class VramExperts:
         FLUSH when no slot is free until the held records are launched."""
         ho = handoff.pop(rec.expert, None)
         return self._load(layer, rec) if ho is None else self._resume(layer, rec, *ho)
+
+    def _drop_early(self, rec: HostRecord, h: Any) -> None:
+        """The first miss was loaded before the FLUSH that launches the hits and the consumer stopped at that FLUSH (the
+        backend raised while launching them): nothing will read it. A device record gives its slot pin back (as the
+        backend does for records it held; its copy lands and is reaped as any other, which returns the lease); a CPU
+        fallback or a FLUSH (no slot) holds no copy, so the host lease goes back now."""
+        if isinstance(h, DeviceRecord):
+            h.on_consumed(None)
+        else:
+            self.host.release(rec)
 
     def _land_pending(self) -> None:
         """The backend's host is about to block for a router's top-k (or a step's token), which the GPU computes after

@@ -305,6 +305,38 @@ def test_the_first_miss_is_on_the_bus_before_the_hits_are_launched(root, oracles
     vx.close()
 
 
+def test_a_step_stopped_at_the_hits_flush_leaks_no_pin_of_its_early_first_miss(root, oracles):
+    """The first miss's copy is issued before the FLUSH that launches the hits; when the backend raises while
+    launching them (its except gives back the records it held, then the generator is closed at that FLUSH) the
+    early miss was never handed out: its slot pin must go back too (and its lease once the copy lands), or each such
+    failed request leaks a slot for the rest of the run (review7: the finally did not know about it)."""
+    from coli.gpu.cuda_weights import FLUSH
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 6, policy="lru")
+    layer = r.config.moe_layers[0]
+    _run_step(vx, b, layer, [0, 1])                      # 0 and 1 resident now
+    vx.finish()
+    gen = vx.stream(layer, [0, 2, 3])
+    held = []
+    for item in gen:
+        if item is FLUSH:
+            break                                        # the backend raised while launching the hits
+        held.append(item[1])
+    assert len(held) == 1 and vx._pending                # the hit held, the early miss's copy issued
+    for rec in held:                                     # what CudaBackend.moe's except does for held records
+        rec.on_consumed(None)
+    gen.close()                                          # the step is abandoned at that FLUSH
+    vx.finish()
+    assert [vx.pool.pins(s) for s in range(vx.n_slots)] == [0] * vx.n_slots
+    assert host.leases == 0
+    vx.pool.check()
+    got, x = _run_step(vx, b, layer, [2, 4, 5])          # the pool still serves the next step: right sum
+    want = _cpu_step(r, layer, [2, 4, 5], x)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    vx.close()
+
+
 def test_landed_copies_are_finished_while_the_host_waits_for_the_router(root, oracles):
     """The backend calls the expert source's before_host_wait right before it blocks for a router's top-k (eager
     route, and each replayed segment's wait): the copies issued so far are finished there (slots READY, host
