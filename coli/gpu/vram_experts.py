@@ -267,13 +267,17 @@ class VramExperts:
             if hits and not self.sync:
                 # the first miss's copy goes on the bus before the hits' kernels are launched at the FLUSH (the
                 # backend's Python, tens of µs a batch, that the link would otherwise idle through); its handle is
-                # yielded after the FLUSH, where it was, so the batches and their order stay the same
-                first = next(grants, None)
-                if first is not None:
-                    early = (first, self._miss(layer, first, handoff))
-                    grants = itertools.chain([first], grants)
-                else:                            # a disk read on its way first: as before
-                    grants = itertools.chain([None], grants)
+                # yielded after the FLUSH, where it was, so the batches and their order stay the same. Only while a
+                # slot is free: then the acquire ranks every mapped key, pinned or not, as it would after the FLUSH;
+                # with none free only unpinned slots are reusable and the hits, pinned until the FLUSH, would drop
+                # out of the ranking -- another key evicted (tests/vram/test_early_first_miss.py)
+                if self.pool.n_free > 0:
+                    first = next(grants, None)
+                    if first is not None:
+                        early = (first, self._miss(layer, first, handoff))
+                        grants = itertools.chain([first], grants)
+                    else:                        # a disk read on its way first: as before
+                        grants = itertools.chain([None], grants)
                 yield FLUSH
             for rec in grants:
                 if rec is None:                  # a disk read is on its way: time to reap meanwhile
