@@ -159,6 +159,9 @@ class VramExperts:
         self.governor = SpecGovernor(layout.nbytes, max_budget=top_k) if spec_budget is None else None
         self._spec_layers: dict[int, int] = {}        # layer -> speculative copies put on the lane for it
         self._spec_used = 0                           # bytes of them the current step used
+        # slot -> bytes of a guess that landed whole and was finished by a reap (the router's before_host_wait, a
+        # step's): counted in _spec_used when a demand then hits it, as one still in flight at its lookup is
+        self._spec_landed: dict[int, int] = {}
         self.ahead_layers = None if ahead_layers is None else sorted(int(m) for m in ahead_layers)
         self.ahead_fraction = float(ahead_fraction)
         self._ahead: set[CopyJob] = set()             # layer-ahead copies not finished yet (a subset of _spec_jobs')
@@ -390,6 +393,7 @@ class VramExperts:
             s = self.pool.acquire(key, speculative=True)
             if s is None:
                 continue
+            self._spec_landed.pop(s, None)       # the slot holds another key now
             job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split,
                           self.ahead_tile if ahead else self.tile, wait_event=self.slot_consumed[s])
             self.slot_job[s], self.slot_src[s] = job, rec
@@ -409,6 +413,7 @@ class VramExperts:
             return None
         job = self._spec_jobs.pop(s, None)
         if job is None:
+            self._spec_used += self._spec_landed.pop(s, 0)
             return s
         if not job.submitted.is_set():
             if not job.cancelled:
@@ -515,6 +520,8 @@ class VramExperts:
         if retry:
             self._reap(wait=True)                # slots whose copies are still loading cannot be handed out
         s = self.pool.acquire(key, retry=retry)
+        if s is not None:
+            self._spec_landed.pop(s, None)       # the slot holds another key now
         if s is None:
             if not retry:
                 return FLUSH
@@ -573,7 +580,9 @@ class VramExperts:
             if job.submitted.is_set() and (job.error is not None or job.cancelled or not job.ev_done
                                            or self.drv.event_done(job.ev_done)):
                 del self._spec_jobs[s]
-                self._finish_spec(s, job, demanded=False)
+                guess = job not in self._ahead   # a layer-ahead copy is not the governor's to judge
+                if self._finish_spec(s, job, demanded=False) and guess:
+                    self._spec_landed[s] = job.nbytes
         keep = []
         for job, rec, s in self._pending:
             if only is not None and id(job) not in only:

@@ -253,15 +253,14 @@ def test_a_cut_short_speculative_copy_is_finished_by_the_demand(root, oracles):
     assert st["copy_bytes"] + st["spec_handoff_bytes"] + st["spec_copies"] * n == 10 * n
 
 
-@pytest.mark.xfail(strict=True, reason="review7: the router's before_host_wait (_land_pending) reaps a landed guess "
-                   "before its demand's lookup, which then leaves it out of the spec governor's used bytes")
 def test_a_guess_landed_before_the_router_counts_in_the_governors_books(root, oracles):
     """The spec governor sizes its budget from the bytes of speculative copies a demand then used. A guess that has
     landed whole when its layer's router is waited for is used by that step (a VRAM hit): the governor must see its
     bytes whoever finished the copy -- the lookup, the step's reap, or the router's before_host_wait. Before
     e156d5a the step deferred its reap past the lookups (the previous step's copies pending, room for the misses),
-    so `_demand_hit` finished the guess and counted it; the hook now finishes it first, the lookup finds no job and
-    counts nothing, and the governor reads every landed guess as wasted (budget 1, a pause after IDLE_STEPS)."""
+    so `_demand_hit` finished the guess and counted it; the hook finishes it first, and the lookup found no job and
+    counted nothing: the governor read every landed guess as wasted (budget 1, a pause after IDLE_STEPS). A reap
+    now remembers the landed guess's bytes for the hit (review7)."""
     src, _ = oracles["vram-default"]
     d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
     vx, r, b, host = _vram(d, 6, speculate=True)         # spec_budget None: the governor's budget (1 copy at first)
