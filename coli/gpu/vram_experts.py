@@ -184,7 +184,6 @@ class VramExperts:
         self.t0 = time.perf_counter()
         host.reclaim_hook(lambda: self._reap(wait=True))
         backend.on_kernel_error = self._on_kernel_error
-        backend.before_host_wait = self._land_pending
         from coli.gpu.busy import BusyClock
         self.busy = BusyClock(self.drv, handle_of(self.rt.stream))
         backend.busy = self.busy
@@ -193,6 +192,8 @@ class VramExperts:
             for addr, n in host.pinned_ranges():
                 self.drv.host_register(addr, n)
                 self._registered.append(addr)
+        # last: a constructor that fails above (a pinned range the driver refuses) leaves the backend's hook as it was
+        backend.before_host_wait = self._land_pending
 
     # ---- the expert source ------------------------------------------------------------------------------
     def begin_step(self, tokens: int) -> None:
