@@ -5,6 +5,7 @@ once, and nothing it started outlives the session or its timeout."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,23 @@ def test_a_command_past_its_timeout_is_killed_and_named(tmp_path):
         assert not wait_gone([int(pidfile.read_text())])
     finally:
         pool.close()
+
+
+def test_commands_run_at_the_lowest_priority_in_an_autogroup_of_their_own(tmp_path):
+    """nice 19 for the command, and (where the kernel groups by session) its own session's group at nice 19 too,
+    read by a child started after a pause, as nvcc's cicc and ptxas are."""
+    mine = Path("/proc/self/autogroup")
+
+    def builds(out_dir):
+        return {"ni": (["sh", "-c", "sleep 0.3; cut -d' ' -f19 /proc/self/stat; "
+                                    "cat /proc/self/autogroup 2>/dev/null || true"], None)}
+
+    pool = NvccPool(workers=1)
+    try:
+        r = pool.results(builds)["ni"]
+    finally:
+        pool.close()
+    lines = r.stdout.split("\n")
+    assert r.returncode == 0 and lines[0] == "19", r
+    if mine.is_file():
+        assert lines[1].endswith(" nice 19") and lines[1].split()[0] != mine.read_text().split()[0], lines
