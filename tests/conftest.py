@@ -32,3 +32,37 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# ---- the compile tests' nvcc runs, in the background from collection on (tests/nvcc_pool.py says why) ----------
+_NVCC_POOL = pytest.StashKey()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nvcc(builds=fn): the test's nvcc commands, started right after collection")
+
+
+def pytest_collection_finish(session):
+    from nvcc_pool import NvccPool, find_nvcc
+
+    marked = [m.kwargs["builds"] for item in session.items for m in item.iter_markers("nvcc")]
+    if not marked or find_nvcc() is None or session.config.option.collectonly:
+        return
+    pool = session.config.stash[_NVCC_POOL] = NvccPool()
+    for builds in marked:
+        pool.submit(builds)
+
+
+@pytest.fixture(scope="session")
+def nvcc_pool(pytestconfig):
+    from nvcc_pool import NvccPool
+
+    if _NVCC_POOL not in pytestconfig.stash:
+        pytestconfig.stash[_NVCC_POOL] = NvccPool()
+    return pytestconfig.stash[_NVCC_POOL]
+
+
+def pytest_unconfigure(config):
+    pool = config.stash.get(_NVCC_POOL, None)
+    if pool is not None:
+        pool.close()

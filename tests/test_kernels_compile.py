@@ -4,31 +4,17 @@ with a reason where nvcc is absent."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from coli.gpu.cuda_runtime import MODULES, kernel_sources, kernels_dir
+from nvcc_pool import find_nvcc
 
 ARCHS = ("sm_86", "sm_89", "sm_90", "sm_120")
 
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for p in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        if p and Path(p, "bin", "nvcc").is_file():
-            return str(Path(p, "bin", "nvcc"))
-    return None
-
-
-NVCC = _nvcc()
+NVCC = find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check cuda/*.cu)")
 
 
@@ -41,25 +27,24 @@ def test_kernel_sources_are_package_data_with_header_comments():
     assert not (kernels_dir() / "__init__.py").exists(), "cuda/ is data, not a Python package"
 
 
+def _cubin_builds(out_dir):
+    return {(src.name, arch): ([NVCC, "-cubin", f"-arch={arch}", "-std=c++17", "-I", str(kernels_dir()), "-o",
+                                str(out_dir / f"{src.stem}.{arch}.cubin"), str(src)],
+                               out_dir / f"{src.stem}.{arch}.cubin")
+            for src in kernel_sources() for arch in ARCHS}
+
+
 @needs_nvcc
+@pytest.mark.nvcc(builds=_cubin_builds)
 @pytest.mark.timeout(1800)
-def test_every_kernel_compiles_for_every_target_arch(tmp_path):
-    jobs = [(src, arch) for src in kernel_sources() for arch in ARCHS]
-
-    def build(job):
-        src, arch = job
-        out = tmp_path / f"{src.stem}.{arch}.cubin"
-        r = subprocess.run([NVCC, "-cubin", f"-arch={arch}", "-std=c++17", "-I", str(kernels_dir()), "-o", str(out),
-                            str(src)], capture_output=True, text=True)
-        return src.name, arch, r.returncode, r.stderr, out
-
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(build, jobs))
-    failed = [f"{name} for {arch}:\n{err}" for name, arch, rc, err, _ in results if rc != 0]
+def test_every_kernel_compiles_for_every_target_arch(nvcc_pool):
+    results = nvcc_pool.results(_cubin_builds)
+    assert len(results) == len(kernel_sources()) * len(ARCHS)
+    failed = [f"{name} for {arch}:\n{r.stderr}" for (name, arch), r in results.items() if r.returncode != 0]
     assert not failed, "\n".join(failed)
-    for name, arch, _, err, out in results:
-        assert out.stat().st_size > 0, f"{name} for {arch}: empty cubin"
-        assert "warning" not in err.lower(), f"{name} for {arch}: {err}"
+    for (name, arch), r in results.items():
+        assert r.out.stat().st_size > 0, f"{name} for {arch}: empty cubin"
+        assert "warning" not in r.stderr.lower(), f"{name} for {arch}: {r.stderr}"
 
 
 _KERNEL_RE = re.compile(r'extern\s+"C"\s+__attribute__\(\(global\)\)\s*void\s+'
@@ -79,14 +64,18 @@ def _argchar(param: str) -> str:
     raise AssertionError(f"unexpected kernel parameter type: {param!r}")
 
 
+def _preprocessed(out_dir):
+    return {src: ([NVCC, "-E", "-std=c++17", "-I", str(kernels_dir()), str(src)], None)
+            for src in kernel_sources()}
+
+
 @needs_nvcc
-def test_backend_argument_types_match_the_kernel_signatures():
+@pytest.mark.nvcc(builds=_preprocessed)
+def test_backend_argument_types_match_the_kernel_signatures(nvcc_pool):
     from coli.gpu.cuda_backend import SIGNATURES
 
     declared: dict[tuple[str, str], str] = {}
-    for src in kernel_sources():
-        r = subprocess.run([NVCC, "-E", "-std=c++17", "-I", str(kernels_dir()), str(src)],
-                           capture_output=True, text=True)
+    for src, r in nvcc_pool.results(_preprocessed).items():
         assert r.returncode == 0, r.stderr
         for name, params in _KERNEL_RE.findall(r.stdout):
             declared[(src.stem, name)] = "".join(_argchar(p) for p in params.split(",") if p.strip())

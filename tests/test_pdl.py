@@ -12,10 +12,7 @@ The replays with programmatic edges against the ordinary ones are tests/gpu/test
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -92,25 +89,29 @@ def _ptx_entries(ptx: str) -> dict[str, str]:
 MEMORY_OP = re.compile(r"\b(?:ld|st|atom|red|cp\.async|prefetch)\.(?!param)")
 
 
+def _ptx_builds(out_dir):
+    from test_kernels_compile import NVCC
+    jobs = [(p, "sm_90") for p in kernel_sources()] + [(kernels_dir() / "argmax.cu", "sm_86")]
+    return {(src.name, arch): ([NVCC, "-ptx", f"-arch={arch}", "-std=c++17", "-I", str(kernels_dir()), "-o",
+                                str(out_dir / f"{src.stem}.{arch}.ptx"), str(src)], out_dir / f"{src.stem}.{arch}.ptx")
+            for src, arch in jobs}
+
+
+@pytest.mark.nvcc(builds=_ptx_builds)
 @pytest.mark.timeout(600)
-def test_every_compiled_kernel_waits_before_its_first_memory_access(tmp_path):
+def test_every_compiled_kernel_waits_before_its_first_memory_access(nvcc_pool):
     """What the source check cannot see: the macro really expands to both instructions on sm_90, in every kernel the
     format macros instantiate, before any load or store the compiler emits (the "memory" clobber)."""
     from test_kernels_compile import NVCC
     if NVCC is None:
         pytest.skip("nvcc not found (install the CUDA toolkit to check the compiled kernels)")
 
-    def ptx(job):
-        src, arch = job
-        out = tmp_path / f"{src.stem}.{arch}.ptx"
-        r = subprocess.run([NVCC, "-ptx", f"-arch={arch}", "-std=c++17", "-I", str(kernels_dir()), "-o", str(out),
-                            str(src)], capture_output=True, text=True)
-        assert r.returncode == 0, f"{src.name} for {arch}: {r.stderr}"
-        return src.name, out.read_text()
+    def ptx(item):
+        (name, arch), r = item
+        assert r.returncode == 0, f"{name} for {arch}: {r.stderr}"
+        return name, r.out.read_text()
 
-    jobs = [(p, "sm_90") for p in kernel_sources()] + [(kernels_dir() / "argmax.cu", "sm_86")]
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        done = list(pool.map(ptx, jobs))
+    done = [ptx(item) for item in nvcc_pool.results(_ptx_builds).items()]
     bad, n = [], 0
     for name, text in done[:-1]:
         for entry, body in _ptx_entries(text).items():

@@ -4,10 +4,8 @@ rejects a wrong one; without a GPU it refuses in one line. (The sweep itself run
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -69,34 +67,40 @@ def test_the_default_variant_is_the_shipped_build():
                                                                            ("PF_ROWS", "PF_TOKS", "PF_STAGES"))
 
 
+def _variant_builds(out_dir):
+    builds = {**sweep.VARIANTS, "peak": {**sweep.DEFAULTS, "PF_PEAK": 1}}
+    return {name: ([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-I", str(ROOT / "cuda"), "-o",
+                    str(out_dir / f"{name}.cubin"), *[f"-D{k}={v}" for k, v in defs.items()],
+                    str(ROOT / "cuda" / "prefill_mma.cu")], out_dir / f"{name}.cubin")
+            for name, defs in builds.items()}
+
+
 @needs_nvcc
+@pytest.mark.nvcc(builds=_variant_builds)
 @pytest.mark.timeout(600)
-def test_every_variant_compiles_for_sm_90_without_warnings(tmp_path):
+def test_every_variant_compiles_for_sm_90_without_warnings(nvcc_pool):
     """Every variant (static_asserts on the block shape included) and the MMA-rate build (PF_PEAK) build; the
     shipped default is checked for every target arch by tests/test_kernels_compile.py."""
-    builds = {**sweep.VARIANTS, "peak": {**sweep.DEFAULTS, "PF_PEAK": 1}}
-
-    def build(name):
-        out = tmp_path / f"{name}.cubin"
-        r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-I", str(ROOT / "cuda"), "-o", str(out),
-                            *[f"-D{k}={v}" for k, v in builds[name].items()],
-                            str(ROOT / "cuda" / "prefill_mma.cu")], capture_output=True, text=True)
-        return name, r.returncode, r.stderr, out
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(build, builds))
-    for name, rc, err, out in results:
-        assert rc == 0 and out.stat().st_size > 0, f"{name}: {err}"
-        assert "warning" not in err.lower(), f"{name}: {err}"
+    results = nvcc_pool.results(_variant_builds)
+    assert sorted(results) == sorted([*sweep.VARIANTS, "peak"])
+    for name, r in results.items():
+        assert r.returncode == 0 and r.out.stat().st_size > 0, f"{name}: {r.stderr}"
+        assert "warning" not in r.stderr.lower(), f"{name}: {r.stderr}"
 
 
-def test_a_bad_block_shape_is_a_compile_error(tmp_path):
+def _bad_block_shape(out_dir):
+    return {"PF_ROWS=64": ([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-I", str(ROOT / "cuda"), "-DPF_ROWS=64",
+                            "-DPF_TOKS=32", "-o", str(out_dir / "x.cubin"), str(ROOT / "cuda" / "prefill_mma.cu")],
+                           out_dir / "x.cubin")}
+
+
+@pytest.mark.nvcc(builds=_bad_block_shape)
+def test_a_bad_block_shape_is_a_compile_error(nvcc_pool):
     """The kernel refuses a shape its copy rounds or tables cannot cover (here 64 rows: no whole 64-column block of h
     per gate/up block) at compile time, not with wrong results."""
     if NVCC is None:
         pytest.skip("nvcc not found")
-    r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-I", str(ROOT / "cuda"), "-DPF_ROWS=64",
-                        "-DPF_TOKS=32", "-o", str(tmp_path / "x.cubin"), str(ROOT / "cuda" / "prefill_mma.cu")],
-                       capture_output=True, text=True, timeout=300)
+    r = nvcc_pool.results(_bad_block_shape)["PF_ROWS=64"]
     assert r.returncode != 0 and "static assertion" in r.stderr, r.stderr[-500:]
 
 
