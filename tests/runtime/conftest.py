@@ -14,10 +14,14 @@ _names = itertools.count()
 def rt_root(tmp_path_factory):
     # ipc:// paths must stay under 107 bytes: keep the run dir short
     import tempfile
+    import shutil
     d = Path(tempfile.mkdtemp(prefix="colirt-", dir="/tmp"))
     (d / "runs").mkdir()
     (d / "cache").mkdir()
     yield d
+    # every run was stopped by its test's start_run teardown: the converted caches (~60 MB a session) go too,
+    # instead of piling up in /tmp session after session
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
