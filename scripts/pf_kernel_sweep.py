@@ -46,7 +46,7 @@ SMEM_SM86 = 99 * 1024                                # sm_86 / sm_89 opt-in shar
 # the settings every variant below starts from: the first build (2026-12-01 afternoon, 87.3 TFLOP/s in the sweep)
 BASE = dict(PF_ROWS=256, PF_TOKS=32, PF_STAGES=3, PF_MINB=2, PF_EPI=0, PF_HOIST=0, PF_SKIP=0, PF_DIAG=0)
 # the shipped build: the fastest setting the H200 ran that keeps the bits everywhere (2026-12-01 18:35 UTC: skip 99.4
-# TFLOP/s against base 87.3; 2026-12-02 01:05 UTC: epi1-skip 101.8 against skip 98.7 in one run; epi2-skip, 103.5,
+# TFLOP/s against base 87.3; 2026-12-02 ~00:38 UTC: epi1-skip 101.8 against skip 98.7 in one run; epi2-skip, 103.5,
 # keeps them only inside a range of |x| -- docs/perf-notes.md)
 DEFAULTS = {**BASE, "PF_SKIP": 1, "PF_EPI": 1}
 
