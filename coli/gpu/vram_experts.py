@@ -391,10 +391,9 @@ class VramExperts:
                 continue                         # beyond what the idle window has been landing)
             if rec.nbytes > self.slot_bytes:
                 continue
-            s = self.pool.acquire(key, speculative=True)
+            s = self._acquire(key, speculative=True)
             if s is None:
                 continue
-            self._spec_landed.pop(s, None)       # the slot holds another key now
             job = CopyJob(key, self.base + s * self.slot_bytes, rec.addr, rec.nbytes, self.split,
                           self.ahead_tile if ahead else self.tile, wait_event=self.slot_consumed[s])
             self.slot_job[s], self.slot_src[s] = job, rec
@@ -520,9 +519,7 @@ class VramExperts:
             return self._host_expert(rec, "oversize")
         if retry:
             self._reap(wait=True)                # slots whose copies are still loading cannot be handed out
-        s = self.pool.acquire(key, retry=retry)
-        if s is not None:
-            self._spec_landed.pop(s, None)       # the slot holds another key now
+        s = self._acquire(key, retry=retry)
         if s is None:
             if not retry:
                 return FLUSH
@@ -556,6 +553,13 @@ class VramExperts:
         self.slot_job[s] = job
         self._pending.append((job, rec, s))
         return self._device_record(layer, rec.expert, s)
+
+    def _acquire(self, key: int, **kw) -> int | None:
+        """pool.acquire, and a slot it hands out forgets the landed guess it held (`_spec_landed`): another key now."""
+        s = self.pool.acquire(key, **kw)
+        if s is not None:
+            self._spec_landed.pop(s, None)
+        return s
 
     def _host_expert(self, rec: HostRecord, reason: str) -> HostExpert:
         return HostExpert(decode_expert_record(rec.array, self.layout), reason)
