@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ for p in (ROOT, ROOT / "scripts", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from coli.gpu.cubin_build import build_cubin  # noqa: E402
+from coli.gpu.cubin_build import build_cubin, find_nvcc  # noqa: E402
 
 F32 = np.float32
 H, IM, K, E, S = 6144, 2048, 8, 256, 2048          # GLM-5: hidden, moe_intermediate, top-k, experts; prompt length
@@ -166,18 +165,23 @@ def linear_f64_bound(x: np.ndarray, w: np.ndarray, extra_roundings: int = 4) -> 
     return x64 @ w64.T, bound
 
 
+def unknown_variants(prog: str, names) -> str | None:
+    """The one-line refusal of --only names that are not VARIANTS (None: all known)."""
+    unknown = sorted(set(names or ()) - set(VARIANTS))
+    return f"{prog}: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}" if unknown else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--only", nargs="*", help="variant names (default: all; 'default' always runs: the reference)")
     ap.add_argument("--iters", type=int, default=3, help="calls per timed repetition")
     a = ap.parse_args()
-    unknown = sorted(set(a.only or ()) - set(VARIANTS))
-    if unknown:
-        print(f"pf_kernel_sweep: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}",
-              file=sys.stderr)
+    refusal = unknown_variants("pf_kernel_sweep", a.only)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
-    nvcc = shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None)
+    nvcc = find_nvcc()
     from coli.gpu.cubin_build import backend_or_refusal
     gb, refusal = backend_or_refusal("pf_kernel_sweep")
     if gb is None:

@@ -34,8 +34,8 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from coli.gpu.cubin_build import build_cubin  # noqa: E402
-from pf_kernel_sweep import VARIANTS  # noqa: E402
+from coli.gpu.cubin_build import build_cubin, find_nvcc  # noqa: E402
+from pf_kernel_sweep import VARIANTS, unknown_variants  # noqa: E402
 
 KERNELS = ("pf_gateup_int4", "pf_down_int4")
 KINDS = ("IMMA", "LDS", "LDG", "BIT", "INT", "MOV", "FP", "BAR", "BRA", "LCL", "OTHER")
@@ -187,7 +187,7 @@ def find_cuobjdump(given: str | None) -> str | None:
     found = shutil.which("cuobjdump") or os.environ.get("COLI_CUOBJDUMP")
     if found:
         return found
-    nvcc = shutil.which("nvcc")                # the CUDA toolkit ships it next to nvcc
+    nvcc = find_nvcc()                         # the CUDA toolkit ships it next to nvcc
     if nvcc and (Path(nvcc).resolve().parent / "cuobjdump").is_file():
         return str(Path(nvcc).resolve().parent / "cuobjdump")
     try:                                       # the pip package nvidia-cuda-cuobjdump ships the binary
@@ -215,12 +215,11 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--cuobjdump", help="the cuobjdump binary (default: PATH, $COLI_CUOBJDUMP, nvidia-cuda-cuobjdump)")
     a = ap.parse_args()
-    unknown = sorted(set(a.only or ()) - set(VARIANTS))
-    if unknown:
-        print(f"pf_sass_counts: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}",
-              file=sys.stderr)
+    refusal = unknown_variants("pf_sass_counts", a.only)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
-    nvcc = shutil.which("nvcc")
+    nvcc = find_nvcc()
     cuobjdump = find_cuobjdump(a.cuobjdump)
     if nvcc is None or cuobjdump is None:
         print("pf_sass_counts: needs nvcc and cuobjdump (the CUDA toolkit, or pip install nvidia-cuda-cuobjdump); "

@@ -43,7 +43,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    from nvcc_pool import NvccPool, find_nvcc
+    from coli.gpu.cubin_build import find_nvcc
+    from nvcc_pool import NvccPool
 
     marked = [m.kwargs["builds"] for item in session.items for m in item.iter_markers("nvcc")]
     if not marked or find_nvcc() is None or session.config.option.collectonly:

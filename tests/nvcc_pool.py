@@ -27,16 +27,6 @@ from typing import Callable
 Builds = Callable[[Path], dict]
 
 
-def find_nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for p in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        if p and Path(p, "bin", "nvcc").is_file():
-            return str(Path(p, "bin", "nvcc"))
-    return None
-
-
 @dataclass(frozen=True)
 class Compiled:
     """One finished nvcc run: what subprocess.run(..., capture_output=True, text=True) gave before, and its -o file."""

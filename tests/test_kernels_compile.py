@@ -9,7 +9,7 @@ import re
 import pytest
 
 from coli.gpu.cuda_runtime import MODULES, kernel_sources, kernels_dir
-from nvcc_pool import find_nvcc
+from coli.gpu.cubin_build import find_nvcc
 
 ARCHS = ("sm_86", "sm_89", "sm_90", "sm_120")
 

@@ -4,12 +4,25 @@ backend or the one-line refusal where there is none (scripts/pf_kernel_sweep.py,
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME or /usr/local/cuda; None where there is none."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for p in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        if p and Path(p, "bin", "nvcc").is_file():
+            return str(Path(p, "bin", "nvcc"))
+    return None
 
 
 def build_cubin(source: str, cc: str, defs: dict, nvcc: str = "nvcc") -> tuple[bytes, dict[str, list[int]]]:
