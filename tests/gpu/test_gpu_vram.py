@@ -300,17 +300,24 @@ def test_speculative_copies_are_off_by_default(root, oracles):
     assert st["spec_loads"] == 0 and st["spec_copies"] == 0 and st["copies"] == len(ids)
 
 
+def _two_resident(root, oracles):
+    """A 6-slot LRU cache over the f32 oracle with experts 0 and 1 of the first MoE layer resident and landed:
+    -> (vx, reader, backend, host tier, layer)."""
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 6, policy="lru")
+    layer = r.config.moe_layers[0]
+    _run_step(vx, b, layer, [0, 1])
+    vx.finish()
+    return vx, r, b, host, layer
+
+
 def test_the_first_miss_is_on_the_bus_before_the_hits_are_launched(root, oracles):
     """A step with VRAM hits and misses: the hits are yielded, then the FLUSH that makes the backend launch their
     kernels -- and by then the first miss's copy is already issued on the demand lane (the link does not idle
     through the launch). The items and their order are what they were: hits, FLUSH, misses; the sum is right."""
     from coli.gpu.cuda_weights import FLUSH
-    src, _ = oracles["vram-default"]
-    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
-    vx, r, b, _ = _vram(d, 6, policy="lru")
-    layer = r.config.moe_layers[0]
-    _run_step(vx, b, layer, [0, 1])                      # 0 and 1 resident now
-    vx.finish()
+    vx, r, b, _, layer = _two_resident(root, oracles)
     items, pending_at_flush = [], None
     for item in vx.stream(layer, [0, 2, 3]):
         if item is FLUSH:
@@ -339,12 +346,7 @@ def test_a_step_stopped_at_the_hits_flush_leaks_no_pin_of_its_early_first_miss(r
     early miss was never handed out: its slot pin must go back too (and its lease once the copy lands), or each such
     failed request leaks a slot for the rest of the run (review7: the finally did not know about it)."""
     from coli.gpu.cuda_weights import FLUSH
-    src, _ = oracles["vram-default"]
-    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
-    vx, r, b, host = _vram(d, 6, policy="lru")
-    layer = r.config.moe_layers[0]
-    _run_step(vx, b, layer, [0, 1])                      # 0 and 1 resident now
-    vx.finish()
+    vx, r, b, host, layer = _two_resident(root, oracles)
     gen = vx.stream(layer, [0, 2, 3])
     held = []
     for item in gen:
