@@ -97,5 +97,8 @@ def test_commands_run_at_the_lowest_priority_in_an_autogroup_of_their_own(tmp_pa
         pool.close()
     lines = r.stdout.split("\n")
     assert r.returncode == 0 and lines[0] == "19", r
-    if mine.is_file() and _can_lower_an_autogroup():
-        assert lines[1].endswith(" nice 19") and lines[1].split()[0] != mine.read_text().split()[0], lines
+    # The kernel prints nothing for a task whose scheduling group is not an autogroup (a task in a cpu cgroup of
+    # its own, as on the CI machine): there is then no group of ours for nvcc's to rank against, only its nice.
+    own = mine.read_text().split() if mine.is_file() else []
+    if own and _can_lower_an_autogroup():
+        assert lines[1].endswith(" nice 19") and lines[1].split()[0] != own[0], lines
