@@ -13,6 +13,7 @@ import pty
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,9 @@ class Terminal:
         def own_terminal():
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # Ctrl-C as a shell on a terminal hands it over: a suite started as a background job of a
+            # non-interactive shell inherits SIGINT ignored (POSIX), and would pass that on to the chat
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=own_terminal)
         os.close(slave)
         self.raw = b""

@@ -163,7 +163,7 @@ def _c_kind(param: str) -> str:
             return "*h"
         if base in ENUMS or base == "int":
             return "*i"
-        if base == "size_t":
+        if base in ("size_t", "CUdeviceptr"):   # both 8-byte unsigned: ctypes' c_uint64 is c_size_t on LP64
             return "*z"
         if base == "float":
             return "*f"

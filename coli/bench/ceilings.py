@@ -9,6 +9,11 @@ peak (`h2d_peak`) and the O_DIRECT read peak of the disk holding the slice (`odi
                           from Python (so it includes the issue cost a copy lane pays), best of `repeats`
           tiles[kb].tile_us  one tile's transfer time: median of `tile_samples` single-tile copies, each between
                           its own pair of events -- the "tile transfer time" unit demand delays are reported in
+    mapped_read_peak(nbytes=512 MiB, repeats=5)
+        the zero-copy expert source's ceiling (coli/gpu/mapped_experts.py): an anonymous mmap registered with
+        CU_MEMHOSTREGISTER_DEVICEMAP, read by a kernel over PCIe through its device-mapped address (`read_ceiling`,
+        16-byte loads, 8 in flight per thread) at 1, 2 and 4 x the resident blocks of 256 threads:
+          GBps            the best grid's rate (best of `repeats` each); grids {blocks: GBps}
     odirect_read_peak(path, block_mb=(1,4,16), threads=(1,4,8), seconds=3.0)
         random block-aligned reads of an existing file with O_DIRECT (page cache bypassed; nothing is dropped from
         it) by N threads for `seconds` per (block, threads) pair; falls back to buffered reads, saying so, where
@@ -121,6 +126,55 @@ def h2d_peak(nbytes: int = 512 << 20, tiles_kb: tuple[int, ...] = TILES_KB, repe
 
 
 # ---- O_DIRECT reads ---------------------------------------------------------------------------------------------------
+def mapped_read_peak(nbytes: int = 512 << 20, repeats: int = 5, device: int = 0) -> dict[str, Any]:
+    """GB/s of a kernel reading pinned host memory over PCIe (see the module docstring). GB = 1e9 bytes."""
+    if nbytes < ALIGN or nbytes % ALIGN:
+        raise CeilingError(f"mapped_read_peak nbytes={nbytes}: must be a positive multiple of {ALIGN}")
+    if repeats < 1:
+        raise CeilingError(f"mapped_read_peak repeats={repeats}: must be >= 1")
+    import numpy as np
+
+    from coli.gpu.cuda_runtime import get_runtime
+    from coli.gpu.driver import get_driver
+
+    rt = get_runtime(device)
+    drv = get_driver()
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    src, view = _addr(mm)
+    ctypes.memset(src, 1, nbytes)     # fault every page in before registering (register pins them)
+    registered = False
+    try:
+        drv.host_register(src, nbytes, device_map=True)
+        registered = True
+        table = rt.to_device(np.array([drv.host_device_pointer(src)], np.uint64))     # [1] record addresses
+        sink = rt.alloc(16)
+        f = rt.module("gemv").get_function("read_ceiling")
+        f.prepare("PqqiP")
+        resident = rt.resident_blocks(f, 256)
+        grids: dict[int, float] = {}
+        for mult in (1, 2, 4):
+            blocks = resident * mult
+
+            def once() -> float:
+                a, b = rt.event(), rt.event()
+                a.record(rt.stream)
+                f.prepared_async_call((blocks, 1, 1), (256, 1, 1), rt.stream, table.ptr, 0, nbytes, 1, sink)
+                b.record(rt.stream)
+                b.synchronize()
+                return b.time_since(a) / 1e3
+
+            once()                                # warm-up: the mapping's first touch
+            grids[blocks] = max(nbytes / once() / 1e9 for _ in range(repeats))
+        return {"GBps": max(grids.values()), "grids": grids, "nbytes": nbytes, "repeats": repeats,
+                "kernel": "read_ceiling", "threads": 256, "device": str(rt.device.name())}
+    finally:
+        rt.synchronize()
+        if registered:
+            drv.host_unregister(src)
+        del view
+        mm.close()
+
+
 def _open_direct(path: Path) -> tuple[int, bool, str]:
     """(fd, o_direct, note): O_DIRECT if the filesystem takes it (checked by one aligned read), else buffered."""
     flag = getattr(os, "O_DIRECT", 0)

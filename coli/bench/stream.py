@@ -7,6 +7,10 @@ TraceRouting; every token timed with time.perf_counter between two `rt.synchroni
     warm         every expert resident in VRAM (ResidentExperts): compute-bound
     cold-ram     every expert in pinned RAM (MemoryHostTier), VramExperts with retain=False: every step misses,
                  PCIe-bound
+    mapped       (row mapped-ram) the same pinned RAM mapped into the device's address space and read by the MoE
+                 kernels themselves over PCIe (coli/gpu/mapped_experts.py, "zero-copy"): no copy, no slot, no
+                 host in the layer; the step replayed from one CUDA graph as in warm; its tokens checked against
+                 warm's
     disk         ContainerHostTier with O_DIRECT reads, retain=False: NVMe-bound
     budget       VramExperts with the VRAM slots a 16 GB (--vram-gb) GPU would give each layer of the full model,
                  over a CachedHostTier (RAM LRU) with the RAM slots --ram-gb would give, misses read with O_DIRECT;
@@ -61,8 +65,8 @@ GLM5_MOE_LAYERS = 75
 GLM5_LAYERS = 78
 GLM5_VOCAB = 154880
 WARMUP_TOKENS = 2
-SCENARIOS = ("warm", "cold-ram", "disk", "budget", "spec", "sync", "peer")
-ROW_ORDER = ("warm", "cold-ram", "disk", "budget", "budget-nospec", "spec-ram", "spec-ram-off", "sync", "peer")
+SCENARIOS = ("warm", "cold-ram", "mapped", "disk", "budget", "spec", "sync", "peer")
+ROW_ORDER = ("warm", "cold-ram", "mapped-ram", "disk", "budget", "budget-nospec", "spec-ram", "spec-ram-off", "sync", "peer")
 GB = 1e9
 
 
@@ -138,6 +142,16 @@ def scale_capacity(vram_gb: float, ram_gb: float, dense_bytes: int, kv_bytes: in
             "per_layer_vram_slots": round(per_vram, 3), "slice_vram_slots": max(sv, floor),
             "full_ram_slots": full_ram, "per_layer_ram_slots": round(per_ram, 3), "slice_ram_slots": max(sr, floor),
             "notes": notes}
+
+
+def mapped_link(moe_layer_ms: float | None, layer_bytes: int, layers_run: int, ceil: dict | None) -> dict:
+    """The mapped-ram row's link figures (pure): its MoE layer's bytes over its time, against the copy engine's
+    whole-buffer peak and the mapped-read kernel's peak of the same run (coli.bench.ceilings.h2d_peak)."""
+    whole = (ceil or {}).get("whole_GBps")
+    mapped = ((ceil or {}).get("mapped_read") or {}).get("GBps")
+    rate = layer_bytes / (moe_layer_ms / 1e3) / GB if moe_layer_ms else None
+    return {"copy_bytes": layer_bytes * layers_run, "eff_busy_GBps": rate, "peak_whole_GBps": whole,
+            "busy_over_peak": ratio(rate, whole), "mapped_read_GBps": mapped, "over_mapped_read": ratio(rate, mapped)}
 
 
 def row_order(names: list[str]) -> list[str]:
@@ -323,7 +337,7 @@ class _Runner:
                 tok = m.greedy([tok], cache)
             if self._before is not None:
                 self._before()
-            times = []
+            times, self.tokens = [], []
             if m.step_graphs is not None:        # the device time of each replayed step, beside its wall time
                 m.step_graphs.time_gpu, m.step_graphs.gpu_s = True, []
             for _ in range(self.N):
@@ -332,6 +346,7 @@ class _Runner:
                 tok = m.greedy([tok], cache)
                 rt.synchronize()
                 times.append(time.perf_counter() - t)
+                self.tokens.append(int(tok))
             g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
             self.graphs = (None if g is None else
                            {"replays": g.replays, "segment_steps": g.segment_steps, "captures": g.captures,
@@ -345,6 +360,7 @@ class _Runner:
 
     _before: Callable[[], None] | None = None
     graphs: dict | None = None     # the last decode's replay counters (None: every step eager)
+    tokens: list[int] | None = None    # the last decode's timed tokens
 
     def head_time(self, reps: int = 20) -> float:
         b, rt = self.b, self.b.rt
@@ -470,7 +486,7 @@ def _row_figures(raw: dict, *, L: int, N: int, nomoe_s: float | None, head_slice
         g_wall = nv["bytes"] / wall / GB if wall else None
         out["nvme"] = {**nv, "GBps_busy": g_busy, "GBps_wall": g_wall, "peak_GBps": nvme_peak,
                        "busy_over_peak": ratio(g_busy, nvme_peak), "wall_over_peak": ratio(g_wall, nvme_peak)}
-    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched", "vram_gb", "predicted"):
+    for k in ("notes", "ram_slots", "speculation", "oracle_prefetched", "vram_gb", "predicted", "tokens_equal_warm"):
         if k in raw:
             out[k] = raw[k]
     return out
@@ -529,6 +545,11 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             res["h2d_peak"] = ceil
         except Exception as e:   # noqa: BLE001
             res["notes"].append(f"h2d_peak failed: {type(e).__name__}: {e}")
+        if "mapped" in names and ceil is not None:
+            try:
+                ceil["mapped_read"] = res["mapped_read_peak"] = cmod.mapped_read_peak(r.layout.nbytes * r.K, 3)
+            except Exception as e:   # noqa: BLE001 -- the mapped row then has no ceiling of its own, nothing else lost
+                res["notes"].append(f"mapped_read_peak failed: {type(e).__name__}: {e}")
         if not {"disk", "budget"} & set(names):    # only the disk-fed rows use it; the probe takes ~27 s
             res["notes"].append("O_DIRECT read peak not measured: no disk-fed scenario (disk, budget) asked for")
         else:
@@ -606,7 +627,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             r.model.experts = res_x
             try:
                 t = r.decode()
-                row = {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs}
+                row = {"scenario": "warm", "label": "warm (every expert in VRAM)", "token_s": t, "graphs": r.graphs,
+                       "tokens_out": r.tokens}
                 batched("warm", None)
                 verified("warm", None)
                 prefilled("warm", None)
@@ -646,6 +668,24 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
 
     if "cold-ram" in names:
         guarded("cold-ram", lambda: cold(False))
+    if "mapped" in names:
+        def mapped():
+            from coli.gpu.driver import get_driver
+            from coli.gpu.mapped_experts import MappedHostExperts
+            host = r.memory_tier()
+            with MappedHostExperts(get_driver(), host, r.layout, range(r.L), r.E) as mx:
+                r.model.experts = mx
+                try:
+                    t = r.decode()
+                finally:
+                    r.model.experts = _NoExperts()
+            row = {"scenario": "mapped-ram", "token_s": t, "graphs": r.graphs, "tokens_out": r.tokens,
+                   "label": "mapped-ram (every expert in pinned RAM, read by the MoE kernels over PCIe: zero-copy)"}
+            warm_tokens = (raws.get("warm") or {}).get("tokens_out")
+            if warm_tokens is not None:
+                row["tokens_equal_warm"] = r.tokens == warm_tokens
+            return row
+        guarded("mapped-ram", mapped)
     if "sync" in names:
         guarded("sync", lambda: cold(True))
     if "spec" in names:
@@ -750,6 +790,8 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
                            dense_layer_s=dense_layer, warm_moe_layer_s=warm_moe, ceil=ceil, tile_kb=tile_kb,
                            nvme_peak=nvme_peak, fixed_s=fixed, nomoe_device_s=nomoe_dev)
         row["token_s_raw"] = raw["token_s"]
+        if name == "mapped-ram":
+            row["h2d"] = mapped_link(row.get("moe_layer_ms"), r.K * r.layout.nbytes, tokens * r.L, ceil)
         if "graphs" in raw:
             row["graphs"] = raw["graphs"]
         if raw.get("timeline"):

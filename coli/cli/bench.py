@@ -94,7 +94,7 @@ def _make_slice(dir, layers, experts, fmt, group, dense_fmt, trace, tokens, seed
 
 STREAM_HELP = """Decode N tokens over a slice (routing replayed from its stored trace) in streaming scenarios and report per-MoE-layer time, effective H2D and NVMe GB/s over the peaks measured in the same run, overlap efficiency, hit rates, CPU fallbacks and demand delay.
 
-Scenarios: warm (every expert in VRAM), cold-ram (every expert in pinned RAM, VRAM retention off), disk (O_DIRECT reads, no RAM cache), budget (--vram-gb/--ram-gb scaled to the full model's per-layer capacities; run with an oracle pilot and without), sync (baseline: whole-record synchronous copies, then compute), peer (baseline: coli.bench.peer_accelerate in a subprocess), or all.
+Scenarios: warm (every expert in VRAM), cold-ram (every expert in pinned RAM, VRAM retention off), mapped (row mapped-ram: the same pinned RAM read by the MoE kernels over PCIe, zero-copy, the step replayed as in warm; its tokens checked against warm's), disk (O_DIRECT reads, no RAM cache), budget (--vram-gb/--ram-gb scaled to the full model's per-layer capacities; run with an oracle pilot and without), sync (baseline: whole-record synchronous copies, then compute), peer (baseline: coli.bench.peer_accelerate in a subprocess), or all.
 
 tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache capacities scaled to what the full model would have under the same budgets. Needs a CUDA GPU.
 
@@ -109,8 +109,8 @@ tokens/s are EXTRAPOLATED to GLM-5 (75 MoE + 3 dense layers), per-layer cache ca
 @bench_app.command("stream", help=STREAM_HELP)
 def stream(
     dir: Path = typer.Argument(..., help="A slice written by coli bench make-slice."),
-    scenario: str = typer.Option("all", "--scenario", help="Comma list of warm, cold-ram, disk, budget, sync, peer; "
-                                                           "or all."),
+    scenario: str = typer.Option("all", "--scenario", help="Comma list of warm, cold-ram, mapped, disk, budget, "
+                                                           "spec, sync, peer; or all."),
     tokens: int = typer.Option(16, "--tokens", min=1, help="Timed decode tokens per scenario (after 2 warm-up)."),
     vram_gb: str = typer.Option("16", "--vram-gb", help="VRAM budget(s) in GB the capacities are scaled from: one, "
                                                         "or a comma list (16,24,32) to run the budget scenario once "

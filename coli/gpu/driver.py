@@ -24,6 +24,7 @@ CU_STREAM_NON_BLOCKING = 0x1
 CU_EVENT_DEFAULT = 0x0
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x2   # kernels may read the pages over PCIe (coli/gpu/mapped_experts.py)
 CU_STREAM_CAPTURE_MODE_RELAXED = 2   # other threads (the copy lanes) may call the driver during a capture
 CU_STREAM_CAPTURE_STATUS_NONE = 0
 # Errors after which the context is unusable (sticky): the run must leave the GPU (coli demotes to the CPU).
@@ -67,6 +68,7 @@ def signatures() -> dict[str, list]:
         "cuGetErrorString": [I, ctypes.POINTER(ctypes.c_char_p)],
         "cuMemHostRegister_v2": [P, S, U],
         "cuMemHostUnregister": [P],
+        "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), P, U],
         "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, P, S, P],
         "cuMemcpyDtoHAsync_v2": [P, ctypes.c_uint64, S, P],
         "cuStreamCreate": [ctypes.POINTER(P), U],
@@ -142,9 +144,19 @@ class Driver:
             raise self._err(code, what)
 
     # ---- host memory -------------------------------------------------------------------------------
-    def host_register(self, addr: int, nbytes: int) -> None:
-        self.check(self.lib.cuMemHostRegister_v2(ctypes.c_void_p(addr), nbytes, CU_MEMHOSTREGISTER_PORTABLE),
+    def host_register(self, addr: int, nbytes: int, device_map: bool = False) -> None:
+        """Pin [addr, addr + nbytes) for DMA copies; device_map: also map it into the device's address space, so
+        kernels can read it (host_device_pointer)."""
+        flags = CU_MEMHOSTREGISTER_PORTABLE | (CU_MEMHOSTREGISTER_DEVICEMAP if device_map else 0)
+        self.check(self.lib.cuMemHostRegister_v2(ctypes.c_void_p(addr), nbytes, flags),
                    f"cuMemHostRegister of {nbytes} bytes at 0x{addr:x}")
+
+    def host_device_pointer(self, addr: int) -> int:
+        """The device address of host memory registered with device_map=True."""
+        d = ctypes.c_uint64()
+        self.check(self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(d), ctypes.c_void_p(addr), 0),
+                   f"cuMemHostGetDevicePointer at 0x{addr:x}")
+        return int(d.value)
 
     def host_unregister(self, addr: int) -> None:
         self.check(self.lib.cuMemHostUnregister(ctypes.c_void_p(addr)), f"cuMemHostUnregister at 0x{addr:x}")

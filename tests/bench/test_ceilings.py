@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from coli.bench.ceilings import CeilingError, h2d_peak, odirect_read_peak
+from coli.bench.ceilings import CeilingError, h2d_peak, mapped_read_peak, odirect_read_peak
 
 
 @pytest.fixture()
@@ -50,6 +50,22 @@ def test_h2d_peak_rejects_bad_sizes_before_touching_cuda():
         h2d_peak(nbytes=1000)
     with pytest.raises(CeilingError, match="tiles_kb"):
         h2d_peak(nbytes=1 << 20, tiles_kb=(2048,))
+
+
+def test_mapped_read_peak_rejects_bad_sizes_before_touching_cuda():
+    with pytest.raises(CeilingError, match="mapped_read_peak nbytes=1000"):
+        mapped_read_peak(nbytes=1000)
+    with pytest.raises(CeilingError, match="repeats=0"):
+        mapped_read_peak(nbytes=1 << 20, repeats=0)
+
+
+@pytest.mark.gpu
+def test_mapped_read_peak_on_gpu():
+    """A kernel reads pinned host RAM over PCIe: a rate above nothing and below the device's own HBM, per grid."""
+    pytest.importorskip("pycuda")
+    r = mapped_read_peak(nbytes=64 << 20, repeats=2)
+    assert len(r["grids"]) == 3 and r["GBps"] == max(r["grids"].values())
+    assert 1.0 < r["GBps"] < 1000.0
 
 
 @pytest.mark.gpu

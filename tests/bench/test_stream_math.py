@@ -15,7 +15,8 @@ from coli.gpu.setup import WORKSPACE_BYTES, kv_bytes
 
 
 def test_parse_scenarios():
-    assert st.parse_scenarios("all") == ["peer", "warm", "cold-ram", "disk", "budget", "spec", "sync"]
+    assert st.parse_scenarios("all") == ["peer", "warm", "cold-ram", "mapped", "disk", "budget", "spec", "sync"]
+    assert st.parse_scenarios("mapped,cold-ram") == ["cold-ram", "mapped"]
     assert st.parse_scenarios("sync,spec") == ["spec", "sync"]
     assert st.parse_scenarios("sync, warm") == ["warm", "sync"]
     assert st.parse_scenarios("warm,peer") == ["peer", "warm"]
@@ -193,3 +194,13 @@ def test_added_delay_is_measured_against_the_lanes_own_speed():
     assert d["us"]["max"] == pytest.approx(52.0)
     assert d["tiles"]["max"] == pytest.approx(2.0)
     assert d["us"]["p50"] == pytest.approx(0.0)
+
+
+def test_mapped_link_is_the_layers_bytes_over_its_time_against_both_peaks():
+    ceil = {"whole_GBps": 50.0, "mapped_read": {"GBps": 40.0}}
+    got = st.mapped_link(4.0, 160_000_000, 32, ceil)          # 160 MB a layer in 4 ms: 40 GB/s
+    assert got["eff_busy_GBps"] == pytest.approx(40.0)
+    assert got["busy_over_peak"] == pytest.approx(0.8) and got["over_mapped_read"] == pytest.approx(1.0)
+    assert got["copy_bytes"] == 160_000_000 * 32 and got["peak_whole_GBps"] == 50.0
+    none = st.mapped_link(None, 160_000_000, 32, None)         # no MoE split, no ceilings: nulls, not a crash
+    assert none["eff_busy_GBps"] is None and none["busy_over_peak"] is None and none["mapped_read_GBps"] is None
