@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14/15 acceptance figures on the device machine (an H200) in ONE call, in priority order, each step capped so
 # the whole call stays under ~7 min: the GPU suite (tests + nvcc compile for sm_86/89/90/120), `coli bench stream`
-# on the 2-layer GLM-5 slice with convert's int8 dense core (warm, cold-ram, sync, spec on/off, the 16/24/32 GB
+# on the 2-layer GLM-5 slice with convert's int8 dense core (warm, cold-ram, mapped-ram, sync, spec on/off, the 16/24/32 GB
 # budgets; --batch 1,4,8,16 and MTP's --verify 2,3,4 where the bench has them; then, in its own call, the TTFT rows
 # --prefill 512,2048,8192 on warm, cold-ram and the 16 GB budget), the batched warm decode with replayed
 # batched graphs (scripts/bench_batch.py, COLI_BATCH_GRAPHS=1), MTP on the demo model (scripts/bench_mtp.py),
@@ -43,11 +43,11 @@ python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--batch" 
 VERIFY=""   # MTP's verify step (issue 16 §5), where the bench has it; MTP_ACCEPTANCE: the demo model's measured figure
 python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--verify" >/dev/null && \
     VERIFY="--verify ${VERIFY_SIZES:-2,3,4} --mtp-acceptance ${MTP_ACCEPTANCE:-0.8}"
-timeout 300 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,sync,spec,budget --tokens 16 \
+timeout 300 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,mapped,sync,spec,budget --tokens 16 \
     --vram-gb 16,24,32 --ram-gb 64 --tile-kb 1024 $BATCH $VERIFY --json-out "$R/bench_stream.json" \
     >"$R/bench_stream.log" 2>&1
 say "bench stream exit $?"
-grep -E "^(warm|cold-ram|sync|spec-ram|spec-ram-off|budget)" "$R/bench_stream.log" | head -30 | tee -a "$OUT/summary.txt"
+grep -E "^(warm|cold-ram|mapped-ram|sync|spec-ram|spec-ram-off|budget)" "$R/bench_stream.log" | head -30 | tee -a "$OUT/summary.txt"
 grep -E "best k = |--mtp auto at acceptance" "$R/bench_stream.log" | tee -a "$OUT/summary.txt"
 pack
 # time to first token (issue 15 §1/§3), its own call: a budget engine's prefill reads every expert from the disk

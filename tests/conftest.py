@@ -17,6 +17,23 @@ for p in (ROOT / "scripts", ROOT / "tests", ROOT / "tests" / "runtime"):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _compile_the_repository() -> None:
+    """Byte-compile the repository's own modules once, before anything imports them. pip compiles what it installs,
+    but an editable install leaves the repository's sources as they are, and where PYTHONDONTWRITEBYTECODE is set
+    (this development VM; perhaps CI) nothing ever writes their .pyc: each of the suite's ~1,000 Python processes (a
+    run's supervisor and three stages, every CLI call) then compiles the ~80 modules it imports from source, ~0.2 s
+    of CPU each for a stage (measured: `coli up --detach` 2.2 -> 1.8-2.1 s with them compiled). Importing still only
+    reads .pyc (the variable stops writes, not reads); stale ones are recompiled here by mtime, as Python would."""
+    if not sys.flags.dont_write_bytecode:
+        return                                    # Python writes them itself on first import
+    import compileall
+    for d in ("coli", "stages", "protocol", "scripts", "tests"):
+        compileall.compile_dir(str(ROOT / d), quiet=2, workers=os.cpu_count() or 1)
+
+
+_compile_the_repository()
+
+
 def _gpu_available() -> bool:
     try:
         import pycuda.driver as drv  # noqa: F401

@@ -1095,5 +1095,11 @@ def print_table(res: dict, report: Callable[[str], None] = print) -> None:
                    f"{us('tail_us')}: overhead {_f(lp.get('overhead_over_copy'), '{:.1%}')} of the copies; demand "
                    f"lane busy {_f(lp.get('demand_busy_of_wall'), '{:.0%}')} of the wall; host between tokens "
                    f"{us('token_gap_us')}")
+        if row.get("scenario") == "mapped-ram" and row.get("h2d"):
+            h = row["h2d"]
+            report(f"mapped-ram: the MoE kernels read {_f(h.get('eff_busy_GBps'))} GB/s over PCIe, "
+                   f"{_f(h.get('busy_over_peak'), '{:.0%}')} of the copy engine's peak, "
+                   f"{_f(h.get('over_mapped_read'), '{:.0%}')} of the mapped-read kernel's "
+                   f"({_f(h.get('mapped_read_GBps'))} GB/s); tokens equal warm's: {row.get('tokens_equal_warm', '-')}")
     for n in res.get("notes", []) + (res.get("scaling") or {}).get("notes", []):
         report(f"note: {n}")

@@ -204,3 +204,15 @@ def test_mapped_link_is_the_layers_bytes_over_its_time_against_both_peaks():
     assert got["copy_bytes"] == 160_000_000 * 32 and got["peak_whole_GBps"] == 50.0
     none = st.mapped_link(None, 160_000_000, 32, None)         # no MoE split, no ceilings: nulls, not a crash
     assert none["eff_busy_GBps"] is None and none["busy_over_peak"] is None and none["mapped_read_GBps"] is None
+
+
+def test_the_mapped_row_prints_its_link_against_both_peaks_and_its_token_check(capsys):
+    row = {"scenario": "mapped-ram", "token_ms": {"mean": 1.0}, "tokens_per_s_glm5": 4.1, "moe_layer_ms": 3.0,
+           "tokens_equal_warm": True,
+           "h2d": st.mapped_link(3.0, 160_000_000, 32, {"whole_GBps": 55.0, "mapped_read": {"GBps": 50.0}})}
+    lines = []
+    st.print_table({"slice": "s", "tokens": 4, "extrapolation": "e", "rows": [row]}, lines.append)
+    said = [x for x in lines if x.startswith("mapped-ram:")]
+    assert said == ["mapped-ram: the MoE kernels read 53.33 GB/s over PCIe, 97% of the copy engine's peak, 107% of "
+                    "the mapped-read kernel's (50.00 GB/s); tokens equal warm's: True"]
+    assert "53.33 (97%)" in st.table_rows({"rows": [row]})[0]
