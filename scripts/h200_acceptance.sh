@@ -43,7 +43,8 @@ python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--batch" 
 VERIFY=""   # MTP's verify step (issue 16 §5), where the bench has it; MTP_ACCEPTANCE: the demo model's measured figure
 python3 -m coli.cli.main bench stream --help 2>/dev/null | grep -c -- "--verify" >/dev/null && \
     VERIFY="--verify ${VERIFY_SIZES:-2,3,4} --mtp-acceptance ${MTP_ACCEPTANCE:-0.8}"
-timeout 300 python3 -m coli.cli.main bench stream "$SLICE" --scenario warm,cold-ram,mapped,sync,spec,budget --tokens 16 \
+COLI_VERIFY_GRAPHS=${COLI_VERIFY_GRAPHS:-1} timeout 300 python3 -m coli.cli.main bench stream "$SLICE" \
+    --scenario warm,cold-ram,mapped,sync,spec,budget --tokens 16 \
     --vram-gb 16,24,32 --ram-gb 64 --tile-kb 1024 $BATCH $VERIFY --json-out "$R/bench_stream.json" \
     >"$R/bench_stream.log" 2>&1
 say "bench stream exit $?"

@@ -351,3 +351,107 @@ def test_a_model_with_batched_graphs_can_be_freed(oracle_src, monkeypatch):
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_verify_graphs_are_off_unless_asked_and_a_bad_value_is_named():
+    from coli.gpu.verify_graphs import MAX_ROWS, verify_graphs_enabled
+    from coli.model.mtp import MAX_DRAFTS
+    assert verify_graphs_enabled({}) is False
+    assert verify_graphs_enabled({"COLI_VERIFY_GRAPHS": "1"}) is True
+    with pytest.raises(ColiError, match="COLI_VERIFY_GRAPHS='on'"):
+        verify_graphs_enabled({"COLI_VERIFY_GRAPHS": "on"})
+    assert MAX_ROWS == MAX_DRAFTS + 1          # a verify step of every draft count SpeculativeDecoder runs
+
+
+def test_a_verify_step_lays_out_its_rows_as_a_batched_step_of_one_cache():
+    """VerifyGraphs packs S consecutive positions of one sequence as a batched step of B = S rows (what
+    forward_rows' captured attention reads per row: its position and T = position + 1), with a forced routing of
+    [S, K] per MoE layer."""
+    lay = BatchStepLayout(3, 4, (1, 2), 2)
+    buf = np.zeros(lay.nbytes, np.uint8)
+    cos, sin = np.ones((3, 4), np.float32), np.zeros((3, 4), np.float32)
+    forced = {i: (np.array([[0, 1], [2, 3], [4, 5]]), np.full((3, 2), 0.5, np.float32)) for i in (1, 2)}
+    lay.pack(buf, [7, 8, 9], [40, 41, 42], cos, sin, forced)
+    for r, p in enumerate((40, 41, 42)):
+        assert buf[lay.pos_offset(r):lay.pos_offset(r) + 8].view(np.int32).tolist() == [p, p + 1]
+    idx = buf[lay.route_offset(2):lay.route_offset(2) + 24].view(np.int32).reshape(3, 2)
+    assert idx.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("routing", ["router", "forced", "dropped"])
+def test_a_verify_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing):
+    """coli/gpu/verify_graphs.py on the recording runtime: S = 3 positions of one cache captured once and replayed
+    (the host launches nothing per replay but the graph and the copy of its hidden states); in the capture, each
+    row's cache writes read its own position (rows in order, every write into the one cache), and a route override
+    is drawn once per MoE layer per step for the S rows -- as the eager step draws it."""
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_GRAPHS", "1")
+    dirs, o = oracle_src
+    rt = _CapturingRuntime()
+    gb = CudaBackend(runtime=rt)
+    w = open_weights(dirs["f32"])
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    assert gb.verify_graphs(model) is None, "COLI_VERIFY_GRAPHS is off by default"
+    vg = gb.verify_graphs(model, force=True)
+    c = model.config
+    cache = model.new_cache(64)
+    model.greedy_eager(o["prompt_ids"], cache)
+    P, S = cache.length, 3
+    forced = {"forced": _Forced, "dropped": _Dropped}.get(routing)
+    forced = forced(c.num_experts_per_tok, c.n_routed_experts) if forced is not None else None
+    model.route_override = forced
+    marks = []
+    for step in range(4):
+        marks.append(len(rt.launches))
+        got = vg.greedy(cache, [5, 6, 7])
+        if step == 0:
+            assert vg.last_reason.startswith("first verify step of this shape") and rt.graph_launches == 0
+            # no override: nothing ran (the caller runs the step); with one, the routes drawn ran it here
+            assert (got is None) == (forced is None) and cache.length == (P if forced is None else P + S)
+        else:
+            toks, hn = got
+            assert len(toks) == S and hn.shape == (S, c.hidden_size) and cache.length == P + S
+        cache.truncate(P)
+    marks.append(len(rt.launches))
+    assert not vg.failed and (vg.captures, vg.replays, rt.graph_launches) == (1, 3, 3)
+    for a, b in ((2, 3), (3, 4)):                      # a replay: the graph, then one copy of its hidden states
+        assert [name for name, _ in rt.launches[marks[a]:marks[b]]] == ["copy"]
+    if forced is not None:
+        assert forced.calls == [(i, S) for _ in range(4) for i in c.moe_layers]
+    st = vg.inputs[S]
+    bufs = {int(x.ptr) for lc in cache.layers for x in (lc.lat, lc.k_pe, lc.k_idx) if x is not None}
+    rows = []
+    for name, args in rt.launches[marks[1]:marks[2]]:
+        if name == "kv_put3":
+            rows.append((args[0] - st.dyn.ptr - st.layout.pos_at) // 8)
+            assert all(d in bufs for d in args[3::3] if d)
+    assert rows == [r for _ in range(c.num_hidden_layers) for r in range(S)]
+    assert vg.greedy(cache, [1, 2, 3, 4, 5]) is None and "5 positions" in vg.last_reason
+
+
+def test_mtp_rounds_of_three_drafts_verify_through_the_replayed_step(oracle_src, monkeypatch, tmp_path):
+    """With COLI_VERIFY_GRAPHS=1 a greedy round of k = 3 drafts hands its verify step to the head's VerifyGraphs
+    (coli.model.mtp.SpeculativeDecoder.step): eager the first time, then captured and replayed, the round accepting
+    on the replay's argmax (the recording runtime's values are zeros: every draft agrees, the path is what is
+    checked here; the tokens are tests/gpu/test_gpu_verify_graphs.py's)."""
+    from checkpoints import with_mtp_layer
+    from coli.generate import Generation
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.forward import GlmMoeDsaModel
+    from coli.model.mtp import load_mtp_head
+    monkeypatch.setenv("COLI_GRAPHS", "1")
+    monkeypatch.setenv("COLI_VERIFY_GRAPHS", "1")
+    monkeypatch.setenv("COLI_MTP_GRAPHS", "0")        # k = 1 too would go through VerifyGraphs then; k = 3 does anyway
+    dirs, o = oracle_src
+    d = with_mtp_layer(dirs["f32"], tmp_path / "with-mtp", seed=31)
+    gb = CudaBackend(runtime=_CapturingRuntime())
+    w = open_weights(d)
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    head = load_mtp_head(model)
+    assert head.verify is not None and head.rounds is None
+    toks = list(Generation(model, o["prompt_ids"], 14, ignore_eos=True, mtp=(head, 3)))
+    assert len(toks) == 14
+    assert head.verify.captures == 1 and head.verify.replays >= 2, head.verify.last_reason

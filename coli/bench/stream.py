@@ -331,6 +331,8 @@ class _Runner:
             m.route_override = override
         try:
             self.routing.reset(0)
+            g0 = m.step_graphs
+            counts0 = (g0.replays, g0.segment_steps, g0.captures) if g0 is not None else (0, 0, 0)
             cache = m.new_cache(WARMUP_TOKENS + self.N + 8)
             tok = 1
             for _ in range(WARMUP_TOKENS):
@@ -348,8 +350,10 @@ class _Runner:
                 times.append(time.perf_counter() - t)
                 self.tokens.append(int(tok))
             g = m.step_graphs                 # the replayed decode step (coli.gpu.graphs), None with COLI_GRAPHS=0
+            # this decode's own counts (the decoder's are cumulative over every scenario of the run)
             self.graphs = (None if g is None else
-                           {"replays": g.replays, "segment_steps": g.segment_steps, "captures": g.captures,
+                           {"replays": g.replays - counts0[0], "segment_steps": g.segment_steps - counts0[1],
+                            "captures": g.captures - counts0[2],
                             "eager_reason": g.last_reason,
                             "gpu_ms_mean": float(np.mean(g.gpu_s)) * 1e3 if g.gpu_s else None})
             if g is not None:
@@ -673,7 +677,7 @@ def run_scenarios(slice_dir, scenarios, tokens: int = 16, vram_gb: float = 16.0,
             from coli.gpu.driver import get_driver
             from coli.gpu.mapped_experts import MappedHostExperts
             host = r.memory_tier()
-            with MappedHostExperts(get_driver(), host, r.layout, range(r.L), r.E) as mx:
+            with MappedHostExperts(get_driver(), host, r.layout, range(r.L), r.E, sync=r.b.rt.synchronize) as mx:
                 r.model.experts = mx
                 try:
                     t = r.decode()
@@ -872,9 +876,16 @@ def _verified(r: "_Runner", res: dict, sizes: list[int] | None, tokens: int):
     if not sizes or list(sizes) == [1]:
         return lambda name, snapshot: None
     from coli.bench.verify_step import EXTRAPOLATION_NOTE, VerifyBench
-    vb = VerifyBench(r.model, r.routing, tokens, WARMUP_TOKENS, sync=r.b.rt.synchronize)
-    res["verify"] = {"positions": sorted(set(sizes) | {1}), "context": vb.context, "steps": [], "notes": [
+    from coli.gpu.verify_graphs import verify_graphs_enabled
+    replay = verify_graphs_enabled()          # COLI_VERIFY_GRAPHS=1: the steps as SpeculativeDecoder then runs them
+    vb = VerifyBench(r.model, r.routing, tokens, WARMUP_TOKENS, sync=r.b.rt.synchronize, replay=replay)
+    res["verify"] = {"positions": sorted(set(sizes) | {1}), "context": vb.context, "steps": [], "replay": replay,
+                     "notes": [
         EXTRAPOLATION_NOTE,
+        "COLI_VERIFY_GRAPHS=1: each step replayed from a CUDA graph (coli/gpu/verify_graphs.py) where the engine "
+        "allows it (every expert resident; a row's replays and eager_reason say), its tokens checked against the "
+        "positions one at a time" if replay else
+        "each step eager (forward_hidden); COLI_VERIFY_GRAPHS=1 replays them from CUDA graphs where it can",
         f"context {vb.context} positions (the plain row's middle one: {WARMUP_TOKENS} warm-up + {tokens} // 2), "
         f"decoded from token 1 with trace tokens 0..{vb.context - 1}; timed step j of S routes trace tokens "
         f"{vb.context} + j x S .. + S - 1 (wrapping at {r.routing.n_tokens}); its ids are the greedy continuation "

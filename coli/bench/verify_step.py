@@ -192,9 +192,15 @@ class VerifyBench:
     """The verify rows of one run: per S, the no-routed-expert step and the lm_head over S rows (measured once,
     shared by the scenarios), and per scenario the S-position steps on the engine installed in model.experts."""
 
-    def __init__(self, model, routing, tokens: int, warmup: int, sync: Callable[[], None] = lambda: None):
+    def __init__(self, model, routing, tokens: int, warmup: int, sync: Callable[[], None] = lambda: None,
+                 replay: bool = False):
         self.model, self.routing, self.N, self.warmup, self.sync = model, routing, int(tokens), int(warmup), sync
         c = model.config
+        # replay: the steps replayed from CUDA graphs (coli/gpu/verify_graphs.py) where the engine allows it (every
+        # expert resident), as SpeculativeDecoder runs them with COLI_VERIFY_GRAPHS=1; the first two steps of each
+        # shape (eager, then the capture) fall in the warm-up
+        make = getattr(model.backend, "verify_graphs", None) if replay else None
+        self.graphs = make(model, force=True) if make is not None else None
         self.L, self.K, self.V = len(c.moe_layers), c.num_experts_per_tok, c.vocab_size
         self.context = self.warmup + self.N // 2        # the plain decode row's middle context
         self._nomoe: dict[int, float] = {}
@@ -229,7 +235,7 @@ class VerifyBench:
                         before()
                 self.sync()
                 t0 = time.perf_counter()
-                verify_step(self.model, cache, ids)
+                self._step(cache, ids)
                 self.sync()
                 if j >= self.warmup:
                     times.append(time.perf_counter() - t0)
@@ -239,6 +245,16 @@ class VerifyBench:
             return times, restored
         finally:
             self.model.route_override = saved
+
+    def _step(self, cache, ids: list[int]) -> np.ndarray:
+        """One verify step (verify_step), replayed where self.graphs can: its argmax [S], the cache cut back."""
+        if self.graphs is not None:
+            P = cache.length
+            got = self.graphs.greedy(cache, ids)
+            if got is not None:
+                cache.truncate(P)
+                return np.asarray(got[0], dtype=np.int64)
+        return verify_step(self.model, cache, ids)
 
     def nomoe_step_s(self, S: int, cache=None, ids: list[int] | None = None) -> float:
         """The S-position step with every routed expert dropped (median), on `cache` (at the context) or a fresh
@@ -306,9 +322,20 @@ class VerifyBench:
             if snapshot is not None:
                 marks["snap"] = snapshot()
         route.distinct = []
+        g = self.graphs
+        r0 = g.replays if g is not None else 0
         times, restored = self._timed(cache, ids, lambda j: C + j * S, route, before)
         raw = {"scenario": scenario, "positions": S, "context": C, "step_s": times, "distinct": route.distinct,
                "ids": ids, "one_by_one": alone, "verify_tokens": together, "cache_restored": restored}
+        if g is not None:
+            raw["replays"], raw["eager_reason"] = g.replays - r0, g.last_reason
+            saved = self.model.route_override
+            self.model.route_override = route
+            try:
+                route.at(C)
+                raw["replayed_tokens"] = self._step(cache, ids).tolist()   # against one_by_one, as verify_tokens
+            finally:
+                self.model.route_override = saved
         if snapshot is not None:
             from coli.bench.stream import delta
             after = snapshot()
@@ -369,6 +396,10 @@ def verify_figures(raw: dict, *, L: int, nomoe_step_s: float | None, head_s: flo
     v = raw.get("verify_tokens")
     out["verify_equals_one_by_one"] = None if v is None else (len(v) == S and v == raw.get("one_by_one"))
     out["cache_restored"] = raw.get("cache_restored")
+    if "replays" in raw:                # replayed from graphs (VerifyBench(replay=True)): how many, and its tokens
+        rt = raw.get("replayed_tokens")
+        out["replays"], out["eager_reason"] = raw["replays"], raw.get("eager_reason")
+        out["replayed_equals_one_by_one"] = None if rt is None else (len(rt) == S and rt == raw.get("one_by_one"))
     return out
 
 
@@ -481,7 +512,8 @@ def verify_table_rows(steps: list[dict], mtp: list[dict]) -> list[list[str]]:
                  _f(r["distinct_experts_per_layer_step"]["mean"], "{:.1f}"),
                  _f(mb(r.get("glm5_union_bytes_per_step")), "{:.0f}"),
                  _f(mb(r.get("copied_bytes_per_step")), "{:.1f}"),
-                 "yes" if r.get("verify_equals_one_by_one") and r.get("cache_restored") else "NO"]
+                 "yes" if (r.get("verify_equals_one_by_one") and r.get("cache_restored")
+                           and r.get("replayed_equals_one_by_one") is not False) else "NO"]
         m = by.get((r["scenario"], r["positions"]))
         if m is None:
             plain = None if not r.get("step_s_glm5") or r["positions"] != 1 else 1.0 / r["step_s_glm5"]
@@ -503,6 +535,11 @@ def print_verify_table(res: dict, report: Callable[[str], None] = print) -> None
     from coli.bench.batch_decode import print_rows
     print_rows(f"MTP verify step: S = k+1 positions of one sequence ({res['tokens']} steps, context {v['context']})",
                VERIFY_HEADERS, verify_table_rows(v["steps"], v.get("mtp") or []), EXTRAPOLATION_NOTE, report)
+    for r in v["steps"]:
+        if "replays" in r:                  # COLI_VERIFY_GRAPHS=1: how the timed steps ran
+            how = (f"{r['replays']} replayed from a CUDA graph" if r["replays"] else
+                   f"eager ({r.get('eager_reason') or 'not replayed'})")
+            report(f"{r['scenario']} verify step of {r['positions']}: {how}")
     for name, a in (v.get("acceptance") or {}).items():
         if a["speedup_glm5"] is not None:
             goal = (f" (issue 16 target >= {a['target']:g}: {'met' if a['met'] else 'NOT met'})"

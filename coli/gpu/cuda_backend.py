@@ -260,6 +260,14 @@ class CudaBackend(Backend):
         from coli.gpu.mtp_graphs import MtpRoundGraphs, mtp_graphs_enabled
         return MtpRoundGraphs(head, self) if mtp_graphs_enabled() and graphs_enabled() else None
 
+    def verify_graphs(self, model, force: bool = False):
+        """Greedy MTP verify steps of `model` replayed from CUDA graphs (coli.gpu.verify_graphs.VerifyGraphs), or None
+        unless COLI_VERIFY_GRAPHS=1 (force: whatever it says; the benchmark's replayed rows) and COLI_GRAPHS is not 0."""
+        from coli.gpu.graphs import graphs_enabled
+        from coli.gpu.verify_graphs import VerifyGraphs, verify_graphs_enabled
+        on = verify_graphs_enabled() or force
+        return VerifyGraphs(model, self) if on and graphs_enabled() else None
+
     def batch_graph_decoder(self, model):
         """The replayed batched decode steps for `model` (coli.gpu.batch_graphs.BatchGraphDecoder), or None unless
         COLI_BATCH_GRAPHS=1 (and COLI_GRAPHS is not 0)."""

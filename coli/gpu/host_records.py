@@ -135,6 +135,8 @@ class MemoryHostTier:
     in RAM, nothing in VRAM; tests of speculative copies). Grants are immediate; `probe` finds any held record;
     `recycle(layer, e)` bumps a record's generation as if the RAM tier had reused its slot (tests)."""
 
+    holds_all_for_life = True       # no record's memory is ever reused: kernels may read it in place (mapped_experts)
+
     def __init__(self, reader, layers: list[int], experts: list[int] | None = None):
         self.reader = reader
         self.E = reader.config.n_routed_experts

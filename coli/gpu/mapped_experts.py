@@ -16,13 +16,14 @@ that is true of the copy path too).
 The kernels are the ones the resident experts use, reading the same record bytes at other addresses: the results are
 bit for bit those of `ResidentExperts` (GPU test).
 
-Only for a host tier that holds every record of its layers for its whole life (`MemoryHostTier`): a tier that
-recycles its slots (the LRU RAM tier) would change the table under a captured graph.
+Only for a host tier that says it holds every record of its layers for its whole life (`holds_all_for_life`:
+`MemoryHostTier`): a tier that recycles its slots (the LRU RAM tier, the stages' arena) would change the bytes under
+a captured graph's table, even one that happens to hold everything when this is built.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -34,14 +35,19 @@ class MappedHostExperts:
     """ExpertSource over `host`'s pinned records, mapped into the device's address space (registered here with
     CU_MEMHOSTREGISTER_DEVICEMAP: the host tier must not be registered by anyone else meanwhile). `slot_table`
     gives the replayed step its [L, E] record addresses; `stream` hands the eager step the same addresses.
-    close() (or the context manager) unregisters."""
+    close() (or the context manager) waits for the device (`sync`: kernels may still be reading the pages) and
+    unregisters."""
 
-    def __init__(self, drv: Any, host: Any, layout: Any, layers: Iterable[int], n_experts: int):
+    def __init__(self, drv: Any, host: Any, layout: Any, layers: Iterable[int], n_experts: int,
+                 sync: Callable[[], None] | None = None):
         check_record_formats(layout)
-        self.drv, self.host, self.layout, self.E = drv, host, layout, int(n_experts)
+        self.drv, self.host, self.layout, self.E, self.sync = drv, host, layout, int(n_experts), sync
         self.layers = sorted(set(int(x) for x in layers))
-        self._ranges: list[tuple[int, int, int]] = []        # (host address, bytes, device address)
+        self._ranges: list[tuple[int, int, int | None]] = []   # (host address, bytes, device address)
         self._ptr: dict[tuple[int, int], int] = {}
+        if not getattr(host, "holds_all_for_life", False):
+            raise ColiError(f"MappedHostExperts needs a host tier that holds every record for its whole life "
+                            f"(MemoryHostTier); {type(host).__name__} may recycle a record's memory under the kernels")
         missing = [(l, e) for l in self.layers for e in range(self.E) if host.probe(l, e) is None]
         if missing:
             raise ColiError(f"MappedHostExperts needs every record of layers {self.layers} held in pinned RAM; "
@@ -50,7 +56,8 @@ class MappedHostExperts:
         try:
             for addr, n in host.pinned_ranges():
                 drv.host_register(addr, n, device_map=True)
-                self._ranges.append((addr, n, drv.host_device_pointer(addr)))
+                self._ranges.append((addr, n, None))           # registered: close() gives it back whatever follows
+                self._ranges[-1] = (addr, n, drv.host_device_pointer(addr))
             for l in self.layers:
                 for e in range(self.E):
                     rec = host.probe(l, e)
@@ -61,7 +68,7 @@ class MappedHostExperts:
 
     def _device_address(self, addr: int, nbytes: int, layer: int, e: int) -> int:
         for a, n, d in self._ranges:
-            if a <= addr and addr + nbytes <= a + n:
+            if d is not None and a <= addr and addr + nbytes <= a + n:
                 return d + (addr - a)
         raise ColiError(f"layer {layer} expert {e}: its record at 0x{addr:x} ({nbytes} bytes) lies outside the host "
                         f"tier's pinned ranges")
@@ -87,9 +94,24 @@ class MappedHostExperts:
             yield e, self.record(layer, e)
 
     def close(self) -> None:
+        """Wait for the device, then unregister every range (each on its own: one the driver refuses does not keep
+        the others registered; the first such error is raised after all were tried)."""
         ranges, self._ranges, self._ptr = self._ranges, [], {}
+        if not ranges:
+            return
+        if self.sync is not None:
+            try:
+                self.sync()                 # kernels queued on these pages must be done before the pages go
+            except Exception:   # noqa: BLE001 -- a lost context: nothing reads them any more; unregister anyway
+                pass
+        first: BaseException | None = None
         for addr, _n, _d in ranges:
-            self.drv.host_unregister(addr)
+            try:
+                self.drv.host_unregister(addr)
+            except Exception as e:   # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "MappedHostExperts":
         return self

@@ -182,17 +182,26 @@ class VramExperts:
         self.timeline: list[dict] | None = None      # see start_timeline
         self._tl_ref = 0
         self.t0 = time.perf_counter()
+        if register:
+            try:
+                for addr, n in host.pinned_ranges():
+                    self.drv.host_register(addr, n)
+                    self._registered.append(addr)
+            except BaseException:               # a range the driver refuses: the others go back, nothing hooked
+                for addr in self._registered:
+                    self.drv.host_unregister(addr)
+                self._registered.clear()
+                self.spec.close()               # the lanes made above (the speculative one has its thread)
+                self.demand.close()
+                raise
+        # after the registration: a constructor that fails there leaves the host tier's and the backend's hooks as
+        # they were (review8)
         host.reclaim_hook(lambda: self._reap(wait=True))
         backend.on_kernel_error = self._on_kernel_error
         from coli.gpu.busy import BusyClock
         self.busy = BusyClock(self.drv, handle_of(self.rt.stream))
         backend.busy = self.busy
         self._last = (time.perf_counter(), 0.0, 0.0, 0.0)   # (t, demand copy s, spec copy s, SM busy s)
-        if register:
-            for addr, n in host.pinned_ranges():
-                self.drv.host_register(addr, n)
-                self._registered.append(addr)
-        # last: a constructor that fails above (a pinned range the driver refuses) leaves the backend's hook as it was
         backend.before_host_wait = self._land_pending
 
     # ---- the expert source ------------------------------------------------------------------------------
@@ -252,19 +261,21 @@ class VramExperts:
         speculated = self._spec_layers.pop(layer, 0)
         self._spec_used = 0
         hits = 0
-        for e in ids:
-            s = self._demand_hit(layer * self.E + e, handoff, e)
-            if s is None:
-                misses.append(e)
-            else:
-                hits += 1
-                if older and self.slot_job[s] is not None:
-                    # its record waits on that copy's events: they must not go back to the pool (and be recorded
-                    # again by another copy) before the kernels' waits are queued, so that copy is reaped later
-                    older.discard(id(self.slot_job[s]))
-                yield e, self._device_record(layer, e, s)
         early: tuple[HostRecord, Any] | None = None     # the first miss, loaded before the hits' FLUSH (below)
-        try:
+        held: HostRecord | None = None                  # a granted record not handed out yet (or a CPU fallback's)
+        try:                                            # from the hits on: a step closed at any yield cleans up
+            for e in ids:
+                s = self._demand_hit(layer * self.E + e, handoff, e)
+                if s is None:
+                    misses.append(e)
+                else:
+                    hits += 1
+                    if older and self.slot_job[s] is not None:
+                        # its record waits on that copy's events: they must not go back to the pool (and be
+                        # recorded again by another copy) before the kernels' waits are queued, so that copy is
+                        # reaped later
+                        older.discard(id(self.slot_job[s]))
+                    yield e, self._device_record(layer, e, s)
             if not misses:
                 return
             grants: Iterator[HostRecord | None] = iter(self.host.grants(layer, misses))
@@ -296,12 +307,19 @@ class VramExperts:
                 else:
                     h = self._miss(layer, rec, handoff)
                 if h is FLUSH:                       # no free slot until the held records are launched
+                    held = rec                       # granted, no slot: a step stopped at this FLUSH gives it back
                     yield FLUSH
+                    held = None
                     h = self._load(layer, rec, retry=True)
+                if isinstance(h, HostExpert):        # computed on the CPU from the host slot: it goes back after
+                    held = rec
                 yield rec.expert, h
-                if isinstance(h, HostExpert):        # computed on the CPU already: the host slot is free
+                if isinstance(h, HostExpert):
+                    held = None
                     self.host.release(rec)
         finally:
+            if held is not None:                 # the step stopped while this record was held (review8)
+                self.host.release(held)
             if early is not None:                # loaded before the FLUSH, never handed out: the step stopped there
                 self._drop_early(*early)
             for s, job in handoff.values():      # never granted (the step stopped early): drop them

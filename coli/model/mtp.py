@@ -126,6 +126,10 @@ class MtpHead:
         # (coli/gpu/mtp_graphs.py); None: rounds run as verify step + catch-up (SpeculativeDecoder.begin_round)
         make = getattr(b, "mtp_round_graphs", None)
         self.rounds = make(self) if make is not None else None
+        # greedy verify steps of k + 1 positions (rounds of 2-3 drafts, or of one where `rounds` is off) replayed from
+        # graphs (coli/gpu/verify_graphs.py, COLI_VERIFY_GRAPHS=1); None: forward_hidden, eagerly
+        make = getattr(b, "verify_graphs", None)
+        self.verify = make(model) if make is not None else None
         self.cache_pool = CachePool()       # the MTP caches' own (their layout is one layer: not the model's pool)
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -465,6 +469,10 @@ class SpeculativeDecoder:
         if self.greedy and k == 1 and self.head.rounds is not None:
             return self._row_round()
         ids = self.begin_round(room, k)
+        if self.greedy and self.head.verify is not None:
+            got = self.head.verify.greedy(self.cache, ids)                        # replayed: rows' argmax, hn
+            if got is not None:
+                return self.end_round(got[1], None, argmax=got[0])
         hn, logits = self.model.forward_hidden(ids, self.cache)                   # [k+1, H], [k+1, V]
         return self.end_round(hn, logits)
 
@@ -550,11 +558,12 @@ class SpeculativeDecoder:
         self._qview = b.row_range(self._qbuf, 0, m + n)                          # [m + n, H]
         self.pending_h, self.pending_ids = self._qview, self.pending_ids + list(ids)
 
-    def end_round(self, hn: Array, logits: Array) -> list[int]:
+    def end_round(self, hn: Array, logits: Array | None, argmax: list[int] | None = None) -> list[int]:
         """The verified row's final-normed hidden states [k+1, H] and logits [k+1, V] (on the backend; the main cache
-        already advanced by the k+1 positions) -> the round's tokens; both caches rolled back to match."""
+        already advanced by the k+1 positions) -> the round's tokens; both caches rolled back to match. A greedy
+        round may give its rows' argmax [k+1] instead of the logits (a replayed verify step's)."""
         k = len(self._drafts)
-        out = self._verify(self._drafts, self._q, self._P, hn, logits)
+        out = self._verify(self._drafts, self._q, self._P, hn, logits, argmax)
         t2 = time.perf_counter()
         self.stats.draft_s += self._t1 - self._t0
         self.stats.verify_s += t2 - self._t1
@@ -583,10 +592,11 @@ class SpeculativeDecoder:
             g = b.last_row(g)
         return drafts, qs
 
-    def _verify(self, drafts: list[int], qs: list[np.ndarray], P: int, hn: Array, logits: Array) -> list[int]:
+    def _verify(self, drafts: list[int], qs: list[np.ndarray], P: int, hn: Array, logits: Array | None,
+                argmax: list[int] | None = None) -> list[int]:
         b = self.model.backend
         if self.greedy:
-            out = accept_greedy(drafts, b.argmax(logits))
+            out = accept_greedy(drafts, b.argmax(logits) if argmax is None else argmax)
         else:
             host = b.to_host(logits)
             ps = [self.sampler.distribution(host[j]) for j in range(len(drafts) + 1)]

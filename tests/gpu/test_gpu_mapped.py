@@ -41,7 +41,8 @@ def _mapped(model, d):
     reader = ContainerReader(d)
     c = reader.config
     tier = MemoryHostTier(reader, list(c.moe_layers))
-    mx = MappedHostExperts(get_driver(), tier, reader.record_layout, c.moe_layers, c.n_routed_experts)
+    mx = MappedHostExperts(get_driver(), tier, reader.record_layout, c.moe_layers, c.n_routed_experts,
+                           sync=model.backend.rt.synchronize)
     model.experts = mx
     return mx, tier
 

@@ -29,3 +29,22 @@ def test_gpu_bench_stream_verify_rows(tmp_path):
     for a in res["verify"]["acceptance"].values():
         assert a["speedup_glm5"] > 0 and a["auto"]["choice"] in ("on", "off")
         assert (a["auto"]["choice"] == "off") == a["auto"]["mtp_would_lose"]
+
+
+def test_gpu_bench_stream_verify_rows_replayed_from_graphs(tmp_path, monkeypatch):
+    """COLI_VERIFY_GRAPHS=1: the warm engine's timed verify steps are replayed (coli/gpu/verify_graphs.py), with the
+    tokens of the positions one at a time; cold-ram's stream their experts, so they run eagerly and say why."""
+    from coli.bench.slice import SliceOptions, make_slice
+    from coli.bench.stream import run_scenarios
+    monkeypatch.setenv("COLI_VERIFY_GRAPHS", "1")
+    d = tmp_path / "s2"
+    make_slice(d, SliceOptions(preset="tiny", layers=2, trace="uniform", tokens=64, seed=6))
+    res = run_scenarios(d, ["warm", "cold-ram"], tokens=4, peer=False, report=lambda s: None, verify=[1, 2, 4])
+    assert res["verify"]["replay"] is True
+    for r in res["verify"]["steps"]:
+        assert r["verify_equals_one_by_one"] is True and r["replayed_equals_one_by_one"] is True, r
+        assert r["cache_restored"] is True
+        if r["scenario"] == "warm":
+            assert r["replays"] >= 4 and r["eager_reason"] is None, r          # every timed step replayed
+        else:
+            assert r["replays"] == 0 and "stream" in r["eager_reason"], r

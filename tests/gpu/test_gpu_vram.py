@@ -367,6 +367,35 @@ def test_a_step_stopped_at_the_hits_flush_leaks_no_pin_of_its_early_first_miss(r
     vx.close()
 
 
+def test_a_step_stopped_at_a_no_slot_flush_gives_the_waiting_record_back(root, oracles):
+    """More misses than free slots: the record granted next waits at a FLUSH for the held ones to be launched. When
+    the backend raises while launching them and the generator is closed at that FLUSH, its host lease must go back
+    (review8: it leaked, pinning a RAM-tier slot for the rest of the run), and the pool serves the next step."""
+    from coli.gpu.cuda_weights import FLUSH
+    src, _ = oracles["vram-default"]
+    d = container(root, src, "vram-default-f32", experts="f32", dense="f32")
+    vx, r, b, host = _vram(d, 4, policy="lru")
+    layer = r.config.moe_layers[0]
+    gen = vx.stream(layer, [0, 1, 2, 3, 4, 5])
+    held = []
+    for item in gen:
+        if item is FLUSH:
+            break                                        # the backend raised while launching what it held
+        held.append(item[1])
+    assert 0 < len(held) < 6
+    for rec in held:                                     # what CudaBackend.moe's except does for held records
+        rec.on_consumed(None)
+    gen.close()
+    vx.finish()
+    assert host.leases == 0
+    assert [vx.pool.pins(s) for s in range(vx.n_slots)] == [0] * vx.n_slots
+    vx.pool.check()
+    got, x = _run_step(vx, b, layer, [2, 4])
+    want = _cpu_step(r, layer, [2, 4], x)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    vx.close()
+
+
 def test_landed_copies_are_finished_while_the_host_waits_for_the_router(root, oracles):
     """The backend calls the expert source's before_host_wait right before it blocks for a router's top-k (eager
     route, and each replayed segment's wait): the copies issued so far are finished there (slots READY, host
