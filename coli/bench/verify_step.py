@@ -7,7 +7,11 @@ to the context itself, as a round that keeps nothing: every timed step sees the 
 plain decode row's middle one (WARMUP + N // 2 positions), filled greedily from token 1 with trace tokens 0.. as the
 scenario's own row routes them. Timed step j of S routes trace tokens C + j*S .. C + j*S + S - 1 (`WindowRoutes`:
 consecutive tokens, so a MoE layer's union is the real adjacent-token union). S = 1 is the plain step timed the same
-way (eager, all logits), the reference of every ratio.
+way (eager, all logits), the reference of every ratio. With COLI_VERIFY_GRAPHS=1 every step (S = 1 too, and the
+no-routed-expert steps) is replayed from a CUDA graph where the engine allows it (coli/gpu/verify_graphs.py: the
+forward_rows form, as SpeculativeDecoder then runs it), else eager as above; each row says how many of its timed
+steps were replayed, and the no-expert reference of the split is measured per scenario then (replayed on warm, eager
+on a streaming engine).
 
 Split and GLM-5 extrapolation, as the batched rows (coli.bench.batch_decode) split a step of B rows:
     moe_layer_s(S)   = (T_step(S) - T_nomoe(S)) / L          T_nomoe(S): the same S-position step, no routed expert
@@ -203,7 +207,7 @@ class VerifyBench:
         self.graphs = make(model, force=True) if make is not None else None
         self.L, self.K, self.V = len(c.moe_layers), c.num_experts_per_tok, c.vocab_size
         self.context = self.warmup + self.N // 2        # the plain decode row's middle context
-        self._nomoe: dict[int, float] = {}
+        self._nomoe: dict[tuple, float] = {}     # (S, scenario or None) -> s
         self._head: dict[int, float] = {}
 
     def fill(self, route: WindowRoutes):
@@ -256,17 +260,20 @@ class VerifyBench:
                 return np.asarray(got[0], dtype=np.int64)
         return verify_step(self.model, cache, ids)
 
-    def nomoe_step_s(self, S: int, cache=None, ids: list[int] | None = None) -> float:
+    def nomoe_step_s(self, S: int, cache=None, ids: list[int] | None = None, scenario: str | None = None) -> float:
         """The S-position step with every routed expert dropped (median), on `cache` (at the context) or a fresh
-        one; measured once per S, shared by the scenarios."""
-        if S not in self._nomoe:
+        one; measured once per S, shared by the scenarios -- once per S and scenario where steps are replayed
+        (self.graphs): a warm engine replays it, a streaming one runs it eagerly, and each step's split must be
+        against its own kind."""
+        key = (S, scenario if self.graphs is not None else None)
+        if key not in self._nomoe:
             from coli.bench.batch_decode import DropAllExperts
             if cache is None:
                 cache, tok = self._filled(WindowRoutes(self.routing))
                 ids = [tok] * S
             times, _ = self._timed(cache, list(ids), lambda j: 0, DropAllExperts(self.K))
-            self._nomoe[S] = float(np.median(times))
-        return self._nomoe[S]
+            self._nomoe[key] = float(np.median(times))
+        return self._nomoe[key]
 
     def head_s(self, S: int) -> float:
         if S not in self._head:
@@ -317,18 +324,25 @@ class VerifyBench:
         finally:
             self.model.route_override = saved
         marks: dict[str, Any] = {}
+        g = self.graphs
 
-        def before():
+        def before():                             # the timed steps start: counters and replays from here
             if snapshot is not None:
                 marks["snap"] = snapshot()
+            if g is not None:
+                marks["replays"] = g.replays
         route.distinct = []
-        g = self.graphs
-        r0 = g.replays if g is not None else 0
         times, restored = self._timed(cache, ids, lambda j: C + j * S, route, before)
         raw = {"scenario": scenario, "positions": S, "context": C, "step_s": times, "distinct": route.distinct,
                "ids": ids, "one_by_one": alone, "verify_tokens": together, "cache_restored": restored}
-        if g is not None:
-            raw["replays"], raw["eager_reason"] = g.replays - r0, g.last_reason
+        if g is not None:                         # of the timed steps: how many replayed, why the last one not
+            raw["replays"], raw["eager_reason"] = g.replays - marks["replays"], g.last_reason
+        if snapshot is not None:
+            from coli.bench.stream import delta
+            after = snapshot()
+            raw["counters"] = delta(after, marks["snap"])
+            raw["vram_slots"] = after.get("vram_slots")
+        if g is not None:                         # after the counters: an untimed step, its tokens checked
             saved = self.model.route_override
             self.model.route_override = route
             try:
@@ -336,12 +350,7 @@ class VerifyBench:
                 raw["replayed_tokens"] = self._step(cache, ids).tolist()   # against one_by_one, as verify_tokens
             finally:
                 self.model.route_override = saved
-        if snapshot is not None:
-            from coli.bench.stream import delta
-            after = snapshot()
-            raw["counters"] = delta(after, marks["snap"])
-            raw["vram_slots"] = after.get("vram_slots")
-        self.nomoe_step_s(S, cache, ids)          # on the same context, after the counted steps
+        self.nomoe_step_s(S, cache, ids, scenario)   # on the same context, after the counted steps
         return raw
 
     def rows(self, scenario: str, sizes: list[int], snapshot=None, record_bytes: int = 0,
@@ -353,7 +362,8 @@ class VerifyBench:
                 out.append(raw)
                 continue
             S = raw["positions"]
-            out.append(verify_figures(raw, L=self.L, nomoe_step_s=self.nomoe_step_s(S), head_s=self.head_s(S),
+            out.append(verify_figures(raw, L=self.L, nomoe_step_s=self.nomoe_step_s(S, scenario=scenario),
+                                      head_s=self.head_s(S),
                                       vocab=self.V, record_bytes=record_bytes))
         add_step_ratios(out)
         return out

@@ -1,15 +1,19 @@
-"""A greedy MTP verify step of S = k + 1 positions replayed from one CUDA graph (issue 16: the verify step at the
-replayed step's pace, so k drafts can pay on GLM-5, where the MTP layer is one of 79 and the verify step is what a
-round costs).
+"""A greedy MTP verify step of S = k + 1 positions (1..MAX_ROWS; SpeculativeDecoder asks for 2..4, the benchmark
+also for its S = 1 reference) replayed from one CUDA graph (issue 16: the verify step at the replayed step's pace, so
+k drafts can pay on GLM-5, where the MTP layer is one of 79 and the verify step is what a round costs).
 
-    toks, hn = model.verify_graphs.greedy(cache, [last, d1, .., dk])   # None: run it eagerly (last_reason says why)
+    vg = backend.verify_graphs(model)                    # head.verify (coli.model.mtp.MtpHead), or None
+    toks, hn = vg.greedy(cache, [last, d1, .., dk])      # None: run it eagerly (last_reason says why)
 
 The step is coli.model.batch.forward_rows: the S positions as S one-position rows of the one cache (each row's
 attention its own decode step's: row j sees the keys of rows < j, written just before it), every weight read once
 for the S rows, then the device argmax of every row. Nothing in it depends on what is accepted, so it is captured
 once per shape and replayed: one launch and S int32 read back; the caller accepts on the host and cuts the cache.
 The rows' final-normed hidden states come back too (a device copy of the graph's own buffer, which the next replay
-overwrites): the MTP layer's next catch-up reads them.
+overwrites): the MTP layer's next catch-up reads them. In the graph each row's MoE runs the fused decode kernels of a
+one-token step (the batched steps' `moe_step`), where the eager forward_rows of S > 1 rows takes the grouped
+prefill GEMM: the two agree in tokens, not in bits (as coli/gpu/batch_graphs.py's replayed steps and their eager
+ones).
 
 What varies per step lives in device memory, written by the graph's first node from a pinned block laid out as a
 batched step's (coli/gpu/batch_graphs.py BatchStepLayout, B = S): the rows' tokens, positions, cache lengths, RoPE
@@ -17,7 +21,8 @@ angles and, with a route override (the benchmarks' trace replay, coli/bench/veri
 forced [S, K] routing. A graph bakes the cache's buffers and capacity, the routing mode and the rows' attention
 spans: that is its key. The first step of a key runs eagerly (it compiles and sizes what the capture needs), the
 second is captured, later ones replay. Where a step cannot be replayed (streaming experts, hooks, fault injection,
-a routing that drops some slots, COLI_GRAPHS=0) the caller runs it eagerly with the same tokens.
+a routing that drops some slots, COLI_GRAPHS=0) the caller runs it eagerly with the same tokens (with a route
+override it runs here, as forward_rows with the routes already drawn).
 
 This is the verify half of coli/gpu/mtp_graphs.py's one-draft round, for any S <= MAX_ROWS and without the MTP layer
 (which, for more than one draft, chains on the accepted row's output: the host's to know first).

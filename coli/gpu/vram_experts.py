@@ -320,8 +320,8 @@ class VramExperts:
                 if h is FLUSH:                       # no free slot until the held records are launched
                     held = rec                       # granted, no slot: a step stopped at this FLUSH gives it back
                     yield FLUSH
-                    held = None
                     h = self._load(layer, rec, retry=True)
+                    held = None                      # a copy issued owns it now (a CPU fallback sets it again)
                 if isinstance(h, HostExpert):        # computed on the CPU from the host slot: it goes back after
                     held = rec
                 yield rec.expert, h

@@ -562,6 +562,8 @@ class SpeculativeDecoder:
         """The verified row's final-normed hidden states [k+1, H] and logits [k+1, V] (on the backend; the main cache
         already advanced by the k+1 positions) -> the round's tokens; both caches rolled back to match. A greedy
         round may give its rows' argmax [k+1] instead of the logits (a replayed verify step's)."""
+        if argmax is not None and not self.greedy:
+            raise ValueError("end_round: a sampled round needs the logits, not the argmax")
         k = len(self._drafts)
         out = self._verify(self._drafts, self._q, self._P, hn, logits, argmax)
         t2 = time.perf_counter()

@@ -253,6 +253,40 @@ def test_engine_counters_cover_the_timed_steps_only(sliced):
         assert f["copied_bytes_per_step"] == pytest.approx(f["union_bytes_per_step"])
 
 
+class _NeverReplays:
+    """A backend's verify graphs on an engine that streams its experts: every step runs eagerly (greedy -> None)."""
+
+    def __init__(self):
+        self.replays, self.last_reason = 0, None
+
+    def greedy(self, cache, ids):
+        self.last_reason = "experts stream (a streaming engine)"
+        return None
+
+
+def test_with_replays_asked_the_counters_still_cover_the_timed_steps_only(sliced, monkeypatch):
+    """COLI_VERIFY_GRAPHS=1 on an engine that cannot replay (cold-ram): the rows check their tokens with one more,
+    untimed step -- outside the counters' window (review: it was counted, and the union looked copied twice); the
+    row says none of its timed steps was replayed, and why."""
+    model, routing, src, _, _ = sliced
+    monkeypatch.setattr(type(model.backend), "verify_graphs", lambda self, m, force=False: _NeverReplays(),
+                        raising=False)
+
+    def snapshot():
+        asked = sum(len(ids) for _, ids in src.asked)
+        return {"copy_bytes": asked * 1000, "copies": asked, "vram_slots": 7}
+    vb = vs.VerifyBench(model, routing, N, WARM, replay=True)
+    assert isinstance(vb.graphs, _NeverReplays)
+    for raw in vb.run("cold-ram", [3], snapshot=snapshot):
+        assert raw["counters"]["copies"] == sum(map(sum, raw["distinct"]))
+        assert raw["replays"] == 0 and "stream" in raw["eager_reason"]
+        assert raw["replayed_tokens"] == raw["one_by_one"]
+        f = vs.verify_figures(raw, L=len(model.config.moe_layers), nomoe_step_s=None, head_s=0.0,
+                              vocab=model.config.vocab_size, record_bytes=1000)
+        assert f["union_copied_once"] is True and f["replayed_equals_one_by_one"] is True
+    assert sorted(vb._nomoe) == [(1, "cold-ram"), (3, "cold-ram")], "the no-expert steps measured per scenario"
+
+
 def test_a_failing_step_size_costs_its_row_only(sliced):
     """S = 2's engine fails (its first snapshot, the third: S = 1 took two); S = 1 and 4 still give their rows, on
     a context that is still the context (S = 4's tokens equal its one-by-one run, its cache restored)."""
