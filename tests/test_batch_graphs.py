@@ -258,6 +258,12 @@ class _Dropped(_Forced):
         return np.full((n, self.K), -1, np.int64), np.zeros((n, self.K), np.float32)
 
 
+def _override(routing: str, c):
+    """The route override a test's `routing` names ("router": none, the model's own router)."""
+    cls = {"forced": _Forced, "dropped": _Dropped}.get(routing)
+    return cls(c.num_experts_per_tok, c.n_routed_experts) if cls is not None else None
+
+
 @pytest.mark.parametrize("routing,fmt", [("router", "f32"), ("forced", "f32"), ("dropped", "f32"),
                                          ("router", "int4")])
 def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, routing, fmt):
@@ -278,8 +284,7 @@ def test_a_batched_step_is_captured_once_and_replayed(oracle_src, monkeypatch, r
     toks = [model.greedy_eager(q, c) for q, c in zip([p, p[:5], p[:20]], caches)]
     dec = batch_graphs(model)
     c = model.config
-    forced = {"forced": _Forced, "dropped": _Dropped}.get(routing)
-    forced = forced(c.num_experts_per_tok, c.n_routed_experts) if forced is not None else None
+    forced = _override(routing, c)
     model.route_override = forced
     marks = []
     for step in range(4):
@@ -399,8 +404,7 @@ def test_a_verify_step_is_captured_once_and_replayed(oracle_src, monkeypatch, ro
     cache = model.new_cache(64)
     model.greedy_eager(o["prompt_ids"], cache)
     P, S = cache.length, 3
-    forced = {"forced": _Forced, "dropped": _Dropped}.get(routing)
-    forced = forced(c.num_experts_per_tok, c.n_routed_experts) if forced is not None else None
+    forced = _override(routing, c)
     model.route_override = forced
     marks = []
     for step in range(4):

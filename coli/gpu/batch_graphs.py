@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from coli.gpu.graphs import (_Bounded, capture_step, drop_graphs, env_switch, load_modules, step_key,
-                             why_not_graphable)
+from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, env_switch, load_modules,
+                             step_key, why_not_graphable)
 from coli.model.backend import cos_sin_table
 
 
@@ -316,16 +316,7 @@ class BatchGraphDecoder:
             return "the model or a cache lives on another backend"
         if not all(0 <= int(x[0]) < m.config.vocab_size for x in ids):
             return "a token outside the vocabulary (the eager step raises the one-line error)"
-        single = m.step_graphs
-        if single is None:
-            return "COLI_GRAPHS=0"
-        why = single._bind_experts()              # the slot table of every resident expert (None: all resident)
-        if why is not None:
-            return why
-        if single._step is not self._bound:       # a new expert source: its slot table is new, our graphs stale
-            self.reset()
-            self._bound = single._step
-        return None
+        return bound_to_single_step(self, m)
 
     def _inputs(self, B: int) -> BatchStepInputs:
         st = self.inputs.get(B)

@@ -204,6 +204,25 @@ def why_not_graphable(model, ids: Sequence[int]) -> str | None:
     return None
 
 
+def bound_to_single_step(owner, model, extra: str | None = None) -> str | None:
+    """The last checks of the decoders that replay steps of several rows on the one-sequence decoder's slot table
+    (BatchGraphDecoder, VerifyGraphs, MtpRoundGraphs): that decoder exists (COLI_GRAPHS) and holds every routed
+    expert; `extra`: the caller's own reason not to replay, checked after it. When its step changed (a new expert
+    source: a new slot table) the owner's graphs are stale: reset, and bound to the new one. None: replayable."""
+    single = model.step_graphs
+    if single is None:
+        return "COLI_GRAPHS=0"
+    why = single._bind_experts()            # the slot table of every resident expert (None: all resident)
+    if why is not None:
+        return why
+    if extra is not None:
+        return extra
+    if single._step is not owner._bound:
+        owner.reset()
+        owner._bound = single._step
+    return None
+
+
 # ---- capturing ------------------------------------------------------------------------------------------------
 def capture_step(owner, key: tuple, b, what: str, prepare: Callable[[], None], body: Callable[[], None],
                  restore: Callable[[], None], keep: Callable[[], list]):

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout
-from coli.gpu.graphs import _Bounded, capture_step, drop_graphs, load_modules, step_key, why_not_graphable
+from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
+                             why_not_graphable)
 from coli.model.backend import cos_sin_table
 
 def mtp_graphs_enabled(env: dict | None = None) -> bool:
@@ -136,18 +137,9 @@ class MtpRoundGraphs:
             return "a token outside the vocabulary (the eager round raises the one-line error)"
         if mtp_cache.length != cache.length:
             return "the MTP cache is not in step with the model's"
-        single = m.step_graphs
-        if single is None:
-            return "COLI_GRAPHS=0"
-        why = single._bind_experts()            # the main layers' slot table (None: every expert resident)
-        if why is not None:
-            return why
-        if not hasattr(head.experts, "slot_table"):
-            return f"the MTP layer's experts stream ({type(head.experts).__name__})"
-        if single._step is not self._bound:     # a new expert source: its slot table is new, our graphs stale
-            self.reset()
-            self._bound = single._step
-        return None
+        streams = (None if hasattr(head.experts, "slot_table")
+                   else f"the MTP layer's experts stream ({type(head.experts).__name__})")
+        return bound_to_single_step(self, m, extra=streams)
 
     def _inputs(self) -> tuple[BatchStepInputs, BatchStepInputs]:
         if self._verify_in is None:

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, all_dropped, batch_route_mode
-from coli.gpu.graphs import _Bounded, capture_step, drop_graphs, load_modules, step_key, why_not_graphable
+from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
+                             why_not_graphable)
 from coli.model.backend import cos_sin_table
 
 MAX_ROWS = 4        # k <= 3 drafts (coli.model.mtp.MAX_DRAFTS) + the last verified token
@@ -162,16 +163,7 @@ class VerifyGraphs:
             return "the model or the cache lives on another backend"
         if not all(0 <= int(t) < m.config.vocab_size for t in ids):
             return "a token outside the vocabulary (the eager step raises the one-line error)"
-        single = m.step_graphs
-        if single is None:
-            return "COLI_GRAPHS=0"
-        why = single._bind_experts()            # the slot table of every resident expert (None: all resident)
-        if why is not None:
-            return why
-        if single._step is not self._bound:     # a new expert source: its slot table is new, our graphs stale
-            self.reset()
-            self._bound = single._step
-        return None
+        return bound_to_single_step(self, m)
 
     def _inputs(self, S: int) -> BatchStepInputs:
         st = self.inputs.get(S)
