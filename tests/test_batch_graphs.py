@@ -459,3 +459,59 @@ def test_mtp_rounds_of_three_drafts_verify_through_the_replayed_step(oracle_src,
     toks = list(Generation(model, o["prompt_ids"], 14, ignore_eos=True, mtp=(head, 3)))
     assert len(toks) == 14
     assert head.verify.captures == 1 and head.verify.replays >= 2, head.verify.last_reason
+
+
+def test_a_decode_over_mapped_host_records_is_replayed_as_a_resident_ones(oracle_src, monkeypatch):
+    """coli/gpu/mapped_experts.py on the recording runtime: a model whose experts are the zero-copy source (every
+    record in pinned RAM, mapped by a stand-in driver) runs its prefill's MoE on the records' mapped addresses and
+    replays its decode steps from one graph, as with every expert resident (the bench's mapped-ram row); the values
+    are tests/gpu/test_gpu_mapped.py's."""
+    from coli.container.reader import ContainerReader
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.gpu.host_records import MemoryHostTier
+    from coli.gpu.mapped_experts import MappedHostExperts
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_GRAPHS", "1")
+
+    class Drv:                                            # maps each range at an address of its own
+        def __init__(self):
+            self.maps = {}
+
+        def host_register(self, addr, n, device_map=False):
+            assert device_map
+            self.maps[addr] = 0x7f00_0000_0000 + 0x1_0000_0000 * len(self.maps)
+
+        def host_device_pointer(self, addr):
+            return self.maps[addr]
+
+        def host_unregister(self, addr):
+            del self.maps[addr]
+
+    dirs, o = oracle_src
+    r = ContainerReader(dirs["int4"])
+    c = r.config
+    rt = _CapturingRuntime()
+    uploads = []                                          # what the host uploads: the MoE kernels' record tables
+    upload = rt.to_device
+
+    def recording_upload(host, dtype=None):
+        uploads.append(np.array(host))
+        return upload(host, dtype)
+    rt.to_device = rt.to_device_async = recording_upload
+    gb = CudaBackend(runtime=rt)
+    drv = Drv()
+    mx = MappedHostExperts(drv, MemoryHostTier(r, list(c.moe_layers)), r.record_layout, c.moe_layers,
+                           c.n_routed_experts, sync=rt.synchronize)
+    model = GlmMoeDsaModel(c, r, gb, experts=mx)
+    mapped = set(mx.slot_table(c.num_hidden_layers).ravel().tolist()) - {0}
+    cache = model.new_cache(64)
+    mark = len(uploads)
+    tok = model.greedy(o["prompt_ids"], cache)            # the prefill: eager, the MoE on the mapped records
+    tables = [set(x.ravel().tolist()) for x in uploads[mark:] if x.dtype == np.uint64]
+    assert tables and all(t <= mapped for t in tables), "the prefill's MoE read records at other addresses"
+    for _ in range(4):
+        tok = model.greedy([tok], cache)
+    g = model.step_graphs
+    assert g.last_reason is None and g.replays >= 2 and g.captures == 1, g.last_reason
+    mx.close()
+    assert drv.maps == {}
