@@ -166,10 +166,11 @@ class VramExperts:
         self.ahead_fraction = float(ahead_fraction)
         self._ahead: set[CopyJob] = set()             # layer-ahead copies not finished yet (a subset of _spec_jobs')
         self._registered: list[int] = []
-        # while a step's hits are held and not yet launched (their records carry their copies' events): the copies
-        # whose events are not to go back to the pool if a reap finishes them meanwhile, and the events so kept
-        self._hold_events: set[int] = set()
-        self._held_events: list[int] = []
+        # copies whose events records handed out still carry (their kernels not queued yet): copy -> such records.
+        # A reap that finishes one of them meanwhile parks its events here, not in the pool: recorded again by the
+        # next copy, they would make those kernels wait for it (a false dependency). Back at the last on_consumed.
+        self._readers: dict[CopyJob, int] = {}
+        self._parked: dict[CopyJob, list[int]] = {}
         self.fallbacks = {k: 0 for k in FALLBACK_KINDS}
         self._logged: set[str] = set()
         self.stats = {"copies": 0, "copy_bytes": 0, "demand_copy_s": 0.0, "spec_copies": 0, "spec_bytes": 0,
@@ -265,7 +266,6 @@ class VramExperts:
         speculated = self._spec_layers.pop(layer, 0)
         self._spec_used = 0
         hits = 0
-        hit_jobs: set[int] = set()                      # the copies the held hits' records wait on
         early: tuple[HostRecord, Any] | None = None     # the first miss, loaded before the hits' FLUSH (below)
         held: HostRecord | None = None                  # a granted record not handed out yet (or a CPU fallback's)
         try:                                            # from the hits on: a step closed at any yield cleans up
@@ -275,13 +275,6 @@ class VramExperts:
                     misses.append(e)
                 else:
                     hits += 1
-                    if self.slot_job[s] is not None:
-                        hit_jobs.add(id(self.slot_job[s]))
-                    if older and self.slot_job[s] is not None:
-                        # its record waits on that copy's events: they must not go back to the pool (and be
-                        # recorded again by another copy) before the kernels' waits are queued, so that copy is
-                        # reaped later
-                        older.discard(id(self.slot_job[s]))
                     yield e, self._device_record(layer, e, s)
             if not misses:
                 return
@@ -294,9 +287,6 @@ class VramExperts:
                 # with none free only unpinned slots are reusable and the hits, pinned until the FLUSH, would drop
                 # out of the ranking -- another key evicted (tests/vram/test_early_first_miss.py)
                 if self.pool.n_free > 0:
-                    # a grant that waits for RAM-tier slots reaps every landed copy (the tier's reclaim hook), the
-                    # hits' too: their events stay out of the pool until the hits are launched (review8)
-                    self._hold_events = hit_jobs
                     first = next(grants, None)
                     if first is not None:
                         early = (first, self._miss(layer, first, handoff))
@@ -304,7 +294,6 @@ class VramExperts:
                     else:                        # a disk read on its way first: as before
                         grants = itertools.chain([None], grants)
                 yield FLUSH
-                self._release_held_events()      # the hits' kernels and their waits are queued
             for rec in grants:
                 if rec is None:                  # a disk read is on its way: time to reap meanwhile
                     if older:
@@ -329,7 +318,6 @@ class VramExperts:
                     held = None
                     self.host.release(rec)
         finally:
-            self._release_held_events()
             if held is not None:                 # the step stopped while this record was held (review8)
                 self.host.release(held)
             if early is not None:                # loaded before the FLUSH, never handed out: the step stopped there
@@ -530,12 +518,16 @@ class VramExperts:
         job = self.slot_job[s]
         ready = job.ev_gateup if job is not None else None
         ready_down = job.ev_done if job is not None else None
+        if job is not None:                      # its events stay out of the pool until these kernels are queued
+            self._readers[job] = self._readers.get(job, 0) + 1
 
-        def consumed(_ev, s=s):
+        def consumed(_ev, s=s, job=job):
             # called right after the kernels reading s were queued: mark that point on the compute stream
             self.drv.event_record(self._consumed_ev[s], self._compute_stream)
             self.slot_consumed[s] = self._consumed_ev[s]      # a later copy into s waits for it on its lane
             self.pool.release(s)
+            if job is not None:
+                self._unread(job)
 
         return DeviceRecord(self.base + s * self.slot_bytes, self.layout, ready=ready, ready_down=ready_down,
                             on_consumed=consumed, fetch_host=lambda: self._fetch_host(layer, e, s))
@@ -678,19 +670,22 @@ class VramExperts:
         self._free_events(job)
 
     def _free_events(self, job: CopyJob) -> None:
-        # a held hit's record waits on this copy's events: recycled now, the next copy could record them again and
-        # the hit's kernels would wait for that copy (a false dependency); they go back after the hits' launch
-        keep = id(job) in self._hold_events
-        for ev in (job.ev_start, job.ev_gateup, job.ev_done):
-            if ev:
-                (self._held_events.append if keep else self.events.put)(ev)
+        evs = [ev for ev in (job.ev_start, job.ev_gateup, job.ev_done) if ev]
+        if job in self._readers:                 # a record handed out still waits on them: parked (see __init__)
+            self._parked.setdefault(job, []).extend(evs)
+        else:
+            for ev in evs:
+                self.events.put(ev)
         job.ev_start = job.ev_gateup = job.ev_done = 0
 
-    def _release_held_events(self) -> None:
-        self._hold_events = set()
-        held, self._held_events = self._held_events, []
-        for ev in held:
-            self.events.put(ev)
+    def _unread(self, job: CopyJob) -> None:
+        """A record carrying job's events had its kernels queued: at the last one, parked events go back."""
+        n = self._readers.pop(job) - 1
+        if n:
+            self._readers[job] = n
+        else:
+            for ev in self._parked.pop(job, ()):
+                self.events.put(ev)
 
     # ---- fallbacks, stats, shutdown -------------------------------------------------------------------------
     def _fallback_note(self, kind: str, detail: str) -> None:
@@ -752,7 +747,11 @@ class VramExperts:
         for job in self._spec_jobs.values():
             job.cancelled = True
         self._ahead.clear()
-        self._release_held_events()
+        self._readers.clear()
+        for evs in self._parked.values():       # records never consumed: nothing will wait on these any more
+            for ev in evs:
+                self.events.put(ev)
+        self._parked.clear()
         self.spec.close()
         self.demand.close()
         for addr in self._registered:

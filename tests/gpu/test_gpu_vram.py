@@ -128,6 +128,8 @@ def test_eviction_reuses_slots_and_the_bytes_are_the_new_experts(root, oracles):
         want = _cpu_step(r, layer, ids, x)
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
         vx.finish()
+        # every record the step handed out had its kernels queued: no copy's events left parked for a reader
+        assert not vx._readers and not vx._parked
         for e in ids:
             if vx.pool.slot_of(layer * vx.E + e) is not None:
                 assert _slot_bytes_equal(vx, b, r, layer, e)
