@@ -115,6 +115,26 @@ def all_dropped(routes: dict, B: int, K: int) -> bool:
                                 for r in routes.values())
 
 
+def row_angles(c, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [B, half] of each row's position, as each row's eager step computes them (cos_sin_table of one)."""
+    tables = [cos_sin_table([p], c.qk_rope_head_dim, c.rope_theta) for p in positions]
+    return np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables])
+
+
+def draw_routes(model, B: int) -> tuple[dict | None, str, str | None]:
+    """A B-row step's routing from the model's route override, drawn once per MoE layer before the step (a replay
+    reads it from its inputs; an eager fallback replays these draws) -> (routes, mode, why): (None, "router", None)
+    without an override; mode "dropped" where every slot of every layer is dropped (the benchmarks' no-expert step:
+    the routed sums are zeros, as the eager step's), else "forced"; why: the reason it cannot be replayed."""
+    c = model.config
+    if model.route_override is None:
+        return None, "router", None
+    routes = {i: model.route_override(i, B) for i in c.moe_layers}
+    if all_dropped(routes, B, c.num_experts_per_tok):
+        return routes, "dropped", None
+    return routes, "forced", batch_route_mode(routes, B, c.num_experts_per_tok, c.n_routed_experts)
+
+
 def batch_route_mode(routes: dict, B: int, K: int, E: int) -> str | None:
     """Why a forced routing of a B-row step cannot be replayed (None: it can): every MoE layer must force all B x K
     slots to experts 0..E-1 (a dropped slot, -1, or a layer keeping the router's choice runs the step eagerly)."""
@@ -243,16 +263,9 @@ class BatchGraphDecoder:
         m, c, b = self.model, self.model.config, self.b
         single = m.step_graphs
         B = len(rows)
-        routes, mode = None, "router"
-        if m.route_override is not None:           # drawn once per step: a replay reads them from its inputs
-            routes = {i: m.route_override(i, B) for i in c.moe_layers}
-            if all_dropped(routes, B, c.num_experts_per_tok):
-                mode = "dropped"                   # every slot of every layer dropped (the benchmarks' no-expert
-            else:                                  # step): the routed sums are zeros, as the eager step's
-                why = batch_route_mode(routes, B, c.num_experts_per_tok, c.n_routed_experts)
-                if why is not None:
-                    return self._eager(rows, routes, why)
-                mode = "forced"
+        routes, mode, why = draw_routes(m, B)
+        if why is not None:
+            return self._eager(rows, routes, why)
         for r in rows:
             r.cache.reserve(1)
         spans = [single._attn_span(r.cache.length + 1) for r in rows]
@@ -267,9 +280,7 @@ class BatchGraphDecoder:
                                              "needs)")
         st = self._inputs(B)
         positions = [r.cache.length for r in rows]
-        tables = [cos_sin_table([p], c.qk_rope_head_dim, c.rope_theta) for p in positions]
-        st.layout.pack(st.pinned_in, [int(x[0]) for x in ids], positions,
-                       np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables]),
+        st.layout.pack(st.pinned_in, [int(x[0]) for x in ids], positions, *row_angles(c, positions),
                        routes if mode == "forced" else None)
         if g is None:
             st.positions, st.capacities, st.spans = positions, [r.cache.capacity for r in rows], spans

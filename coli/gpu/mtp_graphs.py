@@ -30,12 +30,10 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
-from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout
+from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, row_angles
 from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
                              why_not_graphable)
-from coli.model.backend import cos_sin_table
+
 
 def mtp_graphs_enabled(env: dict | None = None) -> bool:
     """COLI_MTP_GRAPHS: "1" (default) greedy one-draft MTP rounds replayed from CUDA graphs, "0" eager rounds."""
@@ -88,8 +86,7 @@ class MtpRoundGraphs:
         vin, min_ = self._inputs()
         c = head.model.config
         positions = [P + j for j in range(ROWS)]
-        tables = [cos_sin_table([p], c.qk_rope_head_dim, c.rope_theta) for p in positions]
-        cos, sin = np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables])
+        cos, sin = row_angles(c, positions)
         vin.layout.pack(vin.pinned_in, [last, d1], positions, cos, sin)
         min_.layout.pack(min_.pinned_in, [0] * ROWS, positions, cos, sin)   # tokens: the verify argmax, on device
         if g is None:

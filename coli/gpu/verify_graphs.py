@@ -36,10 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, all_dropped, batch_route_mode
+from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, draw_routes, row_angles
 from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
                              why_not_graphable)
-from coli.model.backend import cos_sin_table
 
 MAX_ROWS = 4        # k <= 3 drafts (coli.model.mtp.MAX_DRAFTS) + the last verified token
 
@@ -82,16 +81,9 @@ class VerifyGraphs:
         reason = self._why_not(cache, ids)
         if reason is not None:
             return self._eager(reason)
-        routes, mode = None, "router"
-        if m.route_override is not None:         # drawn once per step: a replay reads them from its inputs
-            routes = {i: m.route_override(i, S) for i in c.moe_layers}
-            if all_dropped(routes, S, c.num_experts_per_tok):
-                mode = "dropped"                 # the benchmarks' no-routed-expert step
-            else:
-                why = batch_route_mode(routes, S, c.num_experts_per_tok, c.n_routed_experts)
-                if why is not None:
-                    return self._eager_routed(why, cache, ids, routes)
-                mode = "forced"
+        routes, mode, why = draw_routes(m, S)
+        if why is not None:
+            return self._eager_routed(why, cache, ids, routes)
         single = m.step_graphs
         cache.reserve(S)
         P = cache.length
@@ -106,9 +98,7 @@ class VerifyGraphs:
                                       "needs)", cache, ids, routes)
         st = self._inputs(S)
         positions = [P + j for j in range(S)]
-        tables = [cos_sin_table([p], c.qk_rope_head_dim, c.rope_theta) for p in positions]
-        st.layout.pack(st.pinned_in, [int(t) for t in ids], positions,
-                       np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables]),
+        st.layout.pack(st.pinned_in, [int(t) for t in ids], positions, *row_angles(c, positions),
                        routes if mode == "forced" else None)
         if g is None:
             st.positions, st.capacities, st.spans = positions, [cache.capacity] * S, spans
