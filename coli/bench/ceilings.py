@@ -19,11 +19,13 @@ peak (`h2d_peak`) and the O_DIRECT read peak of the disk holding the slice (`odi
         it) by N threads for `seconds` per (block, threads) pair; falls back to buffered reads, saying so, where
         the filesystem refuses O_DIRECT (tmpfs, some overlay filesystems).
 
-Importing this module needs nothing beyond the standard library; PyCUDA is imported inside `h2d_peak`.
+Importing this module needs nothing beyond the standard library; PyCUDA is imported inside `h2d_peak` and
+`mapped_read_peak`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -33,7 +35,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from coli.errors import ColiError
 
@@ -50,6 +52,24 @@ def _addr(mm: mmap.mmap) -> tuple[int, Any]:
     """The address of an mmap's first byte and the ctypes view holding the export (drop it before mm.close())."""
     view = ctypes.c_char.from_buffer(mm)
     return ctypes.addressof(view), view
+
+
+@contextlib.contextmanager
+def _pinned_buffer(drv, nbytes: int, device_map: bool = False) -> Iterator[int]:
+    """An anonymous mapping of nbytes, every page faulted in and registered with the driver (device_map: mapped into
+    the device's address space too) -> its address; unregistered and unmapped on the way out."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    src, view = _addr(mm)
+    ctypes.memset(src, 1, nbytes)     # fault every page in before registering (register pins them)
+    try:
+        drv.host_register(src, nbytes, device_map=device_map)
+        try:
+            yield src
+        finally:
+            drv.host_unregister(src)
+    finally:
+        del view
+        mm.close()
 
 
 def h2d_peak(nbytes: int = 512 << 20, tiles_kb: tuple[int, ...] = TILES_KB, repeats: int = 5,
@@ -73,59 +93,49 @@ def h2d_peak(nbytes: int = 512 << 20, tiles_kb: tuple[int, ...] = TILES_KB, repe
     import pycuda.driver as cuda
 
     drv = get_driver()
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    src, view = _addr(mm)
-    ctypes.memset(src, 1, nbytes)     # fault every page in before registering (register pins them)
-    dbuf = stream = e0 = e1 = None
-    registered = False
-    try:
-        drv.host_register(src, nbytes)
-        registered = True
-        dbuf = cuda.mem_alloc(nbytes)
-        dst = int(dbuf)
-        stream = drv.stream_create()
-        e0, e1 = drv.event_create(True), drv.event_create(True)
+    with _pinned_buffer(drv, nbytes) as src:
+        dbuf = stream = e0 = e1 = None
+        try:
+            dbuf = cuda.mem_alloc(nbytes)
+            dst = int(dbuf)
+            stream = drv.stream_create()
+            e0, e1 = drv.event_create(True), drv.event_create(True)
 
-        def timed(copies: list[tuple[int, int, int]]) -> float:
-            """Seconds between events around these (dst, src, n) copies on the stream."""
-            drv.event_record(e0, stream)
-            for d, s, n in copies:
-                drv.copy_htod_async(d, s, n, stream)
-            drv.event_record(e1, stream)
-            drv.event_sync(e1)
-            return drv.elapsed_ms(e0, e1) / 1e3
+            def timed(copies: list[tuple[int, int, int]]) -> float:
+                """Seconds between events around these (dst, src, n) copies on the stream."""
+                drv.event_record(e0, stream)
+                for d, s, n in copies:
+                    drv.copy_htod_async(d, s, n, stream)
+                drv.event_record(e1, stream)
+                drv.event_sync(e1)
+                return drv.elapsed_ms(e0, e1) / 1e3
 
-        timed([(dst, src, nbytes)])   # warm-up: first-touch costs, lazy driver setup
-        whole = [nbytes / timed([(dst, src, nbytes)]) / 1e9 for _ in range(repeats)]
-        tiles: dict[int, dict[str, Any]] = {}
-        for kb in tiles_kb:
-            t = kb << 10
-            n = nbytes // t
-            plan = [(dst + i * t, src + i * t, t) for i in range(n)]
-            rates = [n * t / timed(plan) / 1e9 for _ in range(repeats)]
-            singles = [timed([plan[j % n]]) * 1e6 for j in range(tile_samples)]
-            tiles[kb] = {"GBps": max(rates), "GBps_median": statistics.median(rates),
-                         "tile_us": statistics.median(singles), "tiles": n}
-        return {"whole_GBps": max(whole), "whole_GBps_median": statistics.median(whole), "tiles": tiles,
-                "nbytes": nbytes, "repeats": repeats, "tile_samples": tile_samples,
-                "pinned": "anonymous mmap + cuMemHostRegister", "device": str(rt.device.name())}
-    finally:
-        if stream is not None:
-            drv.stream_sync(stream)
-        for ev in (e0, e1):
-            if ev is not None:
-                drv.event_destroy(ev)
-        if stream is not None:
-            drv.stream_destroy(stream)
-        if dbuf is not None:
-            dbuf.free()
-        if registered:
-            drv.host_unregister(src)
-        del view
-        mm.close()
+            timed([(dst, src, nbytes)])   # warm-up: first-touch costs, lazy driver setup
+            whole = [nbytes / timed([(dst, src, nbytes)]) / 1e9 for _ in range(repeats)]
+            tiles: dict[int, dict[str, Any]] = {}
+            for kb in tiles_kb:
+                t = kb << 10
+                n = nbytes // t
+                plan = [(dst + i * t, src + i * t, t) for i in range(n)]
+                rates = [n * t / timed(plan) / 1e9 for _ in range(repeats)]
+                singles = [timed([plan[j % n]]) * 1e6 for j in range(tile_samples)]
+                tiles[kb] = {"GBps": max(rates), "GBps_median": statistics.median(rates),
+                             "tile_us": statistics.median(singles), "tiles": n}
+            return {"whole_GBps": max(whole), "whole_GBps_median": statistics.median(whole), "tiles": tiles,
+                    "nbytes": nbytes, "repeats": repeats, "tile_samples": tile_samples,
+                    "pinned": "anonymous mmap + cuMemHostRegister", "device": str(rt.device.name())}
+        finally:
+            if stream is not None:
+                drv.stream_sync(stream)
+            for ev in (e0, e1):
+                if ev is not None:
+                    drv.event_destroy(ev)
+            if stream is not None:
+                drv.stream_destroy(stream)
+            if dbuf is not None:
+                dbuf.free()
 
 
-# ---- O_DIRECT reads ---------------------------------------------------------------------------------------------------
 def mapped_read_peak(nbytes: int = 512 << 20, repeats: int = 5, device: int = 0) -> dict[str, Any]:
     """GB/s of a kernel reading pinned host memory over PCIe (see the module docstring). GB = 1e9 bytes."""
     if nbytes < ALIGN or nbytes % ALIGN:
@@ -139,42 +149,34 @@ def mapped_read_peak(nbytes: int = 512 << 20, repeats: int = 5, device: int = 0)
 
     rt = get_runtime(device)
     drv = get_driver()
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    src, view = _addr(mm)
-    ctypes.memset(src, 1, nbytes)     # fault every page in before registering (register pins them)
-    registered = False
-    try:
-        drv.host_register(src, nbytes, device_map=True)
-        registered = True
-        table = rt.to_device(np.array([drv.host_device_pointer(src)], np.uint64))     # [1] record addresses
-        sink = rt.alloc(16)
-        f = rt.module("gemv").get_function("read_ceiling")
-        f.prepare("PqqiP")
-        resident = rt.resident_blocks(f, 256)
-        grids: dict[int, float] = {}
-        for mult in (1, 2, 4):
-            blocks = resident * mult
+    with _pinned_buffer(drv, nbytes, device_map=True) as src:
+        try:
+            table = rt.to_device(np.array([drv.host_device_pointer(src)], np.uint64))    # [1] record addresses
+            sink = rt.alloc(16)
+            f = rt.module("gemv").get_function("read_ceiling")
+            f.prepare("PqqiP")
+            resident = rt.resident_blocks(f, 256)
+            grids: dict[int, float] = {}
+            for mult in (1, 2, 4):
+                blocks = resident * mult
 
-            def once() -> float:
-                a, b = rt.event(), rt.event()
-                a.record(rt.stream)
-                f.prepared_async_call((blocks, 1, 1), (256, 1, 1), rt.stream, table.ptr, 0, nbytes, 1, sink)
-                b.record(rt.stream)
-                b.synchronize()
-                return b.time_since(a) / 1e3
+                def once() -> float:
+                    a, b = rt.event(), rt.event()
+                    a.record(rt.stream)
+                    f.prepared_async_call((blocks, 1, 1), (256, 1, 1), rt.stream, table.ptr, 0, nbytes, 1, sink)
+                    b.record(rt.stream)
+                    b.synchronize()
+                    return b.time_since(a) / 1e3
 
-            once()                                # warm-up: the mapping's first touch
-            grids[blocks] = max(nbytes / once() / 1e9 for _ in range(repeats))
-        return {"GBps": max(grids.values()), "grids": grids, "nbytes": nbytes, "repeats": repeats,
-                "kernel": "read_ceiling", "threads": 256, "device": str(rt.device.name())}
-    finally:
-        rt.synchronize()
-        if registered:
-            drv.host_unregister(src)
-        del view
-        mm.close()
+                once()                                # warm-up: the mapping's first touch
+                grids[blocks] = max(nbytes / once() / 1e9 for _ in range(repeats))
+            return {"GBps": max(grids.values()), "grids": grids, "nbytes": nbytes, "repeats": repeats,
+                    "kernel": "read_ceiling", "threads": 256, "device": str(rt.device.name())}
+        finally:
+            rt.synchronize()                          # no kernel reads the pages once they are unregistered
 
 
+# ---- O_DIRECT reads ---------------------------------------------------------------------------------------------------
 def _open_direct(path: Path) -> tuple[int, bool, str]:
     """(fd, o_direct, note): O_DIRECT if the filesystem takes it (checked by one aligned read), else buffered."""
     flag = getattr(os, "O_DIRECT", 0)
