@@ -66,7 +66,8 @@ GLM5_LAYERS = 78
 GLM5_VOCAB = 154880
 WARMUP_TOKENS = 2
 SCENARIOS = ("warm", "cold-ram", "mapped", "disk", "budget", "spec", "sync", "peer")
-ROW_ORDER = ("warm", "cold-ram", "mapped-ram", "disk", "budget", "budget-nospec", "spec-ram", "spec-ram-off", "sync", "peer")
+ROW_ORDER = ("warm", "cold-ram", "mapped-ram", "disk", "budget", "budget-nospec", "spec-ram", "spec-ram-off", "sync",
+             "peer")
 GB = 1e9
 
 

@@ -262,7 +262,8 @@ class CudaBackend(Backend):
 
     def verify_graphs(self, model, force: bool = False):
         """Greedy MTP verify steps of `model` replayed from CUDA graphs (coli.gpu.verify_graphs.VerifyGraphs), or None
-        unless COLI_VERIFY_GRAPHS=1 (force: whatever it says; the benchmark's replayed rows) and COLI_GRAPHS is not 0."""
+        unless COLI_VERIFY_GRAPHS=1 (force: whatever it says; the benchmark's replayed rows) and COLI_GRAPHS is not
+        0."""
         from coli.gpu.graphs import graphs_enabled
         from coli.gpu.verify_graphs import VerifyGraphs, verify_graphs_enabled
         on = verify_graphs_enabled() or force
