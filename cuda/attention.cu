@@ -933,6 +933,11 @@ extern "C" __global__ void __launch_bounds__(CMB_THREADS) mla_attend_combine_one
 //   grid (ceil(N / 32), Z), block 256 (warp w: rows 32 bx + 4 w .. + 3), dynamic smem = nchunks * VALS * 4 bytes;
 //   the rows are prefetched into L2 before x is staged, then warp_rows_dot (the GEMV's inner loop).
 #define QA_U 8
+// MLA_O_PF (scripts/gemv_kernel_sweep.py builds variants with -D): 1 prefetches mla_o's rows into L2 before x is
+// staged, 0 (shipped since the 2026-12-02 sweep, as the GEMVs': within noise alone, 0.4 us) does not.
+#ifndef MLA_O_PF
+#define MLA_O_PF 0
+#endif
 
 template <int FMT>
 __device__ void mla_qabs_body(QMat W, int wrow0, int wz, int K, const float *x, long long x_z, float *y,
@@ -995,7 +1000,7 @@ __device__ void mla_o_body(QMat W, int wrow0, int wz, int N, const float *x, lon
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         qmat_row(W, wrow0 + z * wz + min(n0 + r, N - 1), d[r], m[r]);
-        if (lane == r && n0 + r < N) l2_prefetch(d[r], W.row_data);   // in flight while x is staged
+        if (MLA_O_PF && lane == r && n0 + r < N) l2_prefetch(d[r], W.row_data);  // in flight while x stages
     }
     stage_x<FMT>(xs, x + z * x_z, W.cols, nchunks * V);
     __syncthreads();

@@ -242,6 +242,12 @@ extern "C" __global__ void moe_down_int4_v1(const u8 *const *table, const u8 *ba
 }
 
 // ==== second version: moe_gateup_<fmt>, moe_down_<fmt> (the ones the backend launches) ====================
+// MOE2_PF (scripts/gemv_kernel_sweep.py builds variants with -D): 1 prefetches the next items' rows into L2 as
+// below, 0 (shipped since the 2026-12-02 sweep: the int8 dense layer's shared expert 4 us faster) leaves the loads to
+// find them in HBM. The tensor-core routed-expert kernels (moe_mma.cu) have their own setting (MMA_L2PF).
+#ifndef MOE2_PF
+#define MOE2_PF 0
+#endif
 // What changed from the first version (kept above as *_int4_v1 for the benchmark), for memory-level parallelism
 // and fewer instructions per weight:
 //   * the int4 group scales are loaded WITH the weights (read-only path), not on the compute path; the group
@@ -260,9 +266,21 @@ extern "C" __global__ void moe_down_int4_v1(const u8 *const *table, const u8 *ba
 #ifndef MOE_DN_LB
 #define MOE_DN_LB 512
 #endif
+// MOE2_GU_U_INT8 / _INT4, MOE2_DN_U: chunks per lane per row in one batch of gate/up and of down (per expert);
+// scripts/gemv_kernel_sweep.py builds variants with -D (the shipped values below). A lane's chunks are summed in
+// ascending order whatever the batch, so every setting gives the same bits.
+#ifndef MOE2_GU_U_INT8
+#define MOE2_GU_U_INT8 4
+#endif
+#ifndef MOE2_GU_U_INT4
+#define MOE2_GU_U_INT4 6
+#endif
+#ifndef MOE2_DN_U
+#define MOE2_DN_U 2
+#endif
 template <int FMT> struct MoeCfg {
-    static constexpr int GU_U = FMT == FMT_INT4 ? 6 : 4;   // chunks per lane per row in one batch (gate/up)
-    static constexpr int DN_U = 2;                           // the same for down, per expert
+    static constexpr int GU_U = FMT == FMT_INT4 ? MOE2_GU_U_INT4 : FMT == FMT_INT8 ? MOE2_GU_U_INT8 : 4;   // gate/up
+    static constexpr int DN_U = MOE2_DN_U;                   // the same for down, per expert
     static constexpr int DN_EPS = MOE_DN_EPS;                // experts per step (down)
 };
 
@@ -297,6 +315,7 @@ __device__ void moe_gateup2_body(const u8 *const *table, const u8 *base, long lo
             long long doff, moff;
             qmat_row_off(proto, j, doff, moff);
             const u8 *m = (table ? table[k] : base) + ((lane & 1) ? up_off : gate_off);
+            if (!MOE2_PF) return;
             if (lane < 2) l2_prefetch(m + doff, proto.row_data);
             else l2_prefetch(m + moff, proto.row_meta);
         }
@@ -367,6 +386,7 @@ __device__ void moe_down2_body(const u8 *const *table, const u8 *base, long long
                 long long doff, moff;
                 qmat_row_off(proto, o, doff, moff);
                 const u8 *m = (table ? table[e] : base) + down_off;
+                if (!MOE2_PF) return;
                 if (q < 2) l2_prefetch(m + doff, proto.row_data);
                 else l2_prefetch(m + moff, proto.row_meta);
             }
@@ -460,36 +480,73 @@ COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
 //   * split-K: the 8 warps of a block are P = 8 / ks row pairs x ks segments of the columns (ks in 1, 2, 4, 8,
 //     the host's choice: enough warps to fill the device for short matrices like the router's 256 rows); the
 //     segments' partial sums meet in shared memory and are added in segment order (deterministic);
-//   * the block's first rows are prefetched into L2 BEFORE x is staged (16-byte loads), so HBM works while x
-//     arrives; each later group's rows are prefetched while the current one is computed;
+//   * (GEMV2_PF=1 only, off since 2026-12-02) the block's first rows prefetched into L2 before x is staged, each
+//     later group's rows while the current one is computed;
 //   * weights and int4 group scales are loaded together, U chunks per lane per row (warp_rows_dot2's loop over
 //     one segment), int4 nibbles converted in place (chunk_dot2).
 //   grid (<= resident blocks, Z), block 256, dynamic smem = padded cols * 4. x 16-byte aligned (x_z % 4 == 0);
-//   int4 groups 32/64/128 (the host keeps gemv_<fmt> otherwise). __launch_bounds__(256, 2): two blocks per SM (int4:
-//   121 registers, no spills; without the bound 142 left one block, 8 warps per SM, and q_b's 16384 x 2048 ran at
-//   21 % of the copy against v1's 29 % on the H200).
+//   int4 groups 32/64/128 (the host keeps gemv_<fmt> otherwise). __launch_bounds__(256, GEMV2_MINB = 2): at least two
+//   blocks per SM (at U 6, int4 took 121 registers, no spills; without the bound 142 left one block, 8 warps per SM,
+//   and q_b's 16384 x 2048 ran at 21 % of the copy against v1's 29 % on the H200; at U 2 it takes 77).
+// Compile-time settings (scripts/gemv_kernel_sweep.py builds variants with -D; the defaults are what ships):
+//   GEMV2_RP     rows per work item of a warp (2, 4 or 8): the rows whose loads are in flight together. Short rows
+//                (q_b's 2,048 columns: 2 chunks per lane in int4) leave a pair's loads few; more rows per item
+//                put more bytes in flight per round trip. The host's grid and split follow it (GEMV2_ROWS there).
+//   GEMV2_U_INT8 / GEMV2_U_INT4  16-byte chunks per lane per row loaded before any is used (one segment's loop):
+//                2 / 2 shipped since the 2026-12-02 sweeps (4 / 6 before; fewer registers -- int4 77 against 121 --
+//                let more blocks share an SM, which without the prefetch won: the int4 dense layer 149.9 -> 142.5 us,
+//                the int8 one 155.5 -> 150.5; 1 for int8 was slower again);
+//   GEMV2_MINB   blocks per SM the register allocator must allow (__launch_bounds__);
+//   GEMV2_PF     1: the next group's rows are prefetched into L2 (cp.async.bulk.prefetch), 0 (shipped): not -- on
+//                the H200 the prefetch cost more than it hid (2026-12-02 sweep: o_proj int8 48.3 -> 36.0 us without it,
+//                the int8 dense layer 176.4 -> 161.6 us, every shape faster, the same bits; docs/perf-notes.md);
+//   GEMV2_PIPE   1: a segment's next batch of chunks is loaded before the current one is used (registers x2).
+// Every setting keeps each row's sums in the same order (a lane's chunks ascending, then warp_sum), so at the same
+// column split every variant gives the same bits.
 #define GEMV2_WARPS 8
-template <int FMT> struct Gemv2Cfg { static constexpr int U = FMT == FMT_INT4 ? 6 : 4; };
+#ifndef GEMV2_RP
+#define GEMV2_RP 2
+#endif
+#ifndef GEMV2_U_INT8
+#define GEMV2_U_INT8 2
+#endif
+#ifndef GEMV2_U_INT4
+#define GEMV2_U_INT4 2
+#endif
+#ifndef GEMV2_MINB
+#define GEMV2_MINB 2
+#endif
+#ifndef GEMV2_PF
+#define GEMV2_PF 0
+#endif
+#ifndef GEMV2_PIPE
+#define GEMV2_PIPE 0
+#endif
+template <int FMT> struct Gemv2Cfg {
+    static constexpr int U = FMT == FMT_INT4 ? GEMV2_U_INT4 : FMT == FMT_INT8 ? GEMV2_U_INT8 : 4;
+};
 
-// Which rows a gemv2 launch computes: pair p of the launch is rows (2p, 2p + 1) of one matrix (the second clamped
-// to its last row), written to out(p)[0] and, when has2(p), out(p)[1].
+// Which rows a gemv2 launch computes: item p of the launch is rows RP p .. RP p + RP - 1 of one matrix (rows past
+// the matrix's end clamped to its last row: loaded, never stored), written to out(p)[r] where has(p, r).
 struct Gemv2One {          // gemv2_<fmt>: one matrix, rows wrow0 + z * wz + n, n < N, for z = blockIdx.y
     QMat W;
     int rbase, N;
     float *y;
-    __device__ int npairs() const { return (N + 1) / 2; }
-    __device__ void row(int p, int r, const u8 *&d, const u8 *&m) const { qmat_row(W, rbase + min(2 * p + r, N - 1), d, m); }
-    __device__ bool has2(int p) const { return 2 * p + 1 < N; }
-    __device__ float *out(int p) const { return y + 2 * p; }
+    __device__ int nitems() const { return (N + GEMV2_RP - 1) / GEMV2_RP; }
+    __device__ void row(int p, int r, const u8 *&d, const u8 *&m) const {
+        qmat_row(W, rbase + min(GEMV2_RP * p + r, N - 1), d, m);
+    }
+    __device__ bool has(int p, int r) const { return GEMV2_RP * p + r < N; }
+    __device__ float *out(int p) const { return y + GEMV2_RP * p; }
 };
 
 #define GEMV2X_MAX 4
-struct Gemv2Many {         // gemv2x_<fmt>: matrices 0..nm-1 one after another (pairs never straddle two)
+struct Gemv2Many {         // gemv2x_<fmt>: matrices 0..nm-1 one after another (items never straddle two)
     const QMat *W;         // [nm] in shared memory
     float *const *y;       // [nm]
-    const int *pend;       // [nm] pairs of matrices 0..m, a running sum
+    const int *pend;       // [nm] items of matrices 0..m, a running sum
     int nm;
-    __device__ int npairs() const { return pend[nm - 1]; }
+    __device__ int nitems() const { return pend[nm - 1]; }
     __device__ int which(int p, int &lp) const {
         int m = 0;
         while (m + 1 < nm && p >= pend[m]) m++;
@@ -498,22 +555,23 @@ struct Gemv2Many {         // gemv2x_<fmt>: matrices 0..nm-1 one after another (
     }
     __device__ void row(int p, int r, const u8 *&d, const u8 *&m) const {
         int lp, k = which(p, lp);
-        qmat_row(W[k], min(2 * lp + r, W[k].rows - 1), d, m);
+        qmat_row(W[k], min(GEMV2_RP * lp + r, W[k].rows - 1), d, m);
     }
-    __device__ bool has2(int p) const { int lp, k = which(p, lp); return 2 * lp + 1 < W[k].rows; }
-    __device__ float *out(int p) const { int lp, k = which(p, lp); return y[k] + 2 * lp; }
+    __device__ bool has(int p, int r) const { int lp, k = which(p, lp); return GEMV2_RP * lp + r < W[k].rows; }
+    __device__ float *out(int p) const { int lp, k = which(p, lp); return y[k] + GEMV2_RP * lp; }
 };
 
-// The loop of gemv2 over the launch's row pairs (R: Gemv2One or Gemv2Many). W gives the shared width, format
+// The loop of gemv2 over the launch's items of RP rows (R: Gemv2One or Gemv2Many). W gives the shared width, format
 // layout and group; x [W.cols] fp32, 16-byte aligned. NX > 1 (gemv2r): nx <= NX input rows x + j * x_z, each
 // staged in its own stretch of shared memory, every weight chunk loaded once and dotted with all of them; output
 // row j at rows.out(p) + j * y_z. Row j's sums run in gemv2's order, so at the same ks it equals gemv2 on x_j.
 template <int FMT, class R, int NX = 1>
 __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks, long long x_z = 0,
                            long long y_z = 0, int nx = 1) {
+    constexpr int RP = GEMV2_RP;
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
-    __shared__ float red[2][GEMV2_WARPS][2 * NX];
+    __shared__ float red[2][GEMV2_WARPS][RP * NX];
     constexpr int V = Chunk<FMT>::VALS, U = Gemv2Cfg<FMT>::U;
     const int nchunks = W.row_data / 16;
     const int xstride = nchunks * V;                 // floats of one staged input row
@@ -523,14 +581,14 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks,
     const int P = GEMV2_WARPS / ks, pp = warp / ks, seg = warp - pp * ks;
     const int cps = (nchunks + ks - 1) / ks;
     const int c_lo = min(nchunks, seg * cps), c_hi = min(nchunks, c_lo + cps);
-    const int npairs = rows.npairs(), ngroups = (npairs + P - 1) / P;
-    // lanes 0/1: data segment of the pair's first/second row, lanes 2/3: their metadata (segment 0 only)
+    const int nitems = rows.nitems(), ngroups = (nitems + P - 1) / P;
+    // lanes 0..RP-1: data segment of the item's row `lane`, lanes RP..2RP-1: their metadata (segment 0 only)
     auto prefetch = [&](int g) {
         const int p = g * P + pp;
-        if (lane < 4 && g < ngroups && p < npairs && (lane < 2 || seg == 0)) {
+        if (GEMV2_PF && lane < 2 * RP && g < ngroups && p < nitems && (lane < RP || seg == 0)) {
             const u8 *d, *m;
-            rows.row(p, lane & 1, d, m);
-            if (lane < 2) l2_prefetch(d + 16 * c_lo, 16 * (c_hi - c_lo));
+            rows.row(p, lane % RP, d, m);
+            if (lane < RP) l2_prefetch(d + 16 * c_lo, 16 * (c_hi - c_lo));
             else l2_prefetch(m, W.row_meta);
         }
     };
@@ -557,27 +615,32 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks,
     for (int g = blockIdx.x; g < ngroups; g += gridDim.x, buf ^= 1) {
         prefetch(g + gridDim.x);
         const int p = g * P + pp;
-        float acc[NX][2];
+        float acc[NX][RP];
 #pragma unroll
-        for (int j = 0; j < NX; j++) acc[j][0] = acc[j][1] = 0.f;
-        const u8 *d[2], *m[2];
-        if (p < npairs) {
-            rows.row(p, 0, d[0], m[0]);
-            rows.row(p, 1, d[1], m[1]);
-            for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
-                uint4 w[2][U];
-                float sc[2][U];
+        for (int j = 0; j < NX; j++)
+#pragma unroll
+            for (int r = 0; r < RP; r++) acc[j][r] = 0.f;
+        const u8 *d[RP], *m[RP];
+        if (p < nitems) {
+#pragma unroll
+            for (int r = 0; r < RP; r++) rows.row(p, r, d[r], m[r]);
+            uint4 w[RP][U];
+            float sc[RP][U];
+            // the batch of chunks c0 + 32 u (u < U) of every row of the item
+            auto load = [&](int c0, uint4 (&wb)[RP][U], float (&sb)[RP][U]) {
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     const int c = c0 + 32 * u;
 #pragma unroll
-                    for (int r = 0; r < 2; r++) {
+                    for (int r = 0; r < RP; r++) {
                         if (c < c_hi) {
-                            w[r][u] = ld_stream(d[r] + 16 * (long long)c);
-                            sc[r][u] = FMT == FMT_INT4 ? ld_half_nc(m[r] + 2 * (c >> gshift)) : 1.f;
+                            wb[r][u] = ld_stream(d[r] + 16 * (long long)c);
+                            sb[r][u] = FMT == FMT_INT4 ? ld_half_nc(m[r] + 2 * (c >> gshift)) : 1.f;
                         }
                     }
                 }
+            };
+            auto use = [&](int c0, const uint4 (&wb)[RP][U], const float (&sb)[RP][U]) {
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     const int c = c0 + 32 * u;
@@ -588,41 +651,63 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks,
                                 float xv[V];
                                 load_x<FMT>(xs + j * xstride, c, xv);
 #pragma unroll
-                                for (int r = 0; r < 2; r++)
-                                    acc[j][r] = fmaf(sc[r][u], chunk_dot2<FMT>(w[r][u], xv, M), acc[j][r]);
+                                for (int r = 0; r < RP; r++)
+                                    acc[j][r] = fmaf(sb[r][u], chunk_dot2<FMT>(wb[r][u], xv, M), acc[j][r]);
                             }
                         }
                     }
+                }
+            };
+            if (GEMV2_PIPE) {
+                int c0 = c_lo + lane;
+                if (c0 < c_hi) load(c0, w, sc);
+                for (; c0 < c_hi; c0 += 32 * U) {
+                    uint4 wn[RP][U];
+                    float sn[RP][U];
+                    if (c0 + 32 * U < c_hi) load(c0 + 32 * U, wn, sn);
+                    use(c0, w, sc);
+#pragma unroll
+                    for (int r = 0; r < RP; r++)
+#pragma unroll
+                        for (int u = 0; u < U; u++) { w[r][u] = wn[r][u]; sc[r][u] = sn[r][u]; }
+                }
+            } else {
+                for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
+                    load(c0, w, sc);
+                    use(c0, w, sc);
                 }
             }
 #pragma unroll
             for (int j = 0; j < NX; j++)
                 if (j < nx) {
 #pragma unroll
-                    for (int r = 0; r < 2; r++) acc[j][r] = warp_sum(acc[j][r]) * row_scale<FMT>(m[r]);
+                    for (int r = 0; r < RP; r++) acc[j][r] = warp_sum(acc[j][r]) * row_scale<FMT>(m[r]);
                 }
         }
         if (ks == 1) {
-            if (lane == 0 && p < npairs) {
+            if (lane == 0 && p < nitems) {
                 float *y = rows.out(p);
 #pragma unroll
                 for (int j = 0; j < NX; j++)
                     if (j < nx) {
-                        y[j * y_z] = acc[j][0];
-                        if (rows.has2(p)) y[j * y_z + 1] = acc[j][1];
+#pragma unroll
+                        for (int r = 0; r < RP; r++)
+                            if (rows.has(p, r)) y[j * y_z + r] = acc[j][r];
                     }
             }
             continue;
         }
         if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < NX; j++) { red[buf][warp][2 * j] = acc[j][0]; red[buf][warp][2 * j + 1] = acc[j][1]; }
+            for (int j = 0; j < NX; j++)
+#pragma unroll
+                for (int r = 0; r < RP; r++) red[buf][warp][RP * j + r] = acc[j][r];
         }
         __syncthreads();              // red[buf] is rewritten two groups later, after the next barrier
-        if (seg == 0 && lane < 2 * nx && p < npairs && ((lane & 1) == 0 || rows.has2(p))) {
+        if (seg == 0 && lane < RP * nx && p < nitems && rows.has(p, lane % RP)) {
             float a = 0.f;
             for (int j = 0; j < ks; j++) a += red[buf][warp + j][lane];
-            rows.out(p)[(lane >> 1) * y_z + (lane & 1)] = a;
+            rows.out(p)[(lane / RP) * y_z + (lane % RP)] = a;
         }
     }
 }
@@ -636,7 +721,7 @@ __device__ void gemv2_body(QMat W, int wrow0, int wz, int N, const float *x, lon
 }
 
 #define GEMV2_KERNEL(NAME, FMT)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, 2) gemv2_##NAME(                               \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, GEMV2_MINB) gemv2_##NAME(                         \
         QMAT_PARAMS(w), int wrow0, int wz, int N, const float *x, long long x_z, float *y, long long y_z,       \
         int ks) {                                                                                             \
         COLI_PDL_ENTRY();                                                                                     \
@@ -684,7 +769,7 @@ __device__ void gemv2x_body(const QMat *Ws, float *const *ys, int nm, const floa
         for (int m = 0; m < nm; m++) {
             mats[m] = Ws[m];
             outs[m] = ys[m];
-            acc += (Ws[m].rows + 1) / 2;
+            acc += (Ws[m].rows + GEMV2_RP - 1) / GEMV2_RP;
             pend[m] = acc;
         }
     }
@@ -694,7 +779,7 @@ __device__ void gemv2x_body(const QMat *Ws, float *const *ys, int nm, const floa
 }
 
 #define GEMV2X_KERNEL(NAME, FMT)                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, 2) gemv2x_##NAME(                              \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV2_WARPS, GEMV2_MINB) gemv2x_##NAME(                        \
         QMAT_PARAMS(a), QMAT_PARAMS(b), QMAT_PARAMS(c), QMAT_PARAMS(d), int nm, const float *x, float *ya,      \
         float *yb, float *yc, float *yd, int ks) {                                                            \
         COLI_PDL_ENTRY();                                                                                     \

@@ -339,12 +339,15 @@ def time_launches(rt, tm, launches, reps: int = 7) -> list[float]:
     return [float(v) for v in np.median(np.array(per), axis=0)]
 
 
-def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2", "v1"), layers: int = 2) -> dict:
+def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2", "v1"), layers: int = 2,
+                      outputs: dict | None = None, per_kernel: bool = True) -> dict:
     """The dense part of GLM-5 decode layers (coli.bench.dense_layer: attention + indexer + router + shared expert, the
     routed sum dropped) with a `fmt` dense core at cache length T, captured as ONE CUDA graph of `layers` layers (their
     weights together > 2x L2, so a replay reads them from HBM) per GEMV version, replayed: GPU time per layer. Also
     the default version's kernels one by one (op, kernel, grid, us, weight bytes) and the replay's output against the
-    eager step's (the same kernels: identical) and against the other versions'."""
+    eager step's (the same kernels: identical) and against the other versions'. outputs: where given, each version's
+    replayed output (host array) lands there under its name (scripts/gemv_kernel_sweep.py compares builds bit for
+    bit); per_kernel=False leaves out the one-by-one kernel times."""
     from coli.bench.dense_layer import RandomDense, dense_config, layer_steady
     from coli.config import PRESETS
     from coli.gpu.graphs import DeviceStep, StepLayout, attn_span
@@ -417,9 +420,13 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
                                 "saved_us_per_layer": round((us + us2 - us_p - us2_p) / 2, 2)}}
             for gr in (g, g1):
                 gr.close()
+        if outputs is not None:
+            outputs.update(results)
         ref = results[versions[-1]].astype(np.float64)
         for ver in versions:
             out[ver]["rel_diff_vs_" + versions[-1]] = float(np.linalg.norm(results[ver] - ref) / np.linalg.norm(ref))
+        if not per_kernel:
+            return out
         # the default version's kernels one by one, in their place in the sequence
         gb.gemv_kernels = versions[0]
         log = LaunchLog(gb)

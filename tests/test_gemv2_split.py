@@ -1,5 +1,6 @@
-"""gemv2_<fmt>'s work split (cuda/gemv.cu), transliterated: a block's 8 warps are P = 8 / ks row pairs x ks column
-segments, blocks walk groups of P pairs; every (row, chunk) of the matrix is read by exactly one warp, and the
+"""gemv2_<fmt>'s work split (cuda/gemv.cu), transliterated: a block's 8 warps are P = 8 / ks work items (RP rows
+each: GEMV2_RP, 2 as shipped, 4 or 8 in scripts/gemv_kernel_sweep.py's variants) x ks column segments, blocks walk
+groups of P items; every (row, chunk) of the matrix is read by exactly one warp, and the
 host's choice of ks (cuda_backend.gemv2_split) and of the kernel (gemv2_fits). The kernel itself is checked
 against numpy on a GPU (tests/gpu/test_gpu_linear.py)."""
 
@@ -10,16 +11,16 @@ import re
 import numpy as np
 import pytest
 
-from coli.gpu.cuda_backend import GEMV2_WARPS, gemv2_fits, gemv2_split
+from coli.gpu.cuda_backend import GEMV2_ROWS, GEMV2_WARPS, gemv2_fits, gemv2_split
 from coli.gpu.cuda_runtime import kernels_dir
 
 
-def visits(npairs: int, nchunks: int, ks: int, grid: int):
-    """gemv2_core's walk (cuda/gemv.cu, transliterated): block b's warp (pp, seg) takes row pair g * P + pp of every
-    group g = b, b + grid, ... and column segment seg. -> (pair, segment, first chunk, end chunk) per visit."""
+def visits(nitems: int, nchunks: int, ks: int, grid: int):
+    """gemv2_core's walk (cuda/gemv.cu, transliterated): block b's warp (pp, seg) takes item g * P + pp of every
+    group g = b, b + grid, ... and column segment seg. -> (item, segment, first chunk, end chunk) per visit."""
     P = GEMV2_WARPS // ks
     cps = -(-nchunks // ks)
-    ngroups = -(-npairs // P)
+    ngroups = -(-nitems // P)
     for b in range(grid):
         for warp in range(GEMV2_WARPS):
             pp, seg = divmod(warp, ks)
@@ -27,24 +28,31 @@ def visits(npairs: int, nchunks: int, ks: int, grid: int):
             c_hi = min(nchunks, c_lo + cps)
             for g in range(b, ngroups, grid):
                 p = g * P + pp
-                if p < npairs:
+                if p < nitems:
                     yield p, seg, c_lo, c_hi
 
 
-def coverage(N: int, nchunks: int, ks: int, grid: int) -> np.ndarray:
-    """How many times gemv2_body's warps read each (row, chunk) -> int [N, nchunks]."""
-    seen = np.zeros((N, nchunks), int)
-    for p, _, c_lo, c_hi in visits((N + 1) // 2, nchunks, ks, grid):
-        for r in {2 * p, min(2 * p + 1, N - 1)}:            # the last odd row is read twice, written once
+def coverage(N: int, nchunks: int, ks: int, grid: int, rp: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """How many times gemv2_body's warps read each (row, chunk) -> int [N, nchunks], with items of rp rows (rows past
+    the end clamped to the last: loaded, not stored); and how many times each row is written -> int [N]."""
+    seen, writes = np.zeros((N, nchunks), int), np.zeros(N, int)
+    for p, seg, c_lo, c_hi in visits(-(-N // rp), nchunks, ks, grid):
+        for r in {min(rp * p + i, N - 1) for i in range(rp)}:     # a clamped row is loaded again, computed once
             seen[r, c_lo:c_hi] += 1
-    return seen
+        if seg == 0:
+            for i in range(rp):
+                if rp * p + i < N:                              # has(p, i)
+                    writes[rp * p + i] += 1
+    return seen, writes
 
 
 @pytest.mark.parametrize("N,nchunks,grid", [(256, 1536, 132), (2048, 192, 132), (576, 384, 50), (7, 40, 3),
                                             (1, 5, 1), (33, 300, 200)])
 @pytest.mark.parametrize("ks", [1, 2, 4, 8])
-def test_every_row_chunk_is_read_once(N, nchunks, grid, ks):
-    assert (coverage(N, nchunks, ks, grid) == 1).all()
+@pytest.mark.parametrize("rp", [2, 4, 8])
+def test_every_row_chunk_is_read_once(N, nchunks, grid, ks, rp):
+    seen, writes = coverage(N, nchunks, ks, grid, rp)
+    assert (seen == 1).all() and (writes == 1).all()
 
 
 def test_split_choice_at_glm5_shapes():
@@ -71,16 +79,17 @@ def test_gemv2_fits_needs_aligned_x_and_a_shift_group():
     assert not gemv2_fits("f32", 0, 4100, 0) and not gemv2_fits("f32", 0, 4096, 6)
 
 
-def test_warps_constant_is_the_kernels():
+def test_warps_and_rows_constants_are_the_kernels():
     src = (kernels_dir() / "gemv.cu").read_text()
     assert int(re.search(r"#define GEMV2_WARPS (\d+)", src).group(1)) == GEMV2_WARPS
+    assert int(re.search(r"#ifndef GEMV2_RP\n#define GEMV2_RP (\d+)", src).group(1)) == GEMV2_ROWS
 
 
-def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int) -> list[np.ndarray]:
-    """gemv2x_<fmt>'s pair numbering (Gemv2Many in gemv.cu, transliterated): pairs matrix after matrix, pend the running
-    sum of ceil(rows / 2); which(p) the first matrix whose running sum exceeds p. -> per matrix, int [rows, nchunks]:
-    how many times each (row, chunk) is read; and the writes per row."""
-    pend = np.cumsum([(r + 1) // 2 for r in rows]).tolist()
+def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int, rp: int = 2) -> tuple[list, list]:
+    """gemv2x_<fmt>'s item numbering (Gemv2Many in gemv.cu, transliterated): items of rp rows matrix after matrix,
+    pend the running sum of ceil(rows / rp); which(p) the first matrix whose running sum exceeds p. -> per matrix,
+    int [rows, nchunks]: how many times each (row, chunk) is read; and the writes per row."""
+    pend = np.cumsum([-(-r // rp) for r in rows]).tolist()
     seen = [np.zeros((r, nchunks), int) for r in rows]
     writes = [np.zeros(r, int) for r in rows]
 
@@ -92,20 +101,21 @@ def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int) -> list[np.
 
     for p, seg, c_lo, c_hi in visits(pend[-1], nchunks, ks, grid):
         m, lp = which(p)
-        for r in {2 * lp, min(2 * lp + 1, rows[m] - 1)}:
+        for r in {min(rp * lp + i, rows[m] - 1) for i in range(rp)}:
             seen[m][r, c_lo:c_hi] += 1
-        if seg == 0:                                           # the segment-0 warp writes the pair's rows
-            writes[m][2 * lp] += 1
-            if 2 * lp + 1 < rows[m]:
-                writes[m][2 * lp + 1] += 1
+        if seg == 0:                                           # the segment-0 warp writes the item's rows
+            for i in range(rp):
+                if rp * lp + i < rows[m]:
+                    writes[m][rp * lp + i] += 1
     return seen, writes
 
 
 @pytest.mark.parametrize("rows,nchunks,grid", [([2048, 576, 128], 384, 264), ([16384, 4096], 128, 264),
                                                ([7, 1, 33, 2], 4, 3), ([1, 1], 1, 1), ([5, 9], 25, 200)])
 @pytest.mark.parametrize("ks", [1, 2, 4, 8])
-def test_gemv2x_reads_every_row_chunk_of_every_matrix_once(rows, nchunks, grid, ks):
-    seen, writes = coverage_many(rows, nchunks, ks, grid)
+@pytest.mark.parametrize("rp", [2, 4, 8])
+def test_gemv2x_reads_every_row_chunk_of_every_matrix_once(rows, nchunks, grid, ks, rp):
+    seen, writes = coverage_many(rows, nchunks, ks, grid, rp)
     for s, w in zip(seen, writes):
         assert (s == 1).all() and (w == 1).all()
 

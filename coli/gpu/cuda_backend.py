@@ -134,6 +134,7 @@ ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
+GEMV2_ROWS = 2       # rows per gemv2 work item of a warp: GEMV2_RP in gemv.cu (a sweep's variant sets both)
 # int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE; the dense linear of int8 weights too): "mma"
 # (default) on the tensor cores (cuda/prefill_mma.cu) where pf_layout_ok / pf_int8_layout_ok / pf_moe_layout_ok and
 # the shared memory allow, else the fp32 tiled GEMMs;
@@ -262,8 +263,7 @@ class CudaBackend(Backend):
 
     def verify_graphs(self, model, force: bool = False):
         """Greedy MTP verify steps of `model` replayed from CUDA graphs (coli.gpu.verify_graphs.VerifyGraphs), or None
-        unless COLI_VERIFY_GRAPHS=1 (force: whatever it says; the benchmark's replayed rows) and COLI_GRAPHS is not
-        0."""
+        where COLI_VERIFY_GRAPHS=0 (force: whatever it says; the benchmark's replayed rows) or COLI_GRAPHS=0."""
         from coli.gpu.graphs import graphs_enabled
         from coli.gpu.verify_graphs import VerifyGraphs, verify_graphs_enabled
         on = verify_graphs_enabled() or force
@@ -501,7 +501,7 @@ class CudaBackend(Backend):
                 return False
             resident = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem))
             ks = self.gemv_ks or gemv2_split(w.rows, nchunks, resident)
-            groups = -(-(-(-w.rows // 2)) // (GEMV2_WARPS // ks))
+            groups = -(-(-(-w.rows // GEMV2_ROWS)) // (GEMV2_WARPS // ks))
             self.rt.launch(fn, (min(groups, resident),), GEMV_THREADS, *w.args(), w.rows, x + 4 * K * r0, K,
                            y + 4 * w.rows * r0, w.rows, n, ks, smem=smem)
         return True
@@ -515,10 +515,10 @@ class CudaBackend(Backend):
         if not self.rt.allow_smem(fn, smem):
             return False
         rows = sum(w.rows for w in ws)
-        pairs = sum(-(-w.rows // 2) for w in ws)
+        items = sum(-(-w.rows // GEMV2_ROWS) for w in ws)
         resident = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem))
         ks = self.gemv_ks or gemv2_split(rows, w0.layout.row_data_bytes // 16, resident)
-        groups = -(-pairs // (GEMV2_WARPS // ks))
+        groups = -(-items // (GEMV2_WARPS // ks))
         blocks = min(groups, resident)
         unused = (0, 0, w0.cols, w0.layout.group or 32, 1, 0)      # a slot past nm: never read
         mats = [a for m in range(GEMV2X_MAX) for a in (ws[m].args() if m < len(ws) else unused)]
@@ -625,7 +625,7 @@ class CudaBackend(Backend):
             if self.rt.allow_smem(fn, smem):
                 per_z = max(1, self.rt.resident_blocks(fn, GEMV_THREADS, smem) // Z)
                 ks = self.gemv_ks or gemv2_split(N, w.layout.row_data_bytes // 16, per_z)
-                groups = -(-(-(-N // 2)) // (GEMV2_WARPS // ks))
+                groups = -(-(-(-N // GEMV2_ROWS)) // (GEMV2_WARPS // ks))
                 blocks = min(groups, per_z)
                 self.rt.launch(fn, (blocks, Z), GEMV_THREADS, *w.args(), wrow0, wz, N, x, x_z, y, y_z, ks, smem=smem)
                 return True
@@ -1536,21 +1536,21 @@ def _check_width(x: DeviceArray, w: QWeight, what: str) -> None:
 
 
 def gemv2_split(N: int, nchunks: int, blocks: int) -> int:
-    """Column segments per row pair (ks) of gemv2 / gemv2x over N rows of nchunks 16-byte chunks, on `blocks` resident
-    blocks: of ks = 1, 2, 4, 8 the one with the least work on the busiest block -- ceil(groups / blocks) rounds, each
-    a segment's nchunks / ks chunks plus GEMV2_ROUND_CHUNKS of fixed cost (a round trip, the partial sums),
-    groups = ceil(ceil(N / 2) / (8 / ks)) -- keeping >= 2 chunks per lane per segment (nchunks / ks >= 64) for ks > 1;
-    a tie goes to the smaller ks (fewer partial sums to add). Against the forced-ks
+    """Column segments per work item (ks) of gemv2 / gemv2x over N rows of nchunks 16-byte chunks, on `blocks`
+    resident blocks: of ks = 1, 2, 4, 8 the one with the least work on the busiest block -- ceil(groups / blocks)
+    rounds, each a segment's nchunks / ks chunks plus GEMV2_ROUND_CHUNKS of fixed cost (a round trip, the partial
+    sums), groups = ceil(ceil(N / GEMV2_ROWS) / (8 / ks)) -- keeping >= 2 chunks per lane per segment
+    (nchunks / ks >= 64) for ks > 1; a tie goes to the smaller ks (fewer partial sums to add). Against the forced-ks
     sweep on the H200 (scripts/bench_kernels.py, 2026-12-01): o_proj 6144 x 16384 int4 38.3 / 34.5 / 34.2 / 43.0 us at
     ks 1 / 2 / 4 / 8 -> 2 (at 1, 384 groups on 264 blocks left half the blocks a second round); q_a | kv_a | wk in one
     launch 13.1 / 13.6 / 14.8 us -> 1; q_b 16384 x 2048 15.2 / 22.6 -> 1; kv_a 7.9 / 6.6 / 6.6 -> 4; the router's
     256 x 6144 f32 11.4 / 8.1 / 6.5 / 6.5 -> 8."""
-    pairs = -(-N // 2)
+    items = -(-N // GEMV2_ROWS)
     best, best_cost = 1, None
     for ks in (1, 2, 4, 8):
         if ks > GEMV2_WARPS or (ks > 1 and nchunks // ks < 64):
             break
-        groups = -(-pairs // (GEMV2_WARPS // ks))
+        groups = -(-items // (GEMV2_WARPS // ks))
         cost = -(-groups // max(1, blocks)) * (-(-nchunks // ks) + GEMV2_ROUND_CHUNKS)
         if best_cost is None or cost < best_cost:
             best, best_cost = ks, cost
