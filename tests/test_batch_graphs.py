@@ -358,11 +358,12 @@ def test_a_model_with_batched_graphs_can_be_freed(oracle_src, monkeypatch):
     assert ref() is None
 
 
-def test_verify_graphs_are_off_unless_asked_and_a_bad_value_is_named():
+def test_verify_graphs_are_on_unless_turned_off_and_a_bad_value_is_named():
     from coli.gpu.verify_graphs import MAX_ROWS, verify_graphs_enabled
     from coli.model.mtp import MAX_DRAFTS
-    assert verify_graphs_enabled({}) is False
+    assert verify_graphs_enabled({}) is True
     assert verify_graphs_enabled({"COLI_VERIFY_GRAPHS": "1"}) is True
+    assert verify_graphs_enabled({"COLI_VERIFY_GRAPHS": "0"}) is False
     with pytest.raises(ColiError, match="COLI_VERIFY_GRAPHS='on'"):
         verify_graphs_enabled({"COLI_VERIFY_GRAPHS": "on"})
     assert MAX_ROWS == MAX_DRAFTS + 1          # a verify step of every draft count SpeculativeDecoder runs
@@ -398,7 +399,10 @@ def test_a_verify_step_is_captured_once_and_replayed(oracle_src, monkeypatch, ro
     gb = CudaBackend(runtime=rt)
     w = open_weights(dirs["f32"])
     model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
-    assert gb.verify_graphs(model) is None, "COLI_VERIFY_GRAPHS is off by default"
+    monkeypatch.setenv("COLI_VERIFY_GRAPHS", "0")
+    assert gb.verify_graphs(model) is None, "COLI_VERIFY_GRAPHS=0 turns them off"
+    monkeypatch.delenv("COLI_VERIFY_GRAPHS")
+    assert gb.verify_graphs(model) is not None, "on by default"
     vg = gb.verify_graphs(model, force=True)
     c = model.config
     cache = model.new_cache(64)

@@ -878,7 +878,7 @@ def _verified(r: "_Runner", res: dict, sizes: list[int] | None, tokens: int):
         return lambda name, snapshot: None
     from coli.bench.verify_step import EXTRAPOLATION_NOTE, VerifyBench
     from coli.gpu.verify_graphs import verify_graphs_enabled
-    replay = verify_graphs_enabled()          # COLI_VERIFY_GRAPHS=1: the steps as SpeculativeDecoder then runs them
+    replay = verify_graphs_enabled()          # COLI_VERIFY_GRAPHS (default 1): the steps as SpeculativeDecoder runs them
     vb = VerifyBench(r.model, r.routing, tokens, WARMUP_TOKENS, sync=r.b.rt.synchronize, replay=replay)
     res["verify"] = {"positions": sorted(set(sizes) | {1}), "context": vb.context, "steps": [], "replay": replay,
                      "notes": [
@@ -886,7 +886,7 @@ def _verified(r: "_Runner", res: dict, sizes: list[int] | None, tokens: int):
         "COLI_VERIFY_GRAPHS=1: each step replayed from a CUDA graph (coli/gpu/verify_graphs.py) where the engine "
         "allows it (every expert resident; a row's replays and eager_reason say), its tokens checked against the "
         "positions one at a time" if replay else
-        "each step eager (forward_hidden); COLI_VERIFY_GRAPHS=1 replays them from CUDA graphs where it can",
+        "each step eager (forward_hidden, COLI_VERIFY_GRAPHS=0); the default replays them from CUDA graphs where it can",
         f"context {vb.context} positions (the plain row's middle one: {WARMUP_TOKENS} warm-up + {tokens} // 2), "
         f"decoded from token 1 with trace tokens 0..{vb.context - 1}; timed step j of S routes trace tokens "
         f"{vb.context} + j x S .. + S - 1 (wrapping at {r.routing.n_tokens}); its ids are the greedy continuation "

@@ -127,7 +127,7 @@ class MtpHead:
         make = getattr(b, "mtp_round_graphs", None)
         self.rounds = make(self) if make is not None else None
         # greedy verify steps of k + 1 positions (rounds of 2-3 drafts, or of one where `rounds` is off) replayed from
-        # graphs (coli/gpu/verify_graphs.py, COLI_VERIFY_GRAPHS=1); None: forward_hidden, eagerly
+        # graphs (coli/gpu/verify_graphs.py; COLI_VERIFY_GRAPHS=0 turns them off); None: forward_hidden, eagerly
         make = getattr(b, "verify_graphs", None)
         self.verify = make(model) if make is not None else None
         self.cache_pool = CachePool()       # the MTP caches' own (their layout is one layer: not the model's pool)

@@ -10,7 +10,9 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_gpu_bench_stream_verify_rows(tmp_path):
+def test_gpu_bench_stream_verify_rows(tmp_path, monkeypatch):
+    """COLI_VERIFY_GRAPHS=0: the eager verify steps, the reference the replayed ones are held to."""
+    monkeypatch.setenv("COLI_VERIFY_GRAPHS", "0")
     from coli.bench.slice import SliceOptions, make_slice
     from coli.bench.stream import run_scenarios
     d = tmp_path / "s2"
