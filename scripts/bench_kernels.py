@@ -19,8 +19,9 @@ Measures, in one run:
      launches apart (part, combine) and chunk sweep. --attn-only: the copy and these rows;
   4. the whole dense part of a decode layer replayed as one CUDA graph (int8 and int4 cores, T = --layer-T), each
      GEMV version captured twice: ordinary edges and programmatic kernel->kernel edges (PDL, coli/gpu/pdl.py),
-     timed interleaved, each replay checked bitwise against the eager step. --dense-layer-only: the copy, the
-     dense GEMVs and these rows;
+     timed interleaved, each replay checked bitwise against the eager step; the default version also with each
+     MoE layer's shared expert on a second branch of the graph (COLI_GRAPH_BRANCHES=1: row "branches").
+     --dense-layer-only: the copy, the dense GEMVs and these rows;
   5. the prefill indexer's scores at GLM-5's shape, S = T = 8,192 and 2,560: indexer_scores (v1) against
      indexer_scores_rows, TFLOP/s of the scored pairs, bits compared (also in --prefill-only). --indexer-only: the
      copy and these rows.
@@ -401,6 +402,8 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
                     except BaseException:
                         rt.abort_capture()
                         raise
+                if ver == versions[0]:          # and once with the shared expert on a second branch of the graph
+                    branched = _capture_branched(gb, body)
             finally:
                 gb.step = None
             replays = {}
@@ -418,6 +421,8 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
                         "pdl": {"us_per_layer": round(us_p, 2), "us_per_layer_repeat": round(us2_p, 2),
                                 "edges": g1.pdl_edges, "replay_equals_eager": bool(np.array_equal(replays[True], eager)),
                                 "saved_us_per_layer": round((us + us2 - us_p - us2_p) / 2, 2)}}
+            if ver == versions[0]:
+                out[ver]["branches"] = _time_branched(rt, tm, branched, eager, iters, layers, g)
             for gr in (g, g1):
                 gr.close()
         if outputs is not None:
@@ -446,6 +451,44 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
     finally:
         gb.gemv_kernels = before
     return out
+
+
+def _capture_branched(gb, body):
+    """body captured with the graph branches on (gb.graph_branches, what COLI_GRAPH_BRANCHES=1 sets: each MoE
+    layer's shared expert on a second branch, beside the router) -> (graph, output) or the error's text."""
+    rt = gb.rt
+    before, gb.graph_branches = gb.graph_branches, True
+    try:
+        rt.begin_capture()
+        try:
+            y = body()
+            return rt.end_capture(pdl=False), y
+        except Exception as e:      # noqa: BLE001 -- reported in the row, the other rows stand
+            rt.abort_capture()
+            return f"{type(e).__name__}: {e}"[:300]
+        except BaseException:
+            rt.abort_capture()
+            raise
+    finally:
+        gb.graph_branches = before
+
+
+def _time_branched(rt, tm, branched, eager, iters: int, layers: int, chain) -> dict:
+    """The branched graph's GPU time per layer against the one-chain graph's, timed interleaved (chain, branched,
+    chain, branched: a drift favours neither), and its replay against the eager step (bit for bit: the same
+    kernels)."""
+    if isinstance(branched, str):
+        return {"error": branched}
+    g, y = branched
+    try:
+        g.launch(rt)
+        same = bool(np.array_equal(rt.to_host(y), eager))
+        t = [tm.per_call_us(lambda i: gr.launch(rt), iters) / layers for gr in (chain, g, chain, g)]
+        return {"us_per_layer": round((t[1] + t[3]) / 2, 2), "chain_us_per_layer": round((t[0] + t[2]) / 2, 2),
+                "graph_nodes": g.nodes, "replay_equals_eager": same,
+                "saved_us_per_layer": round((t[0] + t[2] - t[1] - t[3]) / 2, 2)}
+    finally:
+        g.close()
 
 
 def _layer_weights(lw) -> list:

@@ -519,3 +519,157 @@ def test_a_decode_over_mapped_host_records_is_replayed_as_a_resident_ones(oracle
     assert g.last_reason is None and g.replays >= 2 and g.captures == 1, g.last_reason
     mx.close()
     assert drv.maps == {}
+
+
+class _Ev:
+    def __init__(self, log, n):
+        self.log, self.n = log, n
+
+    def record(self, stream):
+        self.log.append(("record", self.n, stream.name))
+
+
+class _St:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_for_event(self, ev):
+        self.log.append(("wait", ev.n, self.name))
+
+
+def _side_stub():
+    """The attributes CudaRuntime.on_side_stream uses, with streams and events that log what is queued where."""
+    from types import SimpleNamespace
+    log, made = [], []
+
+    def event():
+        made.append(_Ev(log, len(made)))
+        return made[-1]
+    rt = SimpleNamespace(_capture_keep=[], _side=None, _unjoined=[], stream=_St(log, "main"), event=event,
+                         drv=SimpleNamespace(Stream=lambda: _St(log, "side")))
+    return rt, log
+
+
+def test_a_side_branch_forks_after_the_queued_work_and_joins_once():
+    """CudaRuntime.on_side_stream with stand-in streams: fn's launches go to the side stream after it waits for an
+    event recorded on the compute stream; the compute stream is back at once; join() makes the compute stream wait
+    for the side's last event, once, and gives fn's result; a join the caller never makes is made by
+    _join_branches (end_capture / abort_capture: the driver refuses an unjoined fork); when fn raises, its branch is
+    joined before the error goes on; the events live as long as the graph; outside a capture it refuses."""
+    from coli.gpu.cuda_runtime import CudaRuntime
+    rt, log = _side_stub()
+    seen = []
+    join = CudaRuntime.on_side_stream(rt, lambda: seen.append(rt.stream.name) or "shared")
+    assert seen == ["side"] and rt.stream.name == "main"
+    assert log == [("record", 0, "main"), ("wait", 0, "side"), ("record", 1, "side")]
+    assert rt._unjoined == [join]
+    assert join() == "shared" and join() == "shared"
+    assert log[3:] == [("wait", 1, "main")] and rt._unjoined == []          # joined once
+    assert len(rt._capture_keep) == 2                                       # both events kept with the graph
+    side = rt._side
+    del log[:]
+    CudaRuntime.on_side_stream(rt, lambda: None)                            # never joined by its caller
+    CudaRuntime._join_branches(rt)
+    assert log[-1] == ("wait", 3, "main") and rt._unjoined == []
+    del log[:]
+    with pytest.raises(RuntimeError, match="boom"):
+        CudaRuntime.on_side_stream(rt, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert log == [("record", 4, "main"), ("wait", 4, "side"), ("record", 5, "side"), ("wait", 5, "main")]
+    assert rt.stream.name == "main" and rt._side is side and rt._unjoined == []   # restored, joined; one side stream
+    rt._capture_keep = None
+    with pytest.raises(CudaError, match="outside a CUDA graph capture"):
+        CudaRuntime.on_side_stream(rt, lambda: None)
+
+
+def test_graph_branches_are_off_by_default_and_a_bad_value_is_named_when_the_backend_is_made(monkeypatch):
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.gpu.graphs import graph_branches_enabled
+    assert graph_branches_enabled({}) is False and graph_branches_enabled({"COLI_GRAPH_BRANCHES": "1"}) is True
+    monkeypatch.setenv("COLI_GRAPH_BRANCHES", "yes")
+    with pytest.raises(ColiError, match="COLI_GRAPH_BRANCHES='yes': use 1"):
+        CudaBackend(runtime=_CapturingRuntime())
+
+
+class _BranchingRuntime(_CapturingRuntime):
+    """_CapturingRuntime that marks a capture's start and end, its side branches' forks and joins, and which
+    launches went to the side stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = False
+
+    def begin_capture(self):
+        self.launches.append(("<capture>", None))
+        super().begin_capture()
+
+    def end_capture(self):
+        self.launches.append(("</capture>", None))
+        return super().end_capture()
+
+    def record(self, name, argtypes, grid, block, args, smem):
+        self.launches.append((name + ("@side" if self.side else ""), args))
+
+    def on_side_stream(self, fn):
+        assert self.capturing and not self.side
+        self.launches.append(("<fork>", None))
+        self.side = True
+        try:
+            value = fn()
+        finally:
+            self.side = False
+
+        def join():
+            self.launches.append(("<join>", None))
+            return value
+        return join
+
+
+@pytest.mark.parametrize("branches,fmt", [("1", "f32"), ("1", "int4"), ("0", "int4")])
+def test_a_captured_step_runs_the_shared_expert_on_a_second_branch(oracle_src, monkeypatch, branches, fmt):
+    """COLI_GRAPH_BRANCHES=1: in the captured decode step each MoE layer forks before its router, runs the shared
+    expert's two launches (and nothing else) on the side branch, and joins before the layer's residual add; a
+    projection outside linear_many's gemv2x groups (the f32 weights_proj beside an int8 core) runs beside the group's
+    launch and joins right after it -- every fork joined inside the capture; the eager steps never fork. 0
+    (default): one chain, no fork. The values are tests/gpu/test_gpu_graphs.py's."""
+    from coli.gpu.cuda_backend import CudaBackend
+    from coli.loader import open_weights
+    from coli.model.forward import GlmMoeDsaModel
+    monkeypatch.setenv("COLI_GRAPHS", "1")
+    monkeypatch.setenv("COLI_GRAPH_BRANCHES", branches)
+    dirs, o = oracle_src
+    rt = _BranchingRuntime()
+    gb = CudaBackend(runtime=rt)
+    w = open_weights(dirs[fmt])
+    model = GlmMoeDsaModel(w.config, w, gb, experts=gb.expert_source(w))
+    c = model.config
+    cache = model.new_cache(64)
+    tok = model.greedy(o["prompt_ids"], cache)
+    for _ in range(3):
+        tok = model.greedy([tok], cache)
+    g = model.step_graphs
+    assert g.last_reason is None and g.captures == 1 and g.replays >= 1, g.last_reason
+    names = [n for n, _ in rt.launches]
+    a, b = names.index("<capture>"), names.index("</capture>")
+    outside = names[:a] + names[b:]
+    assert "<fork>" not in outside and not any(n.endswith("@side") for n in outside), "an eager step forked"
+    inside = names[a + 1:b]
+    if branches == "0":
+        assert "<fork>" not in inside and not any(n.endswith("@side") for n in inside)
+        return
+    dense = "f32" if fmt == "f32" else "int8"            # the container's dense core
+    shared, projections = 0, 0
+    assert inside.count("<fork>") == inside.count("<join>")
+    for f in [i for i, n in enumerate(inside) if n == "<fork>"]:
+        j = inside.index("<join>", f)
+        side = [n for n in inside[f + 1:j] if n.endswith("@side")]
+        main = [n for n in inside[f + 1:j] if not n.endswith("@side")]
+        if side == [f"moe_gateup_{dense}@side", f"moe_down_{dense}@side"]:    # the shared expert, alone
+            shared += 1
+            assert "route_topk" in main and main[0] == "gemv2_f32"            # the router beside it
+            assert inside[j + 1] == "add_rmsnorm"                             # joined before the residual add
+        else:
+            projections += 1
+            assert side == ["gemv2_f32@side"] and main == [f"gemv2x_{dense}"], (side, main)
+    assert shared == len(c.moe_layers)
+    full = sum(1 for lw in model.layers if lw.attn.idx_wq_b is not None)       # layers with an indexer of their own
+    assert full > 0 and projections == (full if fmt != "f32" else 0)   # f32: weights_proj in the group with q_a

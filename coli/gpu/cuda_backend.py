@@ -243,6 +243,8 @@ class CudaBackend(Backend):
         self.prefill_int8 = prefill_int8_enabled()            # pf_linear_int8 for int8 weights (COLI_PREFILL_INT8)
         self._pf_usable: bool | None = None  # prefill_mma.cu compiled here (see _pf_ok)
         self.gemv_ks: int | None = None     # gemv2/gemv2x column segments forced (benchmark sweeps); None: gemv2_split
+        from coli.gpu.graphs import graph_branches_enabled
+        self.graph_branches = graph_branches_enabled()   # COLI_GRAPH_BRANCHES, read (and checked) once: see side()
         # coli.gpu.graphs.DeviceStep while a decode step is being captured into a CUDA graph: the per-token values
         # (token, position, rope angles, routing) are then read from its device buffer instead of the host
         self.step = None
@@ -467,9 +469,19 @@ class CudaBackend(Backend):
         outs = [self.empty((S, w.rows)) for w in ws]
         done: set[int] = set()
         if S == 1 and self.gemv_kernels == "v3":
-            for js in gemv2x_groups(ws, x.ptr):
+            groups = gemv2x_groups(ws, x.ptr)
+            alone = [j for j in range(len(ws)) if not any(j in js for js in groups)]
+            # the matrices outside every group (the f32 weights_proj beside an int8/int4 core) may run on a second
+            # branch of a captured step, beside the groups' launches (COLI_GRAPH_BRANCHES=1); joined before return
+            join = self.side(lambda: [self._linear_into(x, ws[j], outs[j]) for j in alone]) if groups and alone \
+                else None
+            if join is not None:
+                done.update(alone)
+            for js in groups:
                 if self._gemv_many([ws[j] for j in js], x.ptr, [outs[j].ptr for j in js]):
                     done.update(js)
+            if join is not None:
+                join()
         for j, w in enumerate(ws):
             if j not in done:
                 self._linear_into(x, w, outs[j])
@@ -905,6 +917,17 @@ class CudaBackend(Backend):
         g = self.linear(x, gate)
         u = self.linear(x, up)
         return self.linear(self.silu_mul(g, u), down)
+
+    def side(self, fn):
+        """Run fn (ops that read only what is computed already) beside what follows -> join() giving its result, or
+        None: the caller runs it in place. Beside only inside a captured one-sequence decode step (a DeviceStep: the
+        replayed step, its streaming segments, the benchmarks' dense layer) with COLI_GRAPH_BRANCHES=1, as a second
+        branch of the graph: a MoE layer's shared expert beside the router and the routed experts
+        (coli/model/forward.py's _mlp), a projection outside linear_many's gemv2x groups beside them (docs/gpu.md)."""
+        if not getattr(self, "graph_branches", False) or not getattr(self.step, "branches", False) \
+                or not getattr(self.rt, "capturing", False):
+            return None
+        return self.rt.on_side_stream(fn)
 
     def route(self, x: DeviceArray, gate_w: QWeight, bias: DeviceArray, n_group: int, topk_group: int, top_k: int,
               norm_topk_prob: bool, scaling: float, topp: float | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -181,6 +181,8 @@ class CudaRuntime:
         # While a graph is captured (begin_capture .. end_capture): every allocation made, kept alive by the graph
         # (its replays use the same addresses); None when not capturing.
         self._capture_keep: list | None = None
+        self._side = None          # the second stream of a captured step's branches (on_side_stream), made once
+        self._unjoined: list = []  # the joins of this capture's branches not called yet (end / abort call them)
 
     # ---- kernels ------------------------------------------------------------------------------------
     def module(self, name: str):
@@ -283,9 +285,10 @@ class CudaRuntime:
         self.pdl, COLI_PDL): its kernel->kernel edges made programmatic first (CudaGraph.pdl_edges counts them)."""
         from coli.gpu.driver import DriverError, get_driver
         d = get_driver()
-        keep, self._capture_keep = self._capture_keep, None
-        if keep is None:
+        if self._capture_keep is None:
             raise CudaError("end_capture without begin_capture")
+        self._join_branches()
+        keep, self._capture_keep = self._capture_keep, None
         try:
             g = d.end_capture(int(self.stream.handle))
             try:
@@ -329,11 +332,58 @@ class CudaRuntime:
             converted.clear()
             return d.graph_instantiate(g)
 
+    def on_side_stream(self, fn):
+        """While capturing: fn's launches as a second branch of the graph -- on a side stream that starts after
+        everything queued so far on the compute stream -> join(), which makes the compute stream wait for that
+        branch (once) and returns fn's result. The two branches then run concurrently in every replay. Only while
+        capturing: every buffer allocated meanwhile is kept by the graph, so the pool cannot hand a block still in
+        use by one branch to the other (eagerly it could: the pool is not stream-ordered). The driver refuses to end
+        a capture with a branch not joined, so end_capture and abort_capture join what the caller did not (an error
+        between the fork and the join), and when fn raises its branch is joined before the error goes on."""
+        if self._capture_keep is None:
+            raise CudaError("on_side_stream outside a CUDA graph capture")
+        if self._side is None:
+            self._side = self.drv.Stream()
+        main, side = self.stream, self._side
+        fork, done = self.event(), self.event()
+        self._capture_keep += [fork, done]
+        fork.record(main)
+        side.wait_for_event(fork)
+        self.stream = side
+        try:
+            value = fn()
+        except BaseException:
+            self.stream = main
+            done.record(side)
+            main.wait_for_event(done)
+            raise
+        finally:
+            self.stream = main
+        done.record(side)
+
+        def join():
+            if join in self._unjoined:
+                self._unjoined.remove(join)
+                main.wait_for_event(done)
+            return value
+        self._unjoined.append(join)
+        return join
+
+    def _join_branches(self) -> None:
+        """Join every branch of this capture its caller left open (on_side_stream)."""
+        while self._unjoined:
+            self._unjoined[0]()
+
     def abort_capture(self) -> None:
         """Leave a capture that failed half-way (the stream returns to eager use; the partial graph is dropped)."""
         from coli.gpu.driver import DriverError, get_driver
         if self._capture_keep is None:
             return
+        try:
+            self._join_branches()          # an unjoined branch would keep the side stream in the dead capture
+        except Exception:                  # noqa: BLE001 -- the capture is being dropped anyway
+            self._unjoined.clear()
+            self._side = None              # a fresh side stream for the next capture
         self._capture_keep = None
         d = get_driver()
         try:

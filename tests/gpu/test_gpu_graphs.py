@@ -105,6 +105,35 @@ def test_graph_tokens_with_each_tile_attention(root, oracles, monkeypatch, attn)
     assert_same_cache(cache, r_cache)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "int4"])
+def test_graph_branches_give_the_tokens_and_cache_of_one_chain(root, oracles, monkeypatch, fmt):
+    """COLI_GRAPH_BRANCHES=1: each MoE layer's shared expert on a second branch of the captured step, beside the
+    router and the routed experts -- f32 tokens equal transformers', and at both formats the tokens and the cache
+    equal the one-chain graph's bit for bit (the same kernels on the same inputs, only the order between the two
+    branches free)."""
+    from coli.loader import load_model
+    src, _ = oracles["graph-topk"]
+    o = load_oracle(src)
+    d = container(root, src, f"graph-topk-{fmt}", experts=fmt, dense="f32" if fmt == "f32" else "int8")
+    n = len(o["greedy_tokens"])
+    monkeypatch.setenv("COLI_GRAPH_BRANCHES", "1")
+    model, _ = load_model(d, "gpu")
+    rt = model.backend.rt
+    forks = []
+    fork = rt.on_side_stream
+    monkeypatch.setattr(rt, "on_side_stream", lambda fn: forks.append(1) or fork(fn))
+    toks, cache = greedy(model, o["prompt_ids"], n, capacity=256)
+    assert model.step_graphs.replays >= n - 4, model.step_graphs.last_reason
+    assert len(forks) >= len(model.config.moe_layers), "the captured step did not branch"
+    if fmt == "f32":
+        assert toks == o["greedy_tokens"]
+    monkeypatch.setenv("COLI_GRAPH_BRANCHES", "0")
+    ref, _ = load_model(d, "gpu")
+    r_toks, r_cache = greedy(ref, o["prompt_ids"], n, capacity=256)
+    assert r_toks == toks
+    assert_same_cache(cache, r_cache)
+
+
 @pytest.mark.parametrize("group,dense", [(64, "int8"), (32, "int4")])
 def test_int4_graph_equals_eager_and_numpy(root, oracles, group, dense):
     from coli.loader import load_model
