@@ -97,6 +97,12 @@ def main() -> int:
     ap.add_argument("--layer-T", type=int, default=2048)
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
+    names = ["default"] + [n for n in (a.only or VARIANTS) if n != "default"]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"gemv_kernel_sweep: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
     try:
         from coli.gpu.cuda_backend import CudaBackend
         gb = CudaBackend()
@@ -115,12 +121,6 @@ def main() -> int:
     rt = gb.rt
     tm = Timer(rt, spin=True)
     cc = f"{rt.cc[0]}{rt.cc[1]}"
-    names = ["default"] + [n for n in (a.only or VARIANTS) if n != "default"]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        print(f"gemv_kernel_sweep: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}",
-              file=sys.stderr)
-        return 2
     jobs = [(n, mod) for n in names for mod in ("gemv", "attention") if VARIANTS[n][mod] is not None]
     with ThreadPoolExecutor(8) as ex:
         done = list(ex.map(lambda j: _build(cc, j[1], VARIANTS[j[0]][j[1]], nvcc), jobs))
