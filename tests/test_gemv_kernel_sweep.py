@@ -6,7 +6,6 @@ variant name and a machine without a GPU get one line. (The sweep itself runs on
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,20 +17,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gemv_kernel_sweep as sweep  # noqa: E402
 from test_kernels_compile import NVCC, needs_nvcc  # noqa: E402
-from test_pf_kernel_sweep import _gpu_present  # noqa: E402
+from test_pf_kernel_sweep import _gpu_present, run_script  # noqa: E402
 
 
 @pytest.mark.skipif(_gpu_present(), reason="a GPU is here: the sweep would run, not refuse")
 def test_the_sweep_refuses_in_one_line_without_a_gpu():
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gemv_kernel_sweep.py")], capture_output=True,
-                       text=True, timeout=120)
+    p = run_script("gemv_kernel_sweep.py")
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and "needs PyCUDA and a GPU" in p.stderr, p.stderr
 
 
 def test_an_unknown_variant_is_named_before_anything_runs():
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gemv_kernel_sweep.py"), "--only", "pf1", "pf9"],
-                       capture_output=True, text=True, timeout=120)
+    p = run_script("gemv_kernel_sweep.py", "--only", "pf1", "pf9")
     assert p.returncode == 2 and "pf9" in p.stderr and "pf1," in p.stderr, p.stderr
 
 

@@ -27,17 +27,21 @@ def _gpu_present() -> bool:
         return False
 
 
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """scripts/NAME with ARGS in this Python, its output captured (the sweeps' refusal tests)."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.mark.skipif(_gpu_present(), reason="a GPU is here: the sweep would run, not refuse")
 def test_the_sweep_refuses_in_one_line_without_a_gpu():
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "pf_kernel_sweep.py")], capture_output=True,
-                       text=True, timeout=120)
+    p = run_script("pf_kernel_sweep.py")
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in p.stderr, p.stderr
 
 
 def test_an_unknown_variant_is_named():
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "pf_kernel_sweep.py"), "--only", "epi2", "epi9"],
-                       capture_output=True, text=True, timeout=120)
+    p = run_script("pf_kernel_sweep.py", "--only", "epi2", "epi9")
     assert p.returncode == 2 and "epi9" in p.stderr and "epi2," in p.stderr, p.stderr
 
 
