@@ -489,9 +489,6 @@ COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
 //   blocks per SM (at U 6, int4 took 121 registers, no spills; without the bound 142 left one block, 8 warps per SM,
 //   and q_b's 16384 x 2048 ran at 21 % of the copy against v1's 29 % on the H200; at U 2 it takes 77).
 // Compile-time settings (scripts/gemv_kernel_sweep.py builds variants with -D; the defaults are what ships):
-//   GEMV2_RP     rows per work item of a warp (2, 4 or 8): the rows whose loads are in flight together. Short rows
-//                (q_b's 2,048 columns: 2 chunks per lane in int4) leave a pair's loads few; more rows per item
-//                put more bytes in flight per round trip. The host's grid and split follow it (GEMV2_ROWS there).
 //   GEMV2_U_INT8 / GEMV2_U_INT4  16-byte chunks per lane per row loaded before any is used (one segment's loop):
 //                2 / 2 shipped since the 2026-12-02 sweeps (4 / 6 before; fewer registers -- int4 77 against 121 --
 //                let more blocks share an SM, which without the prefetch won: the int4 dense layer 149.9 -> 142.5 us,
@@ -500,13 +497,12 @@ COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
 //   GEMV2_PF     1: the next group's rows are prefetched into L2 (cp.async.bulk.prefetch), 0 (shipped): not -- on
 //                the H200 the prefetch cost more than it hid (2026-12-02 sweep: o_proj int8 48.3 -> 36.0 us without it,
 //                the int8 dense layer 176.4 -> 161.6 us, every shape faster, the same bits; docs/perf-notes.md);
-//   GEMV2_PIPE   1: a segment's next batch of chunks is loaded before the current one is used (registers x2).
 // Every setting keeps each row's sums in the same order (a lane's chunks ascending, then warp_sum), so at the same
-// column split every variant gives the same bits.
+// column split every variant gives the same bits. The 2026-12-02 sweeps also tried 4 and 8 rows per work item
+// (GEMV2_RP) and a segment loop that loads its next batch before using the current one: both slower (or spilling)
+// on every shape, so the rows per item is fixed and the loop is the plain one (docs/perf-notes.md).
 #define GEMV2_WARPS 8
-#ifndef GEMV2_RP
-#define GEMV2_RP 2
-#endif
+#define GEMV2_RP 2        // rows per work item of a warp: a pair (the host's GEMV2_ROWS)
 #ifndef GEMV2_U_INT8
 #define GEMV2_U_INT8 2
 #endif
@@ -518,9 +514,6 @@ COLI_FOR_FORMATS(MOE_DOWN2_KERNEL)
 #endif
 #ifndef GEMV2_PF
 #define GEMV2_PF 0
-#endif
-#ifndef GEMV2_PIPE
-#define GEMV2_PIPE 0
 #endif
 template <int FMT> struct Gemv2Cfg {
     static constexpr int U = FMT == FMT_INT4 ? GEMV2_U_INT4 : FMT == FMT_INT8 ? GEMV2_U_INT8 : 4;
@@ -658,24 +651,9 @@ __device__ void gemv2_core(const R &rows, const QMat &W, const float *x, int ks,
                     }
                 }
             };
-            if (GEMV2_PIPE) {
-                int c0 = c_lo + lane;
-                if (c0 < c_hi) load(c0, w, sc);
-                for (; c0 < c_hi; c0 += 32 * U) {
-                    uint4 wn[RP][U];
-                    float sn[RP][U];
-                    if (c0 + 32 * U < c_hi) load(c0 + 32 * U, wn, sn);
-                    use(c0, w, sc);
-#pragma unroll
-                    for (int r = 0; r < RP; r++)
-#pragma unroll
-                        for (int u = 0; u < U; u++) { w[r][u] = wn[r][u]; sc[r][u] = sn[r][u]; }
-                }
-            } else {
-                for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
-                    load(c0, w, sc);
-                    use(c0, w, sc);
-                }
+            for (int c0 = c_lo + lane; c0 < c_hi; c0 += 32 * U) {
+                load(c0, w, sc);
+                use(c0, w, sc);
             }
 #pragma unroll
             for (int j = 0; j < NX; j++)

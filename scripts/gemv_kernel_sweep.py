@@ -1,21 +1,20 @@
 #!/usr/bin/env python3
-"""Sweep the dense decode GEMV's compile-time settings (cuda/gemv.cu: GEMV2_RP, GEMV2_U_INT8 / _INT4, GEMV2_MINB,
-GEMV2_PF, GEMV2_PIPE; the dense SwiGLU's MOE2_PF, MOE2_GU_U_INT8 / _INT4, MOE2_DN_U; cuda/attention.cu: MLA_O_PF)
+"""Sweep the dense decode GEMV's compile-time settings (cuda/gemv.cu: GEMV2_U_INT8 / _INT4, GEMV2_MINB, GEMV2_PF;
+the dense SwiGLU's MOE2_PF, MOE2_GU_U_INT8 / _INT4, MOE2_DN_U; cuda/attention.cu: MLA_O_PF)
 at GLM-5's dense shapes and on the whole dense layer (needs PyCUDA, nvcc and a GPU; refuses with one line
 otherwise).
 
     python scripts/gemv_kernel_sweep.py [--only NAME ...] [--iters 20] [--json-out FILE]
 
 Every variant below is built by nvcc with its -D settings (in parallel) and loaded in place of the shipped modules
-(CudaRuntime.use_module), with the host's rows per work item (cuda_backend.GEMV2_ROWS) set to the variant's GEMV2_RP
-so the grid and the column split follow it. Then, GPU time (scripts/bench_kernels.py's Timer: behind a spin kernel,
+(CudaRuntime.use_module). Then, GPU time (scripts/bench_kernels.py's Timer: behind a spin kernel,
 median of reps), each matrix set rotating over device copies > 120 MB so L2 never holds the previous call's weights:
   * the projections of a decode layer that read one input, in one gemv2x launch: q_a | kv_a | wk (6144 columns) and
     q_b | wq_b (2048 columns), int8 and int4; and o_proj (6144 x 16384) in one gemv2 launch, int8 and int4;
   * the dense part of a decode layer at T = 2,048 replayed as one CUDA graph of two layers (bench_kernels'
     dense_layer_bench, GEMV v3), int8 and int4 cores.
 Each output is checked against the shipped build's bit for bit: every setting keeps a row's sums in the same order
-(cuda/gemv.cu), so only a different column split (the host's gemv2_split follows the rows per item) may change bits
+(cuda/gemv.cu), so only a different column split (the host's gemv2_split follows the resident blocks) may change bits
 -- where a variant's split differs, its outputs are checked against float64 instead, within the classical bound of
 an fp32 sum in any order (f64_close); the same split with other bits fails the check.
 Beside each row: the shape's bytes over the time against the device copy measured in the same run.
@@ -41,8 +40,8 @@ from coli.gpu.cubin_build import build_cubin, find_nvcc  # noqa: E402
 
 F32 = np.float32
 H = 6144
-SHIPPED = dict(GEMV2_RP=2, GEMV2_U_INT8=2, GEMV2_U_INT4=2, GEMV2_MINB=2, GEMV2_PF=0, GEMV2_PIPE=0, MOE2_PF=0,
-               MOE2_GU_U_INT8=4, MOE2_GU_U_INT4=6, MOE2_DN_U=2)
+SHIPPED = dict(GEMV2_U_INT8=2, GEMV2_U_INT4=2, GEMV2_MINB=2, GEMV2_PF=0, MOE2_PF=0, MOE2_GU_U_INT8=4,
+               MOE2_GU_U_INT4=6, MOE2_DN_U=2)
 SHIPPED_ATTN = dict(MLA_O_PF=0)
 
 
@@ -54,8 +53,9 @@ def _v(**kw) -> dict:
 
 
 # name -> -D settings of cuda/gemv.cu (its header says what each does) and cuda/attention.cu; "default" is the
-# shipped build. The 2026-12-02 sweeps (docs/perf-notes.md): of RP 2/4/8, U, MINB, PIPE and the L2 prefetches, the
-# prefetches off and U 2/2 won (shipped since); more rows per item or a pipelined segment loop were slower or spilled.
+# shipped build. The 2026-12-02 sweeps (docs/perf-notes.md): of 2/4/8 rows per work item, U, MINB, a pipelined
+# segment loop and the L2 prefetches, the prefetches off and U 2/2 won (shipped since); the rows per item and the
+# loop lost everywhere and are no longer settings.
 VARIANTS = {
     "default": _v(),
     "before": _v(GEMV2_PF=1, GEMV2_U_INT8=4, GEMV2_U_INT4=6, MOE2_PF=1, MLA_O_PF=1),   # the build before the sweeps
@@ -66,7 +66,6 @@ VARIANTS = {
     "moe2pf1": _v(MOE2_PF=1),
     "mlaopf1": _v(MLA_O_PF=1),
     "minb3": _v(GEMV2_MINB=3),
-    "rp4": _v(GEMV2_RP=4, GEMV2_U_INT8=1, GEMV2_U_INT4=1),
     # the dense SwiGLU's (the shared expert's) gate/up and down batches: none won on 2026-12-02
     "gu2-3": _v(MOE2_GU_U_INT8=2, MOE2_GU_U_INT4=3),
     "dn1": _v(MOE2_DN_U=1),
@@ -198,7 +197,6 @@ def main() -> int:
             out["variants"][vname] = row
             for mod in ("gemv", "attention"):     # a module the variant leaves alone: the shipped source
                 rt.use_module(mod, rt.drv.module_from_buffer(built[vname][mod][0]) if mod in built[vname] else None)
-            cb.GEMV2_ROWS = defs["gemv"]["GEMV2_RP"]
             try:
                 _shapes(vname, row)
             except Exception as e:      # noqa: BLE001 -- report it and go on with the next variant
@@ -234,7 +232,6 @@ def main() -> int:
     finally:
         rt.use_module("gemv", None)
         rt.use_module("attention", None)
-        cb.GEMV2_ROWS = SHIPPED["GEMV2_RP"]
 
     table = sorted(out["variants"].items(), key=lambda kv: kv[1].get("dense layer int8", {}).get("us_per_layer", 1e9))
     print(f"\nbest first by the int8 dense layer (device copy {copy_bw:.0f} GB/s); us (of the copy):")

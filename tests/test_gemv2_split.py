@@ -1,5 +1,5 @@
 """gemv2_<fmt>'s work split (cuda/gemv.cu), transliterated: a block's 8 warps are P = 8 / ks work items (RP rows
-each: GEMV2_RP, 2 as shipped, 4 or 8 in scripts/gemv_kernel_sweep.py's variants) x ks column segments, blocks walk
+each: GEMV2_RP, a pair; the kernel's code takes any, and 4 and 8 are checked too) x ks column segments, blocks walk
 groups of P items; every (row, chunk) of the matrix is read by exactly one warp, and the
 host's choice of ks (cuda_backend.gemv2_split) and of the kernel (gemv2_fits). The kernel itself is checked
 against numpy on a GPU (tests/gpu/test_gpu_linear.py)."""
@@ -82,7 +82,7 @@ def test_gemv2_fits_needs_aligned_x_and_a_shift_group():
 def test_warps_and_rows_constants_are_the_kernels():
     src = (kernels_dir() / "gemv.cu").read_text()
     assert int(re.search(r"#define GEMV2_WARPS (\d+)", src).group(1)) == GEMV2_WARPS
-    assert int(re.search(r"#ifndef GEMV2_RP\n#define GEMV2_RP (\d+)", src).group(1)) == GEMV2_ROWS
+    assert int(re.search(r"#define GEMV2_RP (\d+)", src).group(1)) == GEMV2_ROWS
 
 
 def coverage_many(rows: list[int], nchunks: int, ks: int, grid: int, rp: int = 2) -> tuple[list, list]:

@@ -134,7 +134,7 @@ ATTN_KERNELS = os.environ.get("COLI_ATTN_KERNELS", "auto")
 # applies, else gemv_<fmt>, one launch per matrix; "v1" always gemv_<fmt> (the benchmark's old-vs-new, bisecting).
 GEMV_KERNELS = os.environ.get("COLI_GEMV_KERNELS", "v3")
 GEMV2_WARPS = 8      # warps per gemv2 block: GEMV2_WARPS in gemv.cu (row pairs x column segments)
-GEMV2_ROWS = 2       # rows per gemv2 work item of a warp: GEMV2_RP in gemv.cu (a sweep's variant sets both)
+GEMV2_ROWS = 2       # rows per gemv2 work item of a warp (a pair): GEMV2_RP in gemv.cu
 # int4 prefill GEMMs (S > 1: the dense linear and the grouped MoE; the dense linear of int8 weights too): "mma"
 # (default) on the tensor cores (cuda/prefill_mma.cu) where pf_layout_ok / pf_int8_layout_ok / pf_moe_layout_ok and
 # the shared memory allow, else the fp32 tiled GEMMs;
