@@ -370,13 +370,16 @@ class GlmMoeDsaModel:
             if self.pilot_hook is not None:
                 self.pilot_hook(i, h, dense)
             return dense, None
-        # the shared expert reads only x2: a backend may run it beside the router and the routed experts (a captured
-        # decode step's second graph branch, CudaBackend.side); None: in place below. Not when a pilot or a
-        # streaming step wants it first (its own placement, below).
-        side = getattr(b, "side", None)
-        join = None
-        if side is not None and self.pilot_hook is None and not getattr(b, "shared_first", False):
-            join = side(lambda: b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down))
+
+        def shared_expert():
+            return b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        # the shared expert before the routed experts when a pilot wants it, or when the backend can run it while
+        # the routed experts' copies are on their way (a streaming step: coli/gpu/segments.py); else a backend may
+        # run it beside the router and the routed experts (a captured step's second graph branch, CudaBackend.side:
+        # join() gives it); else in place after them. The same values every way.
+        first = self.pilot_hook is not None or getattr(b, "shared_first", False)
+        side = None if first else getattr(b, "side", None)
+        shared_after = (side(shared_expert) if side is not None else None) or shared_expert
         kw = {} if self.topp is None else {"topp": self.topp}
         idx, wts = b.route(x2, lw.router, lw.router_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
                            c.norm_topk_prob, c.routed_scaling_factor, **kw)   # [S, K], [S, K]; -1 = pruned
@@ -384,7 +387,7 @@ class GlmMoeDsaModel:
             # a decode step being captured (coli/gpu/graphs.py): the choice stayed on the device, the backend's slot
             # table serves it (a forced routing comes from the step's inputs); hooks and top-p are off there
             routed = b.moe_step(i, x2, idx)                              # [1, H]
-            return routed, join() if join is not None else b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+            return routed, shared_after()
         if self.route_override is not None:
             forced = self.route_override(i, int(idx.shape[0]))
             if forced is not None:
@@ -392,14 +395,8 @@ class GlmMoeDsaModel:
         if self.routing_hook is not None:
             self.routing_hook(i, idx, wts)
         wanted = sorted(e for e in set(idx.ravel().tolist()) if e >= 0)
-        shared = None
-        # the shared expert before the routed experts when a pilot wants it, or when the backend can run it while
-        # the routed experts' copies are on their way (a streaming step: coli/gpu/segments.py); the same values
-        if self.pilot_hook is not None or getattr(b, "shared_first", False):
-            shared = b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
+        shared = shared_expert() if first else None
         if self.pilot_hook is not None:
             self.pilot_hook(i, h, shared)
         routed = b.moe(x2, idx, wts, self.experts.stream(i, wanted))    # [S, H]
-        if shared is None:
-            shared = join() if join is not None else b.swiglu(x2, lw.shared_gate, lw.shared_up, lw.shared_down)
-        return routed, shared
+        return routed, shared if first else shared_after()
