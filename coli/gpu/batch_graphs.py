@@ -27,13 +27,12 @@ default (COLI_BATCH_GRAPHS=1 turns it on) until measured on the H200; COLI_GRAPH
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, env_switch, load_modules,
+from coli.gpu.graphs import (ReplayedShapes, bound_to_single_step, capture_step, drop_graphs, env_switch, load_modules,
                              step_key, why_not_graphable)
 from coli.model.backend import cos_sin_table
 
@@ -234,21 +233,16 @@ class BatchStepInputs:
         return self.slots.ptr + layer * self.E * 8
 
 
-class BatchGraphDecoder:
+class BatchGraphDecoder(ReplayedShapes):
     """Greedy batched decode steps of one model replayed from CUDA graphs (see the module docstring)."""
 
     def __init__(self, model, backend):
+        super().__init__(backend)
         # weak: coli.model.batch keeps this decoder in a WeakKeyDictionary keyed by the model, which a strong
         # reference back would keep alive (and with it every weight on the device)
         self._model = weakref.ref(model)
-        self.b = backend
-        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
-        self.seen = _Bounded()
-        self.failed = _Bounded()
         self.inputs: dict[int, BatchStepInputs] = {}        # per batch size
         self._bound = None                                  # the one-sequence decoder's step whose slot table we use
-        self.replays = self.captures = 0
-        self.last_reason: str | None = None
 
     @property
     def model(self):

@@ -372,6 +372,20 @@ class _Bounded(OrderedDict):
             self.popitem(last=False)
 
 
+class ReplayedShapes:
+    """What every replayed-step decoder keeps (GraphDecoder, BatchGraphDecoder, VerifyGraphs, MtpRoundGraphs): its
+    graphs per step shape, the keys whose eager first step ran and those whose capture failed (capture_step and
+    drop_graphs work on them), how many replays and captures, and why the last step ran eagerly."""
+
+    def __init__(self, backend):
+        self.b = backend
+        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self.seen = _Bounded()                   # keys whose eager first step ran
+        self.failed = _Bounded()                 # keys whose capture failed (stay eager) -> the reason
+        self.replays = self.captures = 0
+        self.last_reason: str | None = None
+
+
 class _Replay:
     """A route override that gives back routes already taken from the model's override (an eager fallback)."""
 
@@ -393,22 +407,18 @@ def replaying_routes(model, routes: dict):
         model.route_override = saved
 
 
-class GraphDecoder:
+class GraphDecoder(ReplayedShapes):
     """Greedy decode steps of one model replayed from CUDA graphs (see the module docstring)."""
 
     def __init__(self, model, backend):
-        self.model, self.b = model, backend
-        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
+        super().__init__(backend)
+        self.model = model
         self.tapes: OrderedDict[tuple, Any] = OrderedDict()     # segmented steps (coli/gpu/segments.py)
         self.segmented = segments_enabled()      # streaming steps as graph segments (COLI_GRAPHS_STREAM)
         self.segment_steps = 0                   # streaming steps run from captured segments
-        self.seen = _Bounded()                   # keys whose eager first step ran
-        self.failed = _Bounded()                 # keys whose capture failed (stay eager) -> the reason
         self._experts_ref = None
         self._bind_reason: str | None = None
         self._step: DeviceStep | None = None
-        self.replays = self.captures = 0
-        self.last_reason: str | None = None
         self.time_gpu = False                    # benchmarks: time each replay on the device (two events)
         self.gpu_s: list[float] = []             # device time of each timed replay
 

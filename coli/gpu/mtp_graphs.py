@@ -27,11 +27,9 @@ COLI_GRAPHS=0) it runs eagerly with the same results; `last_reason` says why.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
-from typing import Any
 
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, row_angles
-from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
+from coli.gpu.graphs import (ReplayedShapes, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
                              why_not_graphable)
 
 
@@ -44,20 +42,16 @@ def mtp_graphs_enabled(env: dict | None = None) -> bool:
 ROWS = 2          # [last, d1]: a round of one draft
 
 
-class MtpRoundGraphs:
+class MtpRoundGraphs(ReplayedShapes):
     """A head's greedy rounds of one draft replayed from CUDA graphs (see the module docstring)."""
 
     def __init__(self, head, backend):
+        super().__init__(backend)
         self._head = weakref.ref(head)          # the head holds this object: no cycle keeping its weights alive
-        self.b = backend
-        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
-        self.seen = _Bounded()
-        self.failed = _Bounded()
         self._bound = None                      # the one-sequence decoder's step whose slot table we use
         self._verify_in: BatchStepInputs | None = None
         self._mtp_in: BatchStepInputs | None = None
-        self.replays = self.captures = self.eager = 0
-        self.last_reason: str | None = None
+        self.eager = 0
 
     @property
     def head(self):

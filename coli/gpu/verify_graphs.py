@@ -31,13 +31,12 @@ This is the verify half of coli/gpu/mtp_graphs.py's one-draft round, for any S <
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from coli.gpu.batch_graphs import BatchStepInputs, BatchStepLayout, draw_routes, row_angles
-from coli.gpu.graphs import (_Bounded, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
+from coli.gpu.graphs import (ReplayedShapes, bound_to_single_step, capture_step, drop_graphs, load_modules, step_key,
                              why_not_graphable)
 
 MAX_ROWS = 4        # k <= 3 drafts (coli.model.mtp.MAX_DRAFTS) + the last verified token
@@ -53,20 +52,16 @@ def verify_graphs_enabled(env: dict | None = None) -> bool:
                       "eager verify steps", env)
 
 
-class VerifyGraphs:
+class VerifyGraphs(ReplayedShapes):
     """A model's greedy verify steps of S positions replayed from CUDA graphs (see the module docstring)."""
 
     def __init__(self, model, backend):
+        super().__init__(backend)
         self._model = weakref.ref(model)        # the model holds this object: no cycle keeping its weights alive
-        self.b = backend
-        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
-        self.seen = _Bounded()
-        self.failed = _Bounded()
         self.inputs: dict[int, BatchStepInputs] = {}         # per S
         self.hidden: dict[int, Any] = {}                     # per S: the graph's [S, H] final-normed hidden states
         self._bound = None                      # the one-sequence decoder's step whose slot table we use
-        self.replays = self.captures = self.eager = 0
-        self.last_reason: str | None = None
+        self.eager = 0
 
     @property
     def model(self):
