@@ -393,15 +393,8 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
             gb.step = st
             try:
                 eager = rt.to_host(body())                                    # compiles, sizes scratch; reference
-                graphs = {}
-                for pdl in (False, True):       # the same body captured twice: ordinary edges, programmatic (PDL)
-                    rt.begin_capture()
-                    try:
-                        y = body()
-                        graphs[pdl] = (rt.end_capture(pdl=pdl), y)
-                    except BaseException:
-                        rt.abort_capture()
-                        raise
+                # the same body captured twice: ordinary edges, programmatic (PDL)
+                graphs = {pdl: _capture(rt, body, pdl) for pdl in (False, True)}
                 if ver == versions[0]:          # and once with the shared expert on a second branch of the graph
                     branched = _capture_branched(gb, body)
             finally:
@@ -453,22 +446,25 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
     return out
 
 
+def _capture(rt, body, pdl: bool = False):
+    """body() captured into one CUDA graph -> (graph, body's output); a failure leaves no capture open."""
+    rt.begin_capture()
+    try:
+        y = body()
+        return rt.end_capture(pdl=pdl), y
+    except BaseException:
+        rt.abort_capture()
+        raise
+
+
 def _capture_branched(gb, body):
     """body captured with the graph branches on (gb.graph_branches, what COLI_GRAPH_BRANCHES=1 sets: each MoE
     layer's shared expert on a second branch, beside the router) -> (graph, output) or the error's text."""
-    rt = gb.rt
     before, gb.graph_branches = gb.graph_branches, True
     try:
-        rt.begin_capture()
-        try:
-            y = body()
-            return rt.end_capture(pdl=False), y
-        except Exception as e:      # noqa: BLE001 -- reported in the row, the other rows stand
-            rt.abort_capture()
-            return f"{type(e).__name__}: {e}"[:300]
-        except BaseException:
-            rt.abort_capture()
-            raise
+        return _capture(gb.rt, body)
+    except Exception as e:      # noqa: BLE001 -- reported in the row, the other rows stand
+        return f"{type(e).__name__}: {e}"[:300]
     finally:
         gb.graph_branches = before
 
