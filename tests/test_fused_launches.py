@@ -13,6 +13,7 @@ import pytest
 
 from coli.config import preset
 from coli.container.format import MatrixLayout
+from coli.gpu.cuda_backend import NORM_THREADS
 from recording_runtime import RecordingRuntime
 
 
@@ -59,7 +60,7 @@ def test_add_rms_norm_is_one_launch_of_a_block_per_row(S, D):
     s, y = gb.add_rms_norm(h, a, w, 1e-5)
     assert s.shape == y.shape == (S, D) and len({s.ptr, y.ptr, h.ptr, a.ptr}) == 4
     [(name, grid, block, args)] = gb.rt.launches
-    assert (name, grid, block) == ("add_rmsnorm", (S,), 256)
+    assert (name, grid, block) == ("add_rmsnorm", (S,), NORM_THREADS)
     assert args[:6] == (h.ptr, a.ptr, 0, w.ptr, s.ptr, y.ptr) and args[6] == D      # no second addend: null
     gb.rt.launches.clear()
     a2 = gb.rt.empty((S, D))                        # a MoE layer's routed + shared sums: one launch too
@@ -75,7 +76,7 @@ def test_norm_many_of_the_latents_and_the_indexer_key_is_one_launch():
     yq, yl, yk = gb.norm_many([(q, wq), (lat, wl)], 1e-6, (ik, wk, bk, 1e-5))
     assert (yq.shape, yl.shape, yk.shape) == ((1, 2048), (1, 512), (1, 128))
     [(name, grid, block, args)] = gb.rt.launches
-    assert (name, grid, block) == ("norms3", (1, 3), 256)
+    assert (name, grid, block) == ("norms3", (1, 3), NORM_THREADS)
     assert args[:8] == (q.ptr, wq.ptr, yq.ptr, 2048, lat.ptr, wl.ptr, yl.ptr, 512)
     assert args[9:14] == (ik.ptr, wk.ptr, bk.ptr, yk.ptr, 128) and np.float32(args[14]) == np.float32(1e-5)
     # a shared-indexer layer: the two latents alone, the third slice not launched (its pointers null)

@@ -86,6 +86,15 @@ def test_backend_argument_types_match_the_kernel_signatures(nvcc_pool):
 
 
 
+def test_norm_block_size_matches_the_kernels():
+    """The norm kernels are built with __launch_bounds__(NORM_THREADS) (a launch with more threads fails) and keep a
+    row of up to NORM_U x NORM_THREADS values in registers: the host's NORM_THREADS must be norm.cu's."""
+    from coli.gpu.cuda_backend import NORM_THREADS
+    m = re.search(r"#define NORM_THREADS (\d+)", (kernels_dir() / "norm.cu").read_text())
+    assert m, "norm.cu no longer defines NORM_THREADS"
+    assert int(m.group(1)) == NORM_THREADS
+
+
 def test_tensor_core_moe_block_size_matches_the_kernels():
     """The host launches moe_gateup_mma_int4 / moe_down_mma_int4 with MMA_THREADS threads and the down kernel
     with rows / MMA_DOWN_ROWS blocks; the kernels index their warps up to MMA_WARPS (__launch_bounds__(32 *

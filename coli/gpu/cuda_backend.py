@@ -102,6 +102,7 @@ def _signatures() -> dict[tuple[str, str], str]:
 
 SIGNATURES = _signatures()
 GEMV_THREADS = 256
+NORM_THREADS = 1024  # block of the norm kernels: a decode row's values stay in registers (NORM_THREADS in norm.cu)
 MOE_THREADS = 512    # block size of the v1/v2 MoE decode kernels
 MMA_THREADS = 256    # block size of the tensor-core ones: 32 * MMA_WARPS in moe_mma.cu (a test keeps them equal)
 MMA_DOWN_ROWS = 32   # output rows per block of moe_down_mma_int4: 16 * MMA_DT in moe_mma.cu (the same test)
@@ -392,7 +393,7 @@ class CudaBackend(Backend):
         D = x.shape[-1]
         out = self.empty(x.shape)
         fn = self._fn("norm", "rmsnorm")
-        self.rt.launch(fn, (x.size // D,), 256, x.ptr, w.ptr, out.ptr, D, F32(eps))
+        self.rt.launch(fn, (x.size // D,), NORM_THREADS, x.ptr, w.ptr, out.ptr, D, F32(eps))
         return out
 
     def add_rms_norm(self, h: DeviceArray, a: DeviceArray, w: DeviceArray, eps: float,
@@ -404,8 +405,8 @@ class CudaBackend(Backend):
         D = h.shape[-1]
         s, out = self.empty(h.shape), self.empty(h.shape)
         fn = self._fn("norm", "add_rmsnorm")
-        self.rt.launch(fn, (h.size // D,), 256, h.ptr, a.ptr, 0 if a2 is None else a2.ptr, w.ptr, s.ptr, out.ptr, D,
-                       F32(eps))
+        self.rt.launch(fn, (h.size // D,), NORM_THREADS, h.ptr, a.ptr, 0 if a2 is None else a2.ptr, w.ptr, s.ptr,
+                       out.ptr, D, F32(eps))
         return s, out
 
     def norm_many(self, rms, eps: float, layer=None) -> list[DeviceArray]:
@@ -420,7 +421,7 @@ class CudaBackend(Backend):
         ln = (0, 0, 0, 0, 0, F32(0)) if layer is None else \
             (layer[0].ptr, layer[1].ptr, layer[2].ptr, ys[2].ptr, layer[0].shape[-1], F32(layer[3]))
         fn = self._fn("norm", "norms3")
-        self.rt.launch(fn, (x0.size // x0.shape[-1], len(xs)), 256, x0.ptr, w0.ptr, ys[0].ptr, x0.shape[-1],
+        self.rt.launch(fn, (x0.size // x0.shape[-1], len(xs)), NORM_THREADS, x0.ptr, w0.ptr, ys[0].ptr, x0.shape[-1],
                        x1.ptr, w1.ptr, ys[1].ptr, x1.shape[-1], F32(eps), *ln)
         return ys
 
@@ -428,7 +429,7 @@ class CudaBackend(Backend):
         D = x.shape[-1]
         out = self.empty(x.shape)
         fn = self._fn("norm", "layernorm")
-        self.rt.launch(fn, (x.size // D,), 256, x.ptr, w.ptr, b.ptr, out.ptr, D, F32(eps))
+        self.rt.launch(fn, (x.size // D,), NORM_THREADS, x.ptr, w.ptr, b.ptr, out.ptr, D, F32(eps))
         return out
 
     def linear(self, x: DeviceArray, w: QWeight) -> DeviceArray:
