@@ -386,7 +386,8 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
     out: dict = {"fmt": fmt, "T": T, "layers": layers,
                  "weight_bytes_per_layer": sum(w.nbytes for w in _layer_weights(model.layers[0]))}
     results = {}
-    before = gb.gemv_kernels
+    before, branches_before = gb.gemv_kernels, gb.graph_branches
+    gb.graph_branches = False     # the versions' rows one chain of nodes; the "branches" row turns them on itself
     try:
         for ver in versions:
             gb.gemv_kernels = ver
@@ -442,7 +443,7 @@ def dense_layer_bench(gb, tm, fmt: str, T: int, iters: int, versions=("v3", "v2"
                            "bytes": L["bytes"]} for L, t in zip(first[:nl], times[:nl])]
         out["kernels_us_sum_per_layer"] = round(sum(times) / layers, 2)
     finally:
-        gb.gemv_kernels = before
+        gb.gemv_kernels, gb.graph_branches = before, branches_before
     return out
 
 
@@ -458,8 +459,9 @@ def _capture(rt, body, pdl: bool = False):
 
 
 def _capture_branched(gb, body):
-    """body captured with the graph branches on (gb.graph_branches, what COLI_GRAPH_BRANCHES=1 sets: each MoE
-    layer's shared expert on a second branch, beside the router) -> (graph, output) or the error's text."""
+    """body captured with the graph branches on (gb.graph_branches, what COLI_GRAPH_BRANCHES=1, the default, sets:
+    each MoE layer's shared expert beside the router, the absorbed queries beside the cache write and the indexer)
+    -> (graph, output) or the error's text."""
     before, gb.graph_branches = gb.graph_branches, True
     try:
         return _capture(gb.rt, body)

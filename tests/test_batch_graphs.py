@@ -222,6 +222,14 @@ class _CapturingRuntime(_RecordingRuntime):
     def abort_capture(self):
         self.capture = None
 
+    def on_side_stream(self, fn):
+        """A captured step's second branch (COLI_GRAPH_BRANCHES, on by default), run in place: its launches are
+        recorded in the order the forward asked for them (_BranchingRuntime marks the forks and joins)."""
+        if self.capture is None:
+            raise CudaError("on_side_stream outside a CUDA graph capture")
+        value = fn()
+        return lambda: value
+
 
 _CapturingRuntime.drv = type("Drv", (), {"pagelocked_empty": staticmethod(lambda n, dtype: np.zeros(n, dtype)),
                                          "memcpy_htod_async": staticmethod(lambda *a: None),
@@ -581,10 +589,10 @@ def test_a_side_branch_forks_after_the_queued_work_and_joins_once():
         CudaRuntime.on_side_stream(rt, lambda: None)
 
 
-def test_graph_branches_are_off_by_default_and_a_bad_value_is_named_when_the_backend_is_made(monkeypatch):
+def test_graph_branches_are_on_by_default_and_a_bad_value_is_named_when_the_backend_is_made(monkeypatch):
     from coli.gpu.cuda_backend import CudaBackend
     from coli.gpu.graphs import graph_branches_enabled
-    assert graph_branches_enabled({}) is False and graph_branches_enabled({"COLI_GRAPH_BRANCHES": "1"}) is True
+    assert graph_branches_enabled({}) is True and graph_branches_enabled({"COLI_GRAPH_BRANCHES": "0"}) is False
     monkeypatch.setenv("COLI_GRAPH_BRANCHES", "yes")
     with pytest.raises(ColiError, match="COLI_GRAPH_BRANCHES='yes': use 1"):
         CudaBackend(runtime=_CapturingRuntime())
@@ -629,8 +637,9 @@ def test_a_captured_step_runs_the_shared_expert_on_a_second_branch(oracle_src, m
     """COLI_GRAPH_BRANCHES=1: in the captured decode step each MoE layer forks before its router, runs the shared
     expert's two launches (and nothing else) on the side branch, and joins before the layer's residual add; a
     projection outside linear_many's gemv2x groups (the f32 weights_proj beside an int8 core) runs beside the group's
-    launch and joins right after it -- every fork joined inside the capture; the eager steps never fork. 0
-    (default): one chain, no fork. The values are tests/gpu/test_gpu_graphs.py's."""
+    launch and joins right after it; each layer's absorbed queries (mla_qabs) run beside its cache write and
+    indexer and join before attention's core -- every fork joined inside the capture; the eager steps never fork.
+    0: one chain, no fork. The values are tests/gpu/test_gpu_graphs.py's."""
     from coli.gpu.cuda_backend import CudaBackend
     from coli.loader import open_weights
     from coli.model.forward import GlmMoeDsaModel
@@ -657,7 +666,7 @@ def test_a_captured_step_runs_the_shared_expert_on_a_second_branch(oracle_src, m
         assert "<fork>" not in inside and not any(n.endswith("@side") for n in inside)
         return
     dense = "f32" if fmt == "f32" else "int8"            # the container's dense core
-    shared, projections = 0, 0
+    shared, projections, absorbs = 0, 0, 0
     assert inside.count("<fork>") == inside.count("<join>")
     for f in [i for i, n in enumerate(inside) if n == "<fork>"]:
         j = inside.index("<join>", f)
@@ -667,9 +676,18 @@ def test_a_captured_step_runs_the_shared_expert_on_a_second_branch(oracle_src, m
             shared += 1
             assert "route_topk" in main and main[0] == "gemv2_f32"            # the router beside it
             assert inside[j + 1] == "add_rmsnorm"                             # joined before the residual add
+        elif side == [f"mla_qabs_{dense}@side"]:                             # the absorbed queries, alone
+            absorbs += 1
+            assert main[0] == "kv_put3", main                                 # beside the cache write ...
+            if "indexer_scores_dyn" in main:                                  # ... and the indexer's selection
+                assert main[1:] == ["indexer_scores_dyn", "topk_select_dyn"], main
+            else:
+                assert main == ["kv_put3"], main
+            assert inside[j + 1].startswith("mla_attend_"), inside[j + 1]     # joined before attention's core
         else:
             projections += 1
             assert side == ["gemv2_f32@side"] and main == [f"gemv2x_{dense}"], (side, main)
     assert shared == len(c.moe_layers)
+    assert absorbs == len(model.layers)                                        # every layer's attention
     full = sum(1 for lw in model.layers if lw.attn.idx_wq_b is not None)       # layers with an indexer of their own
     assert full > 0 and projections == (full if fmt != "f32" else 0)   # f32: weights_proj in the group with q_a

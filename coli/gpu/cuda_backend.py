@@ -657,8 +657,26 @@ class CudaBackend(Backend):
                        C, ldc, c_z)
 
     # ---- attention ------------------------------------------------------------------------------------------
+    def mla_absorb(self, q: DeviceArray, w_kb: HeadView) -> DeviceArray:
+        """The absorbed queries of mla_attend's decode path, q_abs[s, h] = q_nope[s, h] @ w_kb[h] [S, nh, Lkv], on
+        their own: they read only q, so a captured step computes them on a second graph branch beside the cache
+        write and the indexer's selection (forward's _attention_segment, CudaBackend.side) and hands them to
+        mla_attend (its q_abs), the same kernels and bits as mla_attend computing them itself."""
+        S, nh, dq = q.shape
+        dn, Lkv = w_kb.rows_per_head, w_kb.w.cols
+        decode = S == 1 and self.attn_kernels != "v1"
+        q_abs = self.empty((S, nh, Lkv))
+        proj = self.attn_kernels in ATTN_PROJ_VERSIONS   # the projections' own kernels (else the GEMVs)
+        if not (decode and (self._mla_qabs if proj else self._gemv_t)(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh,
+                                                                       q.ptr, dq, q_abs.ptr, Lkv)):
+            self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
+                       q_abs.ptr, nh * Lkv, Lkv, nh)
+        return q_abs
+
     def mla_attend(self, q: DeviceArray, lat: DeviceArray, k_pe: DeviceArray, w_kb: HeadView, w_vb: HeadView,
-                   allowed: Any, scale: float) -> DeviceArray:
+                   allowed: Any, scale: float, q_abs: DeviceArray | None = None) -> DeviceArray:
+        """MLA over the cache; q_abs: mla_absorb(q, w_kb) computed already (a captured step's side branch), else
+        computed here."""
         S, nh, dq = q.shape
         T, Lkv = lat.shape
         dn, dv = w_kb.rows_per_head, w_vb.rows_per_head
@@ -667,15 +685,15 @@ class CudaBackend(Backend):
             raise ValueError(f"mla_attend supports kv_lora_rank <= 512 and rope dim <= 64 (got {Lkv}, {dr})")
         mask = self.device_mask(allowed, S, T)
         if S > ATTN_PREFILL_ROWS and self.step is None:
+            if q_abs is not None:
+                raise ValueError("mla_attend: a long prefill absorbs its queries block by block (no q_abs)")
             return self._mla_attend_blocks(q, lat, k_pe, w_kb, w_vb, mask, scale)
         decode = S == 1 and self.attn_kernels != "v1"
-        # q_abs[s, h] = q_nope[s, h] @ w_kb[h]                                  [S, nh, Lkv]
-        q_abs = self.empty((S, nh, Lkv))
         proj = self.attn_kernels in ATTN_PROJ_VERSIONS   # the projections' own kernels (else the GEMVs)
-        if not (decode and (self._mla_qabs if proj else self._gemv_t)(w_kb.w, w_kb.row_off, w_kb.head_stride, dn, nh,
-                                                                       q.ptr, dq, q_abs.ptr, Lkv)):
-            self._gemm(True, q.ptr, nh * dq, dq, S, w_kb.w, w_kb.row_off, w_kb.head_stride, Lkv, dn,
-                       q_abs.ptr, nh * Lkv, Lkv, nh)
+        if q_abs is None:
+            q_abs = self.mla_absorb(q, w_kb)                                # [S, nh, Lkv]
+        elif q_abs.shape != (S, nh, Lkv):
+            raise ValueError(f"mla_attend: q_abs {q_abs.shape} for queries {q.shape} and a latent of {Lkv}")
         # a captured step (coli/gpu/graphs.py) sizes the split by attn_span: the same chunks as the eager step at this T
         n_max = self.step.attn_n_max if self.step is not None else None
         ctx = self.attend_core(q_abs, q, dn, lat, k_pe, mask, scale, n_max=n_max)

@@ -351,13 +351,18 @@ class GlmMoeDsaModel:
         -> (o [S, nh*dv] before o_proj, allowed)."""
         c, b = self.config, self.backend
         T = start + p.q.shape[0]
+        # the absorbed queries read only q: a backend may compute them beside the cache write and the indexer (a
+        # captured step's second graph branch, CudaBackend.side: join() gives them); else mla_attend does
+        side = getattr(b, "side", None)
+        absorbed = side(lambda: b.mla_absorb(p.q, w.w_kb)) if side is not None else None
         cache.write(i, start, p.lat, p.k_pe, p.k_idx)
         lat_all, kpe_all, kidx_all = cache.view(i, T)                  # [T, Lkv], [T, dr], [T, ihd]
         if w.idx_wq_b is not None:   # a "full" layer (from its weights: the MTP layer is outside the config's kinds)
             allowed = b.indexer_select(p.iq, kidx_all, p.head_w, positions, c.index_topk)   # [S, T] bool, host
         else:
             allowed = prev_allowed                                      # shared layer reuses the top-k
-        o = b.mla_attend(p.q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale)  # [S, nh*dv]
+        kw = {} if absorbed is None else {"q_abs": absorbed()}           # [S, nh, Lkv]
+        o = b.mla_attend(p.q, lat_all, kpe_all, w.w_kb, w.w_vb, allowed, c.softmax_scale, **kw)  # [S, nh*dv]
         return o, allowed
 
     def _mlp(self, i, lw: LayerWeights, x2, h) -> tuple[Array, Array | None]:
