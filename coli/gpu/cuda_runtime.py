@@ -293,13 +293,28 @@ class CudaRuntime:
             g = d.end_capture(int(self.stream.handle))
             try:
                 nodes = d.graph_nodes(g)
-                converted = self._programmatic(d, g) if (self.pdl if pdl is None else pdl) else []
+                edges = None
+                if self.pdl if pdl is None else pdl:
+                    edges = self._edge_count(d, g)
+                    converted = self._programmatic(d, g)
+                else:
+                    converted = []
                 ex = self._instantiate(d, g, converted)
             finally:
                 d.graph_destroy(g)
         except DriverError as e:
             raise CudaError(f"capturing the decode step into a CUDA graph failed: {e}") from None
-        return CudaGraph(ex, keep, nodes, len(converted))
+        return CudaGraph(ex, keep, nodes, len(converted), edges)
+
+    @staticmethod
+    def _edge_count(d, g: int) -> int | None:
+        """g's edges as captured (a chain of n nodes has n - 1; each fork of a graph branch adds one), or None where
+        the driver cannot list them (cuGraphGetEdges_v2: CUDA 12.3+, as programmatic edges need)."""
+        from coli.gpu.driver import DriverError
+        try:
+            return len(d.graph_edges(g))
+        except (DriverError, AttributeError):
+            return None
 
     def _programmatic(self, d, g: int) -> list:
         """Make g's kernel->kernel edges programmatic -> the converted edges; [] (one warning) where this device or
@@ -471,11 +486,12 @@ class CudaRuntime:
 class CudaGraph:
     """An instantiated CUDA graph (driver handle) and the device buffers its nodes use, kept as long as it is."""
 
-    def __init__(self, exec_handle: int, keep: list, nodes: int, pdl_edges: int = 0):
+    def __init__(self, exec_handle: int, keep: list, nodes: int, pdl_edges: int = 0, edges: int | None = None):
         self.exec = exec_handle
         self.keep = keep
         self.nodes = nodes
         self.pdl_edges = pdl_edges       # kernel->kernel edges made programmatic (COLI_PDL; 0: as captured)
+        self.edges = edges               # every edge as captured, where COLI_PDL looked at them (else None)
 
     def launch(self, rt: CudaRuntime) -> None:
         from coli.gpu.driver import DriverError, get_driver
